@@ -1,0 +1,354 @@
+//! The AMQP layer: every connection, topology and publish/consume call Conveyor makes.
+//!
+//! Per task type T there are three quorum queues on the default exchange:
+//! `conveyor.T` (work), `conveyor.T.retry` (per-message TTL, dead-letters back to the work
+//! queue) and `conveyor.T.remediation` (parked tasks, and the work queue's dead letters).
+//! Publishes are persistent, `mandatory` and confirmed; a nack, a return (no such queue) or
+//! a missing confirm is an error, and the channel is replaced on the next publish.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
+};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use tokio::sync::Mutex;
+
+use crate::task::{Requeue, TaskMessage};
+
+/// Redeliveries after which the broker itself parks a message in remediation. The
+/// lifecycle's retries normally decide long before; this only catches messages that kill
+/// the consumer before it can claim them.
+pub const DELIVERY_LIMIT: i64 = 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    #[error("broker unavailable")]
+    Unavailable(#[source] lapin::Error),
+    #[error("queue {queue} does not exist (declare the task type first)")]
+    NoQueue { queue: String },
+    #[error("broker refused the publish (nack)")]
+    Nacked,
+    #[error("no publisher confirm within {0:?}")]
+    ConfirmTimeout(Duration),
+    #[error("queue {queue} exists with different arguments")]
+    Mismatch {
+        queue: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("cannot encode task message")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl AmqpError {
+    /// Stable label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            AmqpError::Unavailable(_) => "unavailable",
+            AmqpError::NoQueue { .. } => "no_queue",
+            AmqpError::Nacked => "nacked",
+            AmqpError::ConfirmTimeout(_) => "confirm_timeout",
+            AmqpError::Mismatch { .. } => "topology_mismatch",
+            AmqpError::Encode(_) => "encode",
+        }
+    }
+}
+
+pub type AmqpResult<T> = Result<T, AmqpError>;
+
+/// The three queue names of a task type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueNames {
+    pub main: String,
+    pub retry: String,
+    pub remediation: String,
+}
+
+impl QueueNames {
+    pub fn of(task_type: &str) -> Self {
+        let main = format!("conveyor.{task_type}");
+        QueueNames {
+            retry: format!("{main}.retry"),
+            remediation: format!("{main}.remediation"),
+            main,
+        }
+    }
+
+    pub fn route(&self, route: Requeue) -> &str {
+        match route {
+            Requeue::Main => &self.main,
+            Requeue::Retry => &self.retry,
+            Requeue::Remediation => &self.remediation,
+        }
+    }
+}
+
+/// Opens a connection driven by the tokio runtime.
+pub async fn connect(url: &str) -> AmqpResult<Connection> {
+    let properties = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio)
+        .with_connection_name("conveyor".into());
+    Connection::connect(url, properties)
+        .await
+        .map_err(AmqpError::Unavailable)
+}
+
+fn arg_str(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}
+
+/// The arguments of each queue, fixed at declaration. Settings that may change later
+/// (retries, TTLs, lengths) belong in policies, which the operator manages.
+pub fn queue_arguments(names: &QueueNames) -> [(String, FieldTable); 3] {
+    let quorum = || {
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), arg_str("quorum"));
+        args
+    };
+    let mut main = quorum();
+    main.insert("x-dead-letter-exchange".into(), arg_str(""));
+    main.insert(
+        "x-dead-letter-routing-key".into(),
+        arg_str(&names.remediation),
+    );
+    main.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+    let mut retry = quorum();
+    retry.insert("x-dead-letter-exchange".into(), arg_str(""));
+    retry.insert("x-dead-letter-routing-key".into(), arg_str(&names.main));
+    // Expired retries must reach the work queue even across a broker crash.
+    retry.insert("x-dead-letter-strategy".into(), arg_str("at-least-once"));
+    retry.insert("x-overflow".into(), arg_str("reject-publish"));
+    [
+        (names.main.clone(), main),
+        (names.retry.clone(), retry),
+        (names.remediation.clone(), quorum()),
+    ]
+}
+
+/// Declares a task type's three queues. Idempotent; a queue that exists with other
+/// arguments is reported as [`AmqpError::Mismatch`] (and closes the channel).
+pub async fn declare_task_type(channel: &Channel, task_type: &str) -> AmqpResult<()> {
+    for (queue, args) in queue_arguments(&QueueNames::of(task_type)) {
+        let options = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        channel
+            .queue_declare(&queue, options, args)
+            .await
+            .map_err(|source| match &source {
+                lapin::Error::ProtocolError(e) if e.get_id() == 406 => {
+                    AmqpError::Mismatch { queue, source }
+                }
+                _ => AmqpError::Unavailable(source),
+            })?;
+    }
+    Ok(())
+}
+
+/// Ready messages in a queue, read with a passive declare. A missing queue is `NoQueue`.
+pub async fn ready_count(channel: &Channel, queue: &str) -> AmqpResult<u32> {
+    let options = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue, options, FieldTable::default())
+        .await
+        .map(|q| q.message_count())
+        .map_err(|source| match &source {
+            lapin::Error::ProtocolError(e) if e.get_id() == 404 => AmqpError::NoQueue {
+                queue: queue.to_owned(),
+            },
+            _ => AmqpError::Unavailable(source),
+        })
+}
+
+/// A message to publish: the task, where it goes, and for the retry queue how long it waits.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    pub message: TaskMessage,
+    pub route: Requeue,
+    pub delay: Option<Duration>,
+}
+
+/// A confirmed publisher over one lazily (re)opened connection.
+pub struct Publisher {
+    url: String,
+    confirm_timeout: Duration,
+    channel: Mutex<Option<(Connection, Channel)>>,
+}
+
+impl Publisher {
+    pub fn new(url: impl Into<String>, confirm_timeout: Duration) -> Self {
+        Publisher {
+            url: url.into(),
+            confirm_timeout,
+            channel: Mutex::new(None),
+        }
+    }
+
+    /// A channel in confirm mode, reconnecting when the last one was lost.
+    async fn channel(&self) -> AmqpResult<Channel> {
+        let mut slot = self.channel.lock().await;
+        if let Some((conn, channel)) = slot.as_ref() {
+            if conn.status().connected() && channel.status().connected() {
+                return Ok(channel.clone());
+            }
+        }
+        *slot = None;
+        let conn = connect(&self.url).await?;
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::Unavailable)?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(AmqpError::Unavailable)?;
+        *slot = Some((conn, channel.clone()));
+        Ok(channel)
+    }
+
+    /// Drops the channel so that the next publish starts afresh.
+    async fn reset(&self) {
+        if let Some((conn, _)) = self.channel.lock().await.take() {
+            let _ = conn.close(0, "resetting publisher").await;
+        }
+    }
+
+    /// Declares a task type's queues on the publisher's connection.
+    pub async fn declare_task_type(&self, task_type: &str) -> AmqpResult<()> {
+        let channel = self.channel().await?;
+        let result = declare_task_type(&channel, task_type).await;
+        if result.is_err() {
+            self.reset().await;
+        }
+        result
+    }
+
+    /// Ready messages in a queue.
+    pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
+        let channel = self.channel().await?;
+        let result = ready_count(&channel, queue).await;
+        if result.is_err() {
+            self.reset().await;
+        }
+        result
+    }
+
+    /// Publishes every message, pipelined, and returns once the broker confirmed each one.
+    /// The result per message is in input order; any failure also resets the channel.
+    pub async fn publish(&self, batch: &[Outgoing]) -> Vec<AmqpResult<()>> {
+        let channel = match self.channel().await {
+            Ok(channel) => channel,
+            Err(err) => return batch.iter().map(|_| Err(clone_error(&err))).collect(),
+        };
+        let sends = batch.iter().map(|out| self.publish_one(&channel, out));
+        let results = join_all(sends).await;
+        if results.iter().any(|r| {
+            matches!(
+                r,
+                Err(AmqpError::Unavailable(_) | AmqpError::ConfirmTimeout(_))
+            )
+        }) {
+            self.reset().await;
+        }
+        results
+    }
+
+    async fn publish_one(&self, channel: &Channel, out: &Outgoing) -> AmqpResult<()> {
+        let queue = QueueNames::of(&out.message.task_type);
+        let queue = queue.route(out.route);
+        let body = serde_json::to_vec(&out.message).map_err(AmqpError::Encode)?;
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type(ShortString::from("application/json"))
+            .with_message_id(ShortString::from(out.message.id.to_string()));
+        if let Some(delay) = out.delay {
+            // Per-message TTL: the retry queue dead-letters it to the work queue on expiry.
+            properties =
+                properties.with_expiration(ShortString::from(delay.as_millis().to_string()));
+        }
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let confirm = async {
+            channel
+                .basic_publish("", queue, options, &body, properties)
+                .await?
+                .await
+        };
+        match tokio::time::timeout(self.confirm_timeout, confirm).await {
+            Err(_) => Err(AmqpError::ConfirmTimeout(self.confirm_timeout)),
+            Ok(Err(err)) => Err(AmqpError::Unavailable(err)),
+            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+            Ok(Ok(Confirmation::Ack(Some(_returned)))) => Err(AmqpError::NoQueue {
+                queue: queue.to_owned(),
+            }),
+            Ok(Ok(Confirmation::Nack(_))) => Err(AmqpError::Nacked),
+            Ok(Ok(Confirmation::NotRequested)) => Err(AmqpError::Nacked),
+        }
+    }
+}
+
+/// lapin's errors are not `Clone`; a failed connect is reported once per message.
+fn clone_error(err: &AmqpError) -> AmqpError {
+    match err {
+        AmqpError::Unavailable(e) => AmqpError::Unavailable(e.clone()),
+        AmqpError::NoQueue { queue } => AmqpError::NoQueue {
+            queue: queue.clone(),
+        },
+        AmqpError::Nacked => AmqpError::Nacked,
+        AmqpError::ConfirmTimeout(d) => AmqpError::ConfirmTimeout(*d),
+        AmqpError::Mismatch { queue, source } => AmqpError::Mismatch {
+            queue: queue.clone(),
+            source: source.clone(),
+        },
+        AmqpError::Encode(_) => AmqpError::Nacked,
+    }
+}
+
+/// A consuming channel on the work queues of some task types, prefetch = `prefetch`.
+pub async fn consume(
+    conn: &Connection,
+    queues: &[String],
+    prefetch: u16,
+    tag: &str,
+) -> AmqpResult<(Channel, Vec<Consumer>)> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(AmqpError::Unavailable)?;
+    // global=false: the limit applies per consumer, as RabbitMQ interprets basic.qos.
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .map_err(AmqpError::Unavailable)?;
+    let mut consumers = Vec::with_capacity(queues.len());
+    for queue in queues {
+        let consumer = channel
+            .basic_consume(
+                queue,
+                &format!("{tag}.{queue}"),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| match &source {
+                lapin::Error::ProtocolError(e) if e.get_id() == 404 => AmqpError::NoQueue {
+                    queue: queue.clone(),
+                },
+                _ => AmqpError::Unavailable(source),
+            })?;
+        consumers.push(consumer);
+    }
+    Ok((channel, consumers))
+}

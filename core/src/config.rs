@@ -1,0 +1,112 @@
+//! Flag groups shared by the binaries (flattened into each one's clap parser).
+
+use std::fmt;
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::db::DbOptions;
+
+/// A value that must never be printed: `Debug` and `Display` show `<redacted>`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret<T>(T);
+
+impl<T> Secret<T> {
+    pub fn new(value: T) -> Self {
+        Secret(value)
+    }
+    pub fn expose(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> fmt::Debug for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl<T> fmt::Display for Secret<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+impl std::str::FromStr for Secret<String> {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Secret(s.to_owned()))
+    }
+}
+
+/// Where the task database is.
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL (contains the password, so it is never logged).
+    #[arg(
+        long = "database-url",
+        env = "CONVEYOR_DATABASE_URL",
+        default_value = "postgres://conveyor:conveyor@127.0.0.1:5432/conveyor"
+    )]
+    pub url: Secret<String>,
+    /// Connections in the pool.
+    #[arg(long = "database-connections", env = "CONVEYOR_DATABASE_CONNECTIONS", default_value_t = 16)]
+    pub max_connections: u32,
+}
+
+impl DatabaseArgs {
+    pub fn options(&self) -> DbOptions {
+        DbOptions {
+            max_connections: self.max_connections,
+            ..DbOptions::new(self.url.expose().clone())
+        }
+    }
+}
+
+/// Where the broker is.
+#[derive(Debug, Clone, Args)]
+pub struct AmqpArgs {
+    /// AMQP URL (contains the password, so it is never logged).
+    #[arg(
+        long = "amqp-url",
+        env = "CONVEYOR_AMQP_URL",
+        default_value = "amqp://conveyor:conveyor@127.0.0.1:5672/%2f"
+    )]
+    pub url: Secret<String>,
+    /// Longest wait for a publisher confirm before the publish counts as failed.
+    #[arg(long = "confirm-timeout-ms", env = "CONVEYOR_CONFIRM_TIMEOUT_MS", default_value_t = 5000)]
+    pub confirm_timeout_ms: u64,
+}
+
+impl AmqpArgs {
+    pub fn confirm_timeout(&self) -> Duration {
+        Duration::from_millis(self.confirm_timeout_ms)
+    }
+}
+
+/// Logging.
+#[derive(Debug, Clone, Args)]
+pub struct TelemetryArgs {
+    /// Log as JSON lines instead of text.
+    #[arg(long = "log-json", env = "CONVEYOR_LOG_JSON")]
+    pub json: bool,
+    /// Log filter, as RUST_LOG.
+    #[arg(long = "log", env = "RUST_LOG", default_value = "info")]
+    pub filter: String,
+}
+
+impl TelemetryArgs {
+    /// Installs the global subscriber (once per process, at start).
+    pub fn init(&self) {
+        let filter = tracing_subscriber::EnvFilter::try_new(&self.filter)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        let builder = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        if self.json {
+            builder.json().init();
+        } else {
+            builder.init();
+        }
+    }
+}

@@ -1,0 +1,805 @@
+//! The Postgres layer: every SQL statement Conveyor runs is in this module.
+//!
+//! Writes that change `tasks.state` append their audit events in the same statement or
+//! transaction, so the current row and its history never disagree. Hot-path writes (insert,
+//! mark queued, claim, complete) are single statements over arrays, so that a batch of tasks
+//! costs one round trip. Re-queues keep their transaction open while the caller publishes
+//! the next message ([`PendingRequeue`]): a consumer of that message blocks on the row lock
+//! until the commit, and a crash before it rolls the row back for the reaper to find.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{PgPool, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::lifecycle::{self, InvalidTransition, TaskState};
+use crate::task::{NewTask, Requeue, TaskEvent, TaskMessage, TaskRecord};
+
+use TaskState::*;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("invalid database URL")]
+    Url(#[source] sqlx::Error),
+    #[error("database unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("database query failed")]
+    Query(#[source] sqlx::Error),
+    #[error("database migration failed")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+    #[error(transparent)]
+    Lifecycle(#[from] InvalidTransition),
+    #[error("unexpected row in the database: {0}")]
+    Corrupt(String),
+}
+
+impl DbError {
+    /// Stable label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            DbError::Url(_) => "config",
+            DbError::Unavailable(_) => "unavailable",
+            DbError::Query(_) => "query",
+            DbError::Migrate(_) => "migrate",
+            DbError::Lifecycle(_) => "lifecycle",
+            DbError::Corrupt(_) => "corrupt",
+        }
+    }
+
+    /// The database could not be reached or dropped the connection: worth retrying later.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, DbError::Unavailable(_))
+    }
+}
+
+impl From<sqlx::Error> for DbError {
+    fn from(err: sqlx::Error) -> Self {
+        match &err {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_) => DbError::Unavailable(err),
+            sqlx::Error::Database(db)
+                if db.code().is_some_and(|c| {
+                    // admin shutdown, crash shutdown, cannot connect now, too many clients
+                    c.starts_with("08") || c == "57P01" || c == "57P02" || c == "57P03" || c == "53300"
+                }) =>
+            {
+                DbError::Unavailable(err)
+            }
+            _ => DbError::Query(err),
+        }
+    }
+}
+
+pub type DbResult<T> = Result<T, DbError>;
+
+/// Outcome of recording one submitted task.
+#[derive(Debug, Clone)]
+pub enum Recorded {
+    /// A new task.
+    Created(TaskRecord),
+    /// The idempotency key was known: the task recorded earlier.
+    Existing(TaskRecord),
+}
+
+impl Recorded {
+    pub fn task(&self) -> &TaskRecord {
+        match self {
+            Recorded::Created(task) | Recorded::Existing(task) => task,
+        }
+    }
+}
+
+/// One task re-queued inside a [`PendingRequeue`], with the message that must carry it.
+#[derive(Debug, Clone)]
+pub struct Requeued {
+    pub message: TaskMessage,
+    pub route: Requeue,
+    /// Retries consumed, counting this one; the retry queue's backoff is computed from it.
+    pub retries: i32,
+}
+
+/// Re-queues written but not committed. Publish every [`Requeued::message`], wait for the
+/// broker's confirms, then [`commit`](PendingRequeue::commit); drop it to roll back.
+pub struct PendingRequeue {
+    tx: Transaction<'static, Postgres>,
+    pub tasks: Vec<Requeued>,
+}
+
+impl PendingRequeue {
+    pub async fn commit(self) -> DbResult<()> {
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// An audit event to append.
+#[derive(Debug, Clone)]
+struct EventRow {
+    task_id: Uuid,
+    task_type: String,
+    from: TaskState,
+    to: TaskState,
+    attempt: i32,
+    worker_id: Option<String>,
+    detail: Option<String>,
+}
+
+const TASK_COLUMNS: &str = "id, idempotency_key, task_type, state, attempt, retries, owner, \
+                            payload, result, error, created_at, updated_at";
+
+/// Connection settings for [`Db::connect`].
+#[derive(Debug, Clone)]
+pub struct DbOptions {
+    pub url: String,
+    pub max_connections: u32,
+    pub acquire_timeout: Duration,
+}
+
+impl DbOptions {
+    pub fn new(url: impl Into<String>) -> Self {
+        DbOptions {
+            url: url.into(),
+            max_connections: 16,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// The task database.
+#[derive(Clone)]
+pub struct Db {
+    pool: PgPool,
+}
+
+impl Db {
+    /// Connects lazily: the pool opens connections on first use, so a process can start (and
+    /// report not-ready) while the database is down.
+    pub fn connect(options: &DbOptions) -> DbResult<Db> {
+        let connect = PgConnectOptions::from_str(&options.url)
+            .map_err(DbError::Url)?
+            // A session stuck between BEGIN and COMMIT (a worker frozen mid re-queue) must
+            // not hold its row locks forever.
+            .options([("idle_in_transaction_session_timeout", "30s")]);
+        let pool = PgPoolOptions::new()
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.acquire_timeout)
+            .connect_lazy_with(connect);
+        Ok(Db { pool })
+    }
+
+    pub async fn migrate(&self) -> DbResult<()> {
+        sqlx::migrate!("../migrations")
+            .run(&self.pool)
+            .await
+            .map_err(DbError::Migrate)?;
+        self.ensure_partitions().await
+    }
+
+    /// Creates the audit log's upcoming daily partitions.
+    pub async fn ensure_partitions(&self) -> DbResult<()> {
+        sqlx::query("SELECT conveyor_ensure_event_partitions()")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Drops audit partitions older than `keep_days`; returns their names.
+    pub async fn drop_partitions(&self, keep_days: i32) -> DbResult<Vec<String>> {
+        Ok(sqlx::query_scalar("SELECT conveyor_drop_event_partitions($1)")
+            .bind(keep_days)
+            .fetch_all(&self.pool)
+            .await?)
+    }
+
+    pub async fn ping(&self) -> DbResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Records submitted tasks as INGESTED in one statement. A known idempotency key yields
+    /// the task recorded before, in input order.
+    pub async fn record_tasks(&self, tasks: &[NewTask]) -> DbResult<Vec<Recorded>> {
+        if tasks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+        let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
+        let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
+        let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
+        let created: Vec<Uuid> = sqlx::query_scalar(
+            "WITH input AS (
+                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::jsonb[])
+                     AS i(id, idempotency_key, task_type, payload)
+             ), inserted AS (
+                 INSERT INTO tasks (id, idempotency_key, task_type, state, payload)
+                 SELECT id, idempotency_key, task_type, $5, payload FROM input
+                 ON CONFLICT (idempotency_key) DO NOTHING
+                 RETURNING id, task_type
+             ), events AS (
+                 INSERT INTO task_events (task_id, task_type, to_state, attempt)
+                 SELECT id, task_type, $5, 0 FROM inserted
+             )
+             SELECT id FROM inserted",
+        )
+        .bind(&ids)
+        .bind(&keys)
+        .bind(&types)
+        .bind(&payloads)
+        .bind(Ingested.as_str())
+        .fetch_all(&self.pool)
+        .await?;
+        let rows = sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE idempotency_key = ANY($1)"
+        ))
+        .bind(&keys)
+        .fetch_all(&self.pool)
+        .await?;
+        let records = rows.iter().map(task_from_row).collect::<DbResult<Vec<_>>>()?;
+        tasks
+            .iter()
+            .map(|task| {
+                let record = records
+                    .iter()
+                    .find(|r| r.idempotency_key == task.idempotency_key)
+                    .cloned()
+                    .ok_or_else(|| {
+                        DbError::Corrupt(format!("task with key {} vanished", task.idempotency_key))
+                    })?;
+                Ok(if record.id == task.id && created.contains(&task.id) {
+                    Recorded::Created(record)
+                } else {
+                    Recorded::Existing(record)
+                })
+            })
+            .collect()
+    }
+
+    /// INGESTED → QUEUED for tasks the broker confirmed. Tasks a worker already claimed are
+    /// left alone: the claim wrote the QUEUED event itself.
+    pub async fn mark_queued(&self, ids: &[Uuid]) -> DbResult<()> {
+        lifecycle::check(Ingested, Queued)?;
+        sqlx::query(
+            "WITH updated AS (
+                 UPDATE tasks SET state = $3, updated_at = now()
+                 WHERE id = ANY($1) AND state = $2
+                 RETURNING id, task_type, attempt
+             )
+             INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt)
+             SELECT id, task_type, $2, $3, attempt FROM updated",
+        )
+        .bind(ids)
+        .bind(Ingested.as_str())
+        .bind(Queued.as_str())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The compare-and-set claim: QUEUED (or still INGESTED, when the delivery beat the
+    /// gateway's own update) at exactly `attempt` → CLAIMED → PROCESSING, owned by `worker`.
+    /// `false` means another delivery or owner has it, or the message is stale.
+    pub async fn claim(&self, id: Uuid, attempt: i32, worker: &str) -> DbResult<bool> {
+        let path = edges(&[(Ingested, Queued), (Queued, Claimed), (Claimed, Processing)])?;
+        let events = sqlx::query(
+            "WITH current AS (
+                 SELECT id, state FROM tasks
+                 WHERE id = $1 AND attempt = $2 AND state IN ($6, $7)
+                 FOR UPDATE
+             ), claimed AS (
+                 UPDATE tasks t SET state = $8, owner = $3, heartbeat_at = now(), updated_at = now()
+                 FROM current WHERE t.id = current.id
+                 RETURNING t.id, t.task_type, t.attempt, current.state AS prior
+             )
+             INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id)
+             SELECT c.id, c.task_type, p.from_state, p.to_state, c.attempt, $3
+             FROM claimed c, unnest($4::text[], $5::text[]) WITH ORDINALITY
+                 AS p(from_state, to_state, ord)
+             WHERE p.ord > 1 OR c.prior = $6
+             ORDER BY p.ord",
+        )
+        .bind(id)
+        .bind(attempt)
+        .bind(worker)
+        .bind(&path.0)
+        .bind(&path.1)
+        .bind(Ingested.as_str())
+        .bind(Queued.as_str())
+        .bind(Processing.as_str())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(events > 0)
+    }
+
+    /// Keeps the claims of `worker` on these tasks alive. Returns how many it still owns.
+    pub async fn heartbeat(&self, worker: &str, ids: &[Uuid]) -> DbResult<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        Ok(sqlx::query(
+            "UPDATE tasks SET heartbeat_at = now()
+             WHERE id = ANY($1) AND owner = $2 AND state IN ($3, $4)",
+        )
+        .bind(ids)
+        .bind(worker)
+        .bind(Claimed.as_str())
+        .bind(Processing.as_str())
+        .execute(&self.pool)
+        .await?
+        .rows_affected())
+    }
+
+    /// PROCESSING → COMPLETED, fenced by owner and attempt. `false`: this worker no longer
+    /// owns the task (it was re-queued after a heartbeat timeout), and its result is void.
+    pub async fn complete(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        worker: &str,
+        result: &serde_json::Value,
+    ) -> DbResult<bool> {
+        lifecycle::check(Processing, Completed)?;
+        let events = sqlx::query(
+            "WITH done AS (
+                 UPDATE tasks SET state = $6, result = $4, heartbeat_at = NULL, updated_at = now()
+                 WHERE id = $1 AND attempt = $2 AND owner = $3 AND state = $5
+                 RETURNING id, task_type, attempt
+             )
+             INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id)
+             SELECT id, task_type, $5, $6, attempt, $3 FROM done",
+        )
+        .bind(id)
+        .bind(attempt)
+        .bind(worker)
+        .bind(result)
+        .bind(Processing.as_str())
+        .bind(Completed.as_str())
+        .execute(&self.pool)
+        .await?
+        .rows_affected();
+        Ok(events > 0)
+    }
+
+    /// PROCESSING → FAILED, then QUEUED for the retry queue or DEAD_LETTER when `max_retries`
+    /// are used up. `None` when the worker was fenced off.
+    pub async fn begin_failure(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        worker: &str,
+        error: &str,
+        max_retries: i32,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let Some(task) = lock_owned(&mut tx, id, attempt, worker).await? else {
+            return Ok(None);
+        };
+        let route = if task.retries < max_retries {
+            Requeue::Retry
+        } else {
+            Requeue::Remediation
+        };
+        let requeued = requeue(
+            &mut tx,
+            &task,
+            (Processing, Failed),
+            Some(worker),
+            error,
+            route,
+            RetryBudget::Consume,
+        )
+        .await?;
+        Ok(Some(PendingRequeue {
+            tx,
+            tasks: vec![requeued],
+        }))
+    }
+
+    /// PROCESSING → RETRY_CLAIMED → QUEUED for a task a draining worker cannot finish.
+    /// Does not consume a retry: the task did nothing wrong.
+    pub async fn begin_release(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        worker: &str,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let Some(task) = lock_owned(&mut tx, id, attempt, worker).await? else {
+            return Ok(None);
+        };
+        let requeued = requeue(
+            &mut tx,
+            &task,
+            (Processing, RetryClaimed),
+            Some(worker),
+            "released by a worker shutting down",
+            Requeue::Main,
+            RetryBudget::Keep,
+        )
+        .await?;
+        Ok(Some(PendingRequeue {
+            tx,
+            tasks: vec![requeued],
+        }))
+    }
+
+    /// Finds up to `limit` tasks of `task_type` whose owner stopped heartbeating for
+    /// `timeout` and re-queues them (RETRY_CLAIMED → QUEUED, or DEAD_LETTER when retries are
+    /// exhausted). Rows another reaper holds are skipped, so every worker can run this.
+    pub async fn begin_reap(
+        &self,
+        task_type: &str,
+        timeout: Duration,
+        max_retries: i32,
+        reaper: &str,
+        limit: i64,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let rows = sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS}, heartbeat_at FROM tasks
+             WHERE task_type = $1 AND state IN ($2, $3)
+               AND heartbeat_at < now() - make_interval(secs => $4)
+             ORDER BY heartbeat_at
+             LIMIT $5
+             FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(task_type)
+        .bind(Claimed.as_str())
+        .bind(Processing.as_str())
+        .bind(timeout.as_secs_f64())
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let mut tasks = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let task = task_from_row(row)?;
+            let last_beat: Option<DateTime<Utc>> = row.try_get("heartbeat_at")?;
+            let detail = format!(
+                "heartbeat timeout: owner {} last heartbeat {}, timeout {:.1}s, detected by {reaper}",
+                task.owner.as_deref().unwrap_or("?"),
+                last_beat.map(|t| t.to_rfc3339()).unwrap_or_default(),
+                timeout.as_secs_f64()
+            );
+            let route = if task.retries < max_retries {
+                Requeue::Main
+            } else {
+                Requeue::Remediation
+            };
+            let edge = (task.state, RetryClaimed);
+            tasks.push(
+                requeue(
+                    &mut tx,
+                    &task,
+                    edge,
+                    Some(reaper),
+                    &detail,
+                    route,
+                    RetryBudget::Consume,
+                )
+                .await?,
+            );
+        }
+        Ok(Some(PendingRequeue { tx, tasks }))
+    }
+
+    /// DEAD_LETTER → QUEUED for a task parked at `attempt`, with a fresh retry budget.
+    /// `None` when the task is not (or no longer) dead-lettered at that attempt.
+    pub async fn begin_redrive(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        by: &str,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND attempt = $2 AND state = $3
+             FOR UPDATE"
+        ))
+        .bind(id)
+        .bind(attempt)
+        .bind(DeadLetter.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let task = task_from_row(&row)?;
+        let (message, _) = advance(&mut tx, &task, Queued, RetryBudget::Reset, None).await?;
+        append_events(
+            &mut tx,
+            &[EventRow {
+                task_id: task.id,
+                task_type: task.task_type.clone(),
+                from: DeadLetter,
+                to: Queued,
+                attempt: message.attempt,
+                worker_id: Some(by.to_owned()),
+                detail: Some(format!("redriven by {by}")),
+            }],
+        )
+        .await?;
+        Ok(Some(PendingRequeue {
+            tx,
+            tasks: vec![Requeued {
+                message,
+                route: Requeue::Main,
+                retries: 0,
+            }],
+        }))
+    }
+
+    pub async fn task(&self, id: Uuid) -> DbResult<Option<TaskRecord>> {
+        let row = sqlx::query(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(task_from_row).transpose()
+    }
+
+    /// A task's audit timeline, oldest first.
+    pub async fn events(&self, id: Uuid) -> DbResult<Vec<TaskEvent>> {
+        let rows = sqlx::query(
+            "SELECT seq, task_id, task_type, from_state, to_state, attempt, worker_id, detail, at
+             FROM task_events WHERE task_id = $1 ORDER BY at, seq",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    /// Point in time: the state of each task (of `task_type`, or the one task `id`) as of
+    /// `at`, rebuilt from the audit log alone.
+    pub async fn states_at(
+        &self,
+        at: DateTime<Utc>,
+        task_type: Option<&str>,
+        id: Option<Uuid>,
+    ) -> DbResult<Vec<(Uuid, TaskState, DateTime<Utc>)>> {
+        let rows = sqlx::query(
+            "SELECT DISTINCT ON (task_id) task_id, to_state, at FROM task_events
+             WHERE at <= $1 AND ($2::text IS NULL OR task_type = $2)
+               AND ($3::uuid IS NULL OR task_id = $3)
+             ORDER BY task_id, at DESC, seq DESC",
+        )
+        .bind(at)
+        .bind(task_type)
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get("task_id")?,
+                    parse_state(row.try_get("to_state")?)?,
+                    row.try_get("at")?,
+                ))
+            })
+            .collect()
+    }
+
+    /// How many tasks of a type are in each state now.
+    pub async fn state_counts(&self, task_type: &str) -> DbResult<Vec<(TaskState, i64)>> {
+        let rows = sqlx::query(
+            "SELECT state, count(*) AS n FROM tasks WHERE task_type = $1 GROUP BY state",
+        )
+        .bind(task_type)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok((parse_state(row.try_get("state")?)?, row.try_get("n")?)))
+            .collect()
+    }
+}
+
+/// Whether a re-queue consumes one of the task's retries.
+#[derive(Clone, Copy)]
+enum RetryBudget {
+    Consume,
+    Keep,
+    Reset,
+}
+
+/// Locks a task that `worker` owns at `attempt` while PROCESSING.
+async fn lock_owned(
+    tx: &mut Transaction<'static, Postgres>,
+    id: Uuid,
+    attempt: i32,
+    worker: &str,
+) -> DbResult<Option<TaskRecord>> {
+    let row = sqlx::query(&format!(
+        "SELECT {TASK_COLUMNS} FROM tasks
+         WHERE id = $1 AND attempt = $2 AND owner = $3 AND state = $4
+         FOR UPDATE"
+    ))
+    .bind(id)
+    .bind(attempt)
+    .bind(worker)
+    .bind(Processing.as_str())
+    .fetch_optional(&mut **tx)
+    .await?;
+    row.as_ref().map(task_from_row).transpose()
+}
+
+/// Moves a locked task along `edge` and on to QUEUED (bumping the attempt) or DEAD_LETTER.
+async fn requeue(
+    tx: &mut Transaction<'static, Postgres>,
+    task: &TaskRecord,
+    edge: (TaskState, TaskState),
+    worker: Option<&str>,
+    detail: &str,
+    route: Requeue,
+    budget: RetryBudget,
+) -> DbResult<Requeued> {
+    let target = match route {
+        Requeue::Main | Requeue::Retry => Queued,
+        Requeue::Remediation => DeadLetter,
+    };
+    let error = (edge.1 == Failed).then_some(detail);
+    let (message, retries) = advance(tx, task, target, budget, error).await?;
+    let next_detail = match route {
+        Requeue::Main => "re-enqueued".to_owned(),
+        Requeue::Retry => format!("retry {retries} after backoff"),
+        Requeue::Remediation => format!("retries exhausted after {} retries", task.retries),
+    };
+    let event = |from, to, attempt, detail: String| EventRow {
+        task_id: task.id,
+        task_type: task.task_type.clone(),
+        from,
+        to,
+        attempt,
+        worker_id: worker.map(str::to_owned),
+        detail: Some(detail),
+    };
+    append_events(
+        tx,
+        &[
+            event(edge.0, edge.1, task.attempt, detail.to_owned()),
+            event(edge.1, target, message.attempt, next_detail),
+        ],
+    )
+    .await?;
+    Ok(Requeued {
+        message,
+        route,
+        retries,
+    })
+}
+
+/// Writes the new state of a locked task; returns the message that must carry it and the
+/// retries consumed.
+async fn advance(
+    tx: &mut Transaction<'static, Postgres>,
+    task: &TaskRecord,
+    target: TaskState,
+    budget: RetryBudget,
+    error: Option<&str>,
+) -> DbResult<(TaskMessage, i32)> {
+    // Every return to QUEUED starts a new epoch, so older messages and owners are fenced.
+    let attempt = if target == Queued {
+        task.attempt + 1
+    } else {
+        task.attempt
+    };
+    let retries = match budget {
+        RetryBudget::Consume => task.retries + 1,
+        RetryBudget::Keep => task.retries,
+        RetryBudget::Reset => 0,
+    };
+    sqlx::query(
+        "UPDATE tasks SET state = $2, attempt = $3, retries = $4, owner = NULL,
+             heartbeat_at = NULL, error = COALESCE($5, error), updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(task.id)
+    .bind(target.as_str())
+    .bind(attempt)
+    .bind(retries)
+    .bind(error)
+    .execute(&mut **tx)
+    .await?;
+    let mut message = task.message();
+    message.attempt = attempt;
+    Ok((message, retries))
+}
+
+/// Appends audit events in one statement, refusing any step outside the lifecycle.
+async fn append_events(
+    tx: &mut Transaction<'static, Postgres>,
+    rows: &[EventRow],
+) -> DbResult<()> {
+    for row in rows {
+        lifecycle::check(row.from, row.to)?;
+    }
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.task_id).collect();
+    let types: Vec<&str> = rows.iter().map(|r| r.task_type.as_str()).collect();
+    let froms: Vec<&str> = rows.iter().map(|r| r.from.as_str()).collect();
+    let tos: Vec<&str> = rows.iter().map(|r| r.to.as_str()).collect();
+    let attempts: Vec<i32> = rows.iter().map(|r| r.attempt).collect();
+    let workers: Vec<Option<String>> = rows.iter().map(|r| r.worker_id.clone()).collect();
+    let details: Vec<Option<String>> = rows.iter().map(|r| r.detail.clone()).collect();
+    sqlx::query(
+        "INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id, detail)
+         SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[],
+                              $6::text[], $7::text[]) WITH ORDINALITY
+             AS e(task_id, task_type, from_state, to_state, attempt, worker_id, detail, ord)
+         ORDER BY ord",
+    )
+    .bind(&ids)
+    .bind(&types)
+    .bind(&froms)
+    .bind(&tos)
+    .bind(&attempts)
+    .bind(&workers)
+    .bind(&details)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// A path of lifecycle edges as the two text arrays the SQL takes, checked against the table.
+fn edges(path: &[(TaskState, TaskState)]) -> DbResult<(Vec<&'static str>, Vec<&'static str>)> {
+    for &(from, to) in path {
+        lifecycle::check(from, to)?;
+    }
+    Ok(path.iter().map(|(f, t)| (f.as_str(), t.as_str())).unzip())
+}
+
+fn parse_state(name: String) -> DbResult<TaskState> {
+    name.parse()
+        .map_err(|e: lifecycle::UnknownState| DbError::Corrupt(e.to_string()))
+}
+
+fn task_from_row(row: &PgRow) -> DbResult<TaskRecord> {
+    Ok(TaskRecord {
+        id: row.try_get("id")?,
+        idempotency_key: row.try_get("idempotency_key")?,
+        task_type: row.try_get("task_type")?,
+        state: parse_state(row.try_get("state")?)?,
+        attempt: row.try_get("attempt")?,
+        retries: row.try_get("retries")?,
+        owner: row.try_get("owner")?,
+        payload: row.try_get("payload")?,
+        result: row.try_get("result")?,
+        error: row.try_get("error")?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+fn event_from_row(row: &PgRow) -> DbResult<TaskEvent> {
+    let from: Option<String> = row.try_get("from_state")?;
+    Ok(TaskEvent {
+        seq: row.try_get("seq")?,
+        task_id: row.try_get("task_id")?,
+        task_type: row.try_get("task_type")?,
+        from_state: from.map(parse_state).transpose()?,
+        to_state: parse_state(row.try_get("to_state")?)?,
+        attempt: row.try_get("attempt")?,
+        worker_id: row.try_get("worker_id")?,
+        detail: row.try_get("detail")?,
+        at: row.try_get("at")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_path_written_here_is_in_the_lifecycle() {
+        assert!(edges(&[(Ingested, Queued), (Queued, Claimed), (Claimed, Processing)]).is_ok());
+        assert!(edges(&[(Queued, Processing)]).is_err());
+    }
+}

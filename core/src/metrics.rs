@@ -1,0 +1,115 @@
+//! Prometheus metrics, one registry per process, injected (no globals).
+
+use prometheus::{
+    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+/// Every metric a Conveyor process exports. Gateways and workers fill in their own part;
+/// the rest stays at zero.
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// Gateway: submissions by task type and outcome (created, existing, or an error code).
+    pub submissions: IntCounterVec,
+    /// Worker: finished attempts by task type and outcome (completed, retried, dead_lettered).
+    pub tasks: IntCounterVec,
+    /// Lifecycle transitions written, by task type, from and to.
+    pub transitions: IntCounterVec,
+    /// Deliveries acked and dropped because the task was not claimable at that attempt.
+    pub duplicates: IntCounterVec,
+    /// Outcomes refused because the worker no longer owned the task.
+    pub fenced: IntCounterVec,
+    /// Tasks re-queued because their owner stopped heartbeating.
+    pub heartbeat_timeouts: IntCounterVec,
+    pub retries: IntCounterVec,
+    pub dead_letters: IntCounterVec,
+    /// Handler run time per attempt.
+    pub processing_seconds: HistogramVec,
+    /// Submission to COMPLETED.
+    pub end_to_end_seconds: HistogramVec,
+    /// Ready messages in the work queue, as last read by the gateway.
+    pub queue_depth: IntGaugeVec,
+    /// Errors talking to the database or the broker, by component and category.
+    pub errors: IntCounterVec,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let metric = IntCounterVec::new(Opts::new(format!("conveyor_{name}"), help), labels)
+        .expect("metric definition is valid");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric registered once");
+    metric
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str) -> HistogramVec {
+    // 1 ms to ~65 s.
+    let buckets = exponential_buckets(0.001, 2.0, 17).expect("buckets are valid");
+    let metric = HistogramVec::new(
+        HistogramOpts::new(format!("conveyor_{name}"), help).buckets(buckets),
+        &["task_type"],
+    )
+    .expect("metric definition is valid");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric registered once");
+    metric
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let r = &registry;
+        let queue_depth = IntGaugeVec::new(
+            Opts::new(
+                "conveyor_queue_depth",
+                "Ready messages in the work queue, as seen by the gateway",
+            ),
+            &["task_type"],
+        )
+        .expect("metric definition is valid");
+        registry
+            .register(Box::new(queue_depth.clone()))
+            .expect("metric registered once");
+        Metrics {
+            submissions: counter(r, "submissions_total", "Task submissions by outcome", &["task_type", "outcome"]),
+            tasks: counter(r, "tasks_total", "Finished task attempts by outcome", &["task_type", "outcome"]),
+            transitions: counter(r, "transitions_total", "Lifecycle transitions written", &["task_type", "from", "to"]),
+            duplicates: counter(r, "duplicates_suppressed_total", "Duplicate or stale deliveries acked and dropped", &["task_type"]),
+            fenced: counter(r, "fenced_total", "Outcomes refused because the worker lost ownership", &["task_type"]),
+            heartbeat_timeouts: counter(r, "heartbeat_timeouts_total", "Tasks re-queued after their owner stopped heartbeating", &["task_type"]),
+            retries: counter(r, "retries_total", "Tasks sent to the retry queue", &["task_type"]),
+            dead_letters: counter(r, "dead_letters_total", "Tasks parked in the remediation queue", &["task_type"]),
+            processing_seconds: histogram(r, "processing_duration_seconds", "Handler run time per attempt"),
+            end_to_end_seconds: histogram(r, "end_to_end_latency_seconds", "Submission to COMPLETED"),
+            queue_depth,
+            errors: counter(r, "errors_total", "Errors by component and category", &["component", "category"]),
+            registry,
+        }
+    }
+
+    /// Counts a lifecycle path `states[0] → states[1] → ...`.
+    pub fn record_path(&self, task_type: &str, states: &[crate::TaskState]) {
+        for pair in states.windows(2) {
+            self.transitions
+                .with_label_values(&[task_type, pair[0].as_str(), pair[1].as_str()])
+                .inc();
+        }
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        let encoder = TextEncoder::new();
+        // Encoding into a Vec cannot fail for well-formed metrics.
+        let _ = encoder.encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,88 @@
+//! The task as it travels (the AMQP message body) and as it is recorded.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::lifecycle::TaskState;
+
+/// The body of every task message. `attempt` is the fencing epoch: a delivery may claim the
+/// task only while the database holds the same attempt, so stale copies fall away.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskMessage {
+    pub id: Uuid,
+    pub task_type: String,
+    pub attempt: i32,
+    pub idempotency_key: Uuid,
+    pub payload: serde_json::Value,
+    /// When the gateway accepted the task; the worker measures end-to-end latency from it.
+    pub submitted_at: DateTime<Utc>,
+}
+
+/// A new task, as the gateway records it.
+#[derive(Debug, Clone)]
+pub struct NewTask {
+    pub id: Uuid,
+    pub idempotency_key: Uuid,
+    pub task_type: String,
+    pub payload: serde_json::Value,
+}
+
+/// The current row of a task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskRecord {
+    pub id: Uuid,
+    pub idempotency_key: Uuid,
+    pub task_type: String,
+    pub state: TaskState,
+    pub attempt: i32,
+    pub retries: i32,
+    pub owner: Option<String>,
+    pub payload: serde_json::Value,
+    pub result: Option<serde_json::Value>,
+    pub error: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+}
+
+impl TaskRecord {
+    /// The message that carries this task at its current attempt.
+    pub fn message(&self) -> TaskMessage {
+        TaskMessage {
+            id: self.id,
+            task_type: self.task_type.clone(),
+            attempt: self.attempt,
+            idempotency_key: self.idempotency_key,
+            payload: self.payload.clone(),
+            submitted_at: self.created_at,
+        }
+    }
+}
+
+/// One row of the audit log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskEvent {
+    pub seq: i64,
+    pub task_id: Uuid,
+    pub task_type: String,
+    pub from_state: Option<TaskState>,
+    pub to_state: TaskState,
+    pub attempt: i32,
+    pub worker_id: Option<String>,
+    pub detail: Option<String>,
+    pub at: DateTime<Utc>,
+}
+
+/// Where to send a task after its owner gave it up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeue {
+    /// Back to the main queue now (heartbeat timeout, drained worker, redrive).
+    Main,
+    /// To the retry queue, to come back after the backoff.
+    Retry,
+    /// Retries exhausted: to the remediation queue.
+    Remediation,
+}
