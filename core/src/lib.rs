@@ -14,3 +14,20 @@ pub mod task_type;
 pub mod testing;
 
 pub use lifecycle::TaskState;
+
+/// Cancels `token` on SIGTERM or Ctrl-C; the binaries' one shutdown input.
+pub async fn shutdown_on_signals(token: tokio_util::sync::CancellationToken) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
+        Ok(term) => term,
+        Err(err) => {
+            tracing::error!(error = %err, "cannot listen for SIGTERM");
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt: shutting down"),
+    }
+    token.cancel();
+}

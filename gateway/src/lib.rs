@@ -1,1 +1,141 @@
+//! The Conveyor gateway: authenticates, rate-limits and validates task submissions, records
+//! them, publishes them with confirms, and answers only once the broker holds them.
+#![forbid(unsafe_code)]
 
+pub mod api;
+pub mod auth;
+pub mod backpressure;
+pub mod error;
+pub mod ingest;
+pub mod rate_limit;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use conveyor_core::admin;
+use conveyor_core::amqp::Publisher;
+use conveyor_core::db::{Db, DbOptions};
+use conveyor_core::metrics::Metrics;
+use conveyor_core::task_type::TaskTypes;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::ApiState;
+use crate::auth::Tokens;
+use crate::backpressure::DepthMonitor;
+use crate::ingest::{ClientLimits, Ingestor};
+use crate::rate_limit::RateLimiter;
+
+/// Everything the gateway needs, already parsed.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    pub database: DbOptions,
+    pub amqp_url: String,
+    pub confirm_timeout: Duration,
+    pub task_types: TaskTypes,
+    pub tokens: Tokens,
+    pub client_limits: ClientLimits,
+    /// Largest body of `POST /v1/tasks`.
+    pub max_body_bytes: usize,
+    /// Largest body of `POST /v1/tasks:batch`.
+    pub max_batch_bytes: usize,
+    pub max_batch_tasks: usize,
+    /// How often queue depths are read for backpressure.
+    pub depth_interval: Duration,
+    /// Run migrations at start.
+    pub migrate: bool,
+}
+
+/// Serves the gateway on `listener` until `shutdown`, then drains in-flight requests.
+pub async fn run(
+    config: GatewayConfig,
+    listener: TcpListener,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    if config.tokens.is_empty() {
+        anyhow::bail!("no client tokens configured (--tokens-file or CONVEYOR_GATEWAY_TOKENS)");
+    }
+    let types = ingest::compile_types(&config.task_types).map_err(anyhow::Error::msg)?;
+    let db = Db::connect(&config.database).context("database settings")?;
+    if config.migrate {
+        db.migrate().await.context("migrating the task database")?;
+    }
+    let publisher = Arc::new(Publisher::new(&config.amqp_url, config.confirm_timeout));
+    let type_names: Vec<String> = config.task_types.keys().cloned().collect();
+    tokio::spawn(declare_topology(
+        publisher.clone(),
+        type_names.clone(),
+        shutdown.clone(),
+    ));
+    let depths = Arc::new(DepthMonitor::default());
+    tokio::spawn(depths.clone().run(
+        publisher.clone(),
+        type_names,
+        config.depth_interval,
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+
+    let state = Arc::new(ApiState {
+        ingestor: Ingestor {
+            db: db.clone(),
+            publisher: publisher.clone(),
+            types,
+            limiter: RateLimiter::new(),
+            client_limits: config.client_limits.clone(),
+            depths,
+            metrics: metrics.clone(),
+        },
+        tokens: config.tokens.clone(),
+        max_batch_tasks: config.max_batch_tasks,
+    });
+    let ready: admin::ReadinessCheck = Arc::new(move || {
+        let db = db.clone();
+        let publisher = publisher.clone();
+        let probe_type = config.task_types.keys().next().cloned();
+        Box::pin(async move {
+            db.ping().await.map_err(|e| format!("database: {e}"))?;
+            if let Some(task_type) = probe_type {
+                let queue = conveyor_core::amqp::QueueNames::of(&task_type).main;
+                publisher
+                    .ready_count(&queue)
+                    .await
+                    .map_err(|e| format!("broker: {e}"))?;
+            }
+            Ok(())
+        })
+    });
+    let app = api::router(state, config.max_body_bytes, config.max_batch_bytes)
+        .merge(admin::router(metrics, ready));
+    tracing::info!(addr = ?listener.local_addr().ok(), "gateway listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
+        .context("serving HTTP")?;
+    Ok(())
+}
+
+/// Declares every task type's queues, retrying while the broker is unreachable. (The
+/// operator takes this over in a cluster; declaring is idempotent.)
+async fn declare_topology(
+    publisher: Arc<Publisher>,
+    task_types: Vec<String>,
+    shutdown: CancellationToken,
+) {
+    for task_type in task_types {
+        loop {
+            match publisher.declare_task_type(&task_type).await {
+                Ok(()) => break,
+                Err(err) => {
+                    tracing::warn!(task_type, error = %err, "cannot declare queues; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    }
+                }
+            }
+        }
+    }
+}

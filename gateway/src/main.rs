@@ -1,1 +1,92 @@
-fn main() {}
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret, TelemetryArgs};
+use conveyor_core::metrics::Metrics;
+use conveyor_core::task_type::load_task_types;
+use conveyor_gateway::auth::Tokens;
+use conveyor_gateway::ingest::ClientLimits;
+use conveyor_gateway::GatewayConfig;
+use tokio_util::sync::CancellationToken;
+
+/// Conveyor API gateway and task ingestor.
+#[derive(Debug, Parser)]
+#[command(name = "conveyor-gateway", version)]
+struct Args {
+    /// Address to serve the API, /metrics and health on.
+    #[arg(long, env = "CONVEYOR_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]
+    listen: String,
+    /// YAML file with the task types (`taskTypes: [...]`).
+    #[arg(long, env = "CONVEYOR_TASK_TYPES", default_value = "examples/task-types.yaml")]
+    task_types: PathBuf,
+    /// YAML file with client tokens (`clients: [{name, token}]`).
+    #[arg(long, env = "CONVEYOR_GATEWAY_TOKENS_FILE")]
+    tokens_file: Option<PathBuf>,
+    /// Client tokens as `name=token,...` (never logged).
+    #[arg(long, env = "CONVEYOR_GATEWAY_TOKENS", hide_env_values = true)]
+    tokens: Option<Secret<String>>,
+    /// Tasks per second each client may submit.
+    #[arg(long, env = "CONVEYOR_CLIENT_RATE", default_value_t = 20000.0)]
+    client_rate: f64,
+    /// Burst each client may submit at once.
+    #[arg(long, env = "CONVEYOR_CLIENT_BURST", default_value_t = 40000.0)]
+    client_burst: f64,
+    /// Largest body of POST /v1/tasks, in bytes.
+    #[arg(long, env = "CONVEYOR_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
+    max_body_bytes: usize,
+    /// Largest body of POST /v1/tasks:batch, in bytes.
+    #[arg(long, env = "CONVEYOR_MAX_BATCH_BYTES", default_value_t = 16 * 1024 * 1024)]
+    max_batch_bytes: usize,
+    /// Most tasks in one batch.
+    #[arg(long, env = "CONVEYOR_MAX_BATCH_TASKS", default_value_t = 1000)]
+    max_batch_tasks: usize,
+    /// How often queue depths are read for backpressure, in milliseconds.
+    #[arg(long, env = "CONVEYOR_DEPTH_INTERVAL_MS", default_value_t = 1000)]
+    depth_interval_ms: u64,
+    /// Do not run database migrations at start.
+    #[arg(long, env = "CONVEYOR_NO_MIGRATE")]
+    no_migrate: bool,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    amqp: AmqpArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    args.telemetry.init();
+    let mut tokens = Tokens::default();
+    if let Some(path) = &args.tokens_file {
+        tokens = tokens.merge(Tokens::load(path).map_err(anyhow::Error::msg)?);
+    }
+    if let Some(pairs) = &args.tokens {
+        tokens = tokens.merge(Tokens::parse_pairs(pairs.expose()).map_err(anyhow::Error::msg)?);
+    }
+    let config = GatewayConfig {
+        database: args.database.options(),
+        amqp_url: args.amqp.url.expose().clone(),
+        confirm_timeout: args.amqp.confirm_timeout(),
+        task_types: load_task_types(&args.task_types)?,
+        tokens,
+        client_limits: ClientLimits {
+            per_second: args.client_rate,
+            burst: args.client_burst,
+        },
+        max_body_bytes: args.max_body_bytes,
+        max_batch_bytes: args.max_batch_bytes,
+        max_batch_tasks: args.max_batch_tasks,
+        depth_interval: Duration::from_millis(args.depth_interval_ms),
+        migrate: !args.no_migrate,
+    };
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
+    conveyor_gateway::run(config, listener, Metrics::new(), shutdown).await
+}

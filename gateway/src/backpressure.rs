@@ -1,0 +1,133 @@
+//! Queue depth as the gateway sees it, and the drain rate that `Retry-After` comes from.
+//!
+//! A background loop reads each work queue's ready count every interval (never per
+//! request); submissions compare against the last reading.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use conveyor_core::amqp::{Publisher, QueueNames};
+use conveyor_core::metrics::Metrics;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Debug, Clone, Copy)]
+struct Reading {
+    depth: u64,
+    at: Instant,
+    /// Messages leaving the queue per second, smoothed.
+    drain_rate: f64,
+    /// Published since this reading; needed to tell drained from added.
+    published_since: u64,
+}
+
+/// Latest depth per task type.
+#[derive(Debug, Default)]
+pub struct DepthMonitor {
+    readings: Mutex<HashMap<String, Reading>>,
+}
+
+impl DepthMonitor {
+    /// Notes accepted publishes, so that the next reading can compute the drain rate.
+    pub fn published(&self, task_type: &str, count: u64) {
+        let mut readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reading) = readings.get_mut(task_type) {
+            reading.published_since += count;
+        }
+    }
+
+    fn record(&self, task_type: &str, depth: u64) {
+        let now = Instant::now();
+        let mut readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        let drain_rate = match readings.get(task_type) {
+            Some(prev) => {
+                let elapsed = now.duration_since(prev.at).as_secs_f64().max(1e-3);
+                let drained = (prev.depth + prev.published_since).saturating_sub(depth);
+                let rate = drained as f64 / elapsed;
+                0.7 * prev.drain_rate + 0.3 * rate
+            }
+            None => 0.0,
+        };
+        readings.insert(
+            task_type.to_owned(),
+            Reading {
+                depth,
+                at: now,
+                drain_rate,
+                published_since: 0,
+            },
+        );
+    }
+
+    /// `Some(wait)` when `task_type`'s queue holds more than `max_depth`: how long until it
+    /// should have drained below the limit at the measured rate (1 s to 60 s).
+    pub fn over_limit(&self, task_type: &str, max_depth: u64) -> Option<Duration> {
+        let readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        let reading = readings.get(task_type)?;
+        if reading.depth <= max_depth {
+            return None;
+        }
+        let excess = (reading.depth - max_depth) as f64;
+        let secs = if reading.drain_rate > 0.01 {
+            excess / reading.drain_rate
+        } else {
+            10.0
+        };
+        Some(Duration::from_secs_f64(secs.clamp(1.0, 60.0)))
+    }
+
+    /// Polls every task type's work queue until `shutdown`.
+    pub async fn run(
+        self: Arc<Self>,
+        publisher: Arc<Publisher>,
+        task_types: Vec<String>,
+        interval: Duration,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            for task_type in &task_types {
+                match publisher.ready_count(&QueueNames::of(task_type).main).await {
+                    Ok(depth) => {
+                        self.record(task_type, u64::from(depth));
+                        metrics
+                            .queue_depth
+                            .with_label_values(&[task_type.as_str()])
+                            .set(i64::from(depth));
+                    }
+                    Err(err) => {
+                        metrics
+                            .errors
+                            .with_label_values(&["depth", err.category()])
+                            .inc();
+                        tracing::debug!(task_type, error = %err, "cannot read queue depth");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limit_and_retry_after_follow_the_drain_rate() {
+        let monitor = DepthMonitor::default();
+        assert_eq!(monitor.over_limit("t", 10), None, "no reading yet");
+        monitor.record("t", 50);
+        assert_eq!(monitor.over_limit("t", 10), Some(Duration::from_secs(10)));
+        assert_eq!(monitor.over_limit("t", 50), None);
+        std::thread::sleep(Duration::from_millis(100));
+        monitor.record("t", 20);
+        let wait = monitor.over_limit("t", 10).unwrap();
+        assert!(wait >= Duration::from_secs(1) && wait < Duration::from_secs(10));
+    }
+}

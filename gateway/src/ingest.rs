@@ -1,0 +1,364 @@
+//! Taking tasks in: validate, record, publish with confirms, and only then answer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use conveyor_core::amqp::{AmqpError, Outgoing, Publisher};
+use conveyor_core::db::{Db, DbError, Recorded};
+use conveyor_core::metrics::Metrics;
+use conveyor_core::task::{NewTask, Requeue, TaskRecord};
+use conveyor_core::task_type::{TaskTypeSpec, TaskTypes};
+use conveyor_core::TaskState;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::backpressure::DepthMonitor;
+use crate::error::ApiError;
+use crate::rate_limit::RateLimiter;
+
+/// One task as a client submits it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Submission {
+    pub task_type: String,
+    pub payload: serde_json::Value,
+    /// Batch entries carry their key here; single submissions use the header.
+    #[serde(default)]
+    pub idempotency_key: Option<Uuid>,
+}
+
+/// The answer for an accepted task.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Accepted {
+    #[serde(skip)]
+    pub status: StatusCode,
+    pub id: Uuid,
+    pub state: TaskState,
+    pub idempotency_key: Uuid,
+}
+
+/// Per-client limits, the same for every client.
+#[derive(Debug, Clone)]
+pub struct ClientLimits {
+    pub per_second: f64,
+    pub burst: f64,
+}
+
+/// A task type with its compiled payload schema.
+pub struct KnownType {
+    pub spec: TaskTypeSpec,
+    validator: Option<jsonschema::Validator>,
+}
+
+/// Compiles every task type's schema; a schema that does not compile is a start-up error.
+pub fn compile_types(types: &TaskTypes) -> Result<HashMap<String, KnownType>, String> {
+    types
+        .values()
+        .map(|spec| {
+            let validator = spec
+                .schema
+                .as_ref()
+                .map(jsonschema::validator_for)
+                .transpose()
+                .map_err(|e| format!("task type {}: invalid payload schema: {e}", spec.name))?;
+            Ok((
+                spec.name.clone(),
+                KnownType {
+                    spec: spec.clone(),
+                    validator,
+                },
+            ))
+        })
+        .collect()
+}
+
+pub struct Ingestor {
+    pub db: Db,
+    pub publisher: Arc<Publisher>,
+    pub types: HashMap<String, KnownType>,
+    pub limiter: RateLimiter,
+    pub client_limits: ClientLimits,
+    pub depths: Arc<DepthMonitor>,
+    pub metrics: Metrics,
+}
+
+impl Ingestor {
+    /// Takes a request's tasks. `Err` refuses the whole request (client rate limit); otherwise
+    /// each task has its own answer, in input order.
+    pub async fn submit(
+        &self,
+        client: &str,
+        submissions: Vec<Submission>,
+    ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
+        let limits = &self.client_limits;
+        self.limiter
+            .try_take(
+                &format!("client/{client}"),
+                submissions.len() as f64,
+                limits.per_second,
+                limits.burst.max(submissions.len() as f64),
+            )
+            .map_err(|wait| {
+                ApiError::too_many(
+                    "rate_limited",
+                    format!("client {client} is over its rate limit"),
+                    wait,
+                )
+            })?;
+
+        let mut answers: Vec<Option<Result<Accepted, ApiError>>> = Vec::new();
+        let mut valid: Vec<(usize, NewTask)> = Vec::new();
+        for (index, submission) in submissions.into_iter().enumerate() {
+            answers.push(None);
+            match self.prepare(submission) {
+                Ok(task) => valid.push((index, task)),
+                Err(err) => answers[index] = Some(Err(err)),
+            }
+        }
+        let new_tasks: Vec<NewTask> = valid.iter().map(|(_, t)| t.clone()).collect();
+        match self.db.record_tasks(&new_tasks).await {
+            Err(err) => {
+                let api = db_error(&self.metrics, &err);
+                for (index, _) in &valid {
+                    answers[*index] = Some(Err(api.clone()));
+                }
+            }
+            Ok(recorded) => {
+                let outcomes = self.enqueue(&new_tasks, recorded).await;
+                for ((index, _), outcome) in valid.iter().zip(outcomes) {
+                    answers[*index] = Some(outcome);
+                }
+            }
+        }
+        let answers: Vec<Result<Accepted, ApiError>> = answers.into_iter().flatten().collect();
+        Ok(answers)
+    }
+
+    /// Checks one submission against its task type; bad input never reaches the database.
+    fn prepare(&self, submission: Submission) -> Result<NewTask, ApiError> {
+        let outcome = self.check(&submission);
+        if let Err(err) = &outcome {
+            self.metrics
+                .submissions
+                .with_label_values(&[self.type_label(&submission.task_type), err.code])
+                .inc();
+        }
+        outcome?;
+        let id = Uuid::new_v4();
+        Ok(NewTask {
+            id,
+            idempotency_key: submission.idempotency_key.unwrap_or(id),
+            task_type: submission.task_type,
+            payload: submission.payload,
+        })
+    }
+
+    /// Unknown types are labelled together so that clients cannot blow up label cardinality.
+    fn type_label<'a>(&self, task_type: &'a str) -> &'a str {
+        if self.types.contains_key(task_type) {
+            task_type
+        } else {
+            "unknown"
+        }
+    }
+
+    fn check(&self, submission: &Submission) -> Result<(), ApiError> {
+        let known = self.types.get(&submission.task_type).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "unknown_task_type",
+                format!("task type {:?} is not defined", submission.task_type),
+            )
+        })?;
+        let spec = &known.spec;
+        if let Some(rate) = &spec.rate_limit {
+            let burst = rate.burst.unwrap_or(rate.per_second).max(1.0);
+            self.limiter
+                .try_take(&format!("type/{}", spec.name), 1.0, rate.per_second, burst)
+                .map_err(|wait| {
+                    ApiError::too_many(
+                        "rate_limited",
+                        format!("task type {} is over its rate limit", spec.name),
+                        wait,
+                    )
+                })?;
+        }
+        let size = serde_json::to_vec(&submission.payload)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
+        if size > spec.max_payload_bytes {
+            return Err(ApiError::too_large(format!(
+                "payload is {size} bytes; task type {} accepts at most {}",
+                spec.name, spec.max_payload_bytes
+            )));
+        }
+        if let Some(validator) = &known.validator {
+            if let Err(error) = validator.validate(&submission.payload) {
+                let path = error.instance_path.to_string();
+                let shown = if path.is_empty() { "/" } else { &path };
+                return Err(ApiError {
+                    path: Some(shown.to_owned()),
+                    ..ApiError::bad_request(
+                        "invalid_payload",
+                        format!("payload does not match the {} schema at {shown}: {error}", spec.name),
+                    )
+                });
+            }
+        }
+        if let Some(wait) = self.depths.over_limit(&spec.name, spec.max_queue_depth) {
+            return Err(ApiError::too_many(
+                "queue_full",
+                format!(
+                    "queue of {} holds more than {} tasks; retry later",
+                    spec.name, spec.max_queue_depth
+                ),
+                wait,
+            ));
+        }
+        Ok(())
+    }
+
+    /// Publishes what is not known to be queued yet and answers per task.
+    async fn enqueue(
+        &self,
+        submitted: &[NewTask],
+        recorded: Vec<Recorded>,
+    ) -> Vec<Result<Accepted, ApiError>> {
+        // New tasks, and earlier ones whose publish was never confirmed (a client retrying
+        // after a 503): the worker's compare-and-set makes a second copy harmless.
+        let to_publish: Vec<&TaskRecord> = recorded
+            .iter()
+            .map(Recorded::task)
+            .filter(|t| t.state == TaskState::Ingested)
+            .collect();
+        let outgoing: Vec<Outgoing> = to_publish
+            .iter()
+            .map(|task| Outgoing {
+                message: task.message(),
+                route: Requeue::Main,
+                delay: None,
+            })
+            .collect();
+        let results = self.publisher.publish(&outgoing).await;
+        let mut publish_errors: HashMap<Uuid, AmqpError> = HashMap::new();
+        let mut confirmed = Vec::new();
+        for (task, result) in to_publish.iter().zip(results) {
+            match result {
+                Ok(()) => confirmed.push(task.id),
+                Err(err) => {
+                    publish_errors.insert(task.id, err);
+                }
+            }
+        }
+        if !confirmed.is_empty() {
+            // The broker holds the task durably now; if this update fails, the first claim
+            // writes INGESTED → QUEUED instead, so the answer is still true.
+            if let Err(err) = self.db.mark_queued(&confirmed).await {
+                self.metrics
+                    .errors
+                    .with_label_values(&["database", err.category()])
+                    .inc();
+                tracing::warn!(error = %err, "cannot mark confirmed tasks QUEUED");
+            }
+        }
+        submitted
+            .iter()
+            .zip(recorded)
+            .map(|(new, recorded)| {
+                let created = matches!(recorded, Recorded::Created(_));
+                let task = recorded.task();
+                let answer = self.answer(new, task, created, publish_errors.remove(&task.id));
+                let outcome = match &answer {
+                    Ok(_) if created => "created",
+                    Ok(_) => "existing",
+                    Err(err) => err.code,
+                };
+                self.metrics
+                    .submissions
+                    .with_label_values(&[task.task_type.as_str(), outcome])
+                    .inc();
+                if created && answer.is_ok() {
+                    self.depths.published(&task.task_type, 1);
+                    self.metrics.record_path(
+                        &task.task_type,
+                        &[TaskState::Ingested, TaskState::Queued],
+                    );
+                }
+                answer
+            })
+            .collect()
+    }
+
+    fn answer(
+        &self,
+        submitted: &NewTask,
+        task: &TaskRecord,
+        created: bool,
+        publish_error: Option<AmqpError>,
+    ) -> Result<Accepted, ApiError> {
+        if !created
+            && (task.task_type != submitted.task_type || task.payload != submitted.payload)
+        {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "idempotency_key_reused",
+                format!(
+                    "idempotency key {} belongs to task {} with a different type or payload",
+                    task.idempotency_key, task.id
+                ),
+            ));
+        }
+        if let Some(err) = publish_error {
+            self.metrics
+                .errors
+                .with_label_values(&["broker", err.category()])
+                .inc();
+            tracing::warn!(task = %task.id, error = %err, "publish failed");
+            return Err(ApiError::unavailable(
+                "broker_unavailable",
+                format!(
+                    "the broker did not confirm the task ({err}); retry with the same Idempotency-Key"
+                ),
+            ));
+        }
+        let state = if task.state == TaskState::Ingested {
+            TaskState::Queued
+        } else {
+            task.state
+        };
+        Ok(Accepted {
+            status: if created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            },
+            id: task.id,
+            state,
+            idempotency_key: task.idempotency_key,
+        })
+    }
+}
+
+/// Maps a database error to an answer, counting it.
+pub fn db_error(metrics: &Metrics, err: &DbError) -> ApiError {
+    metrics
+        .errors
+        .with_label_values(&["database", err.category()])
+        .inc();
+    tracing::warn!(error = %err, source = ?std::error::Error::source(err), "database error");
+    if err.is_unavailable() {
+        ApiError::unavailable("database_unavailable", "the task database is unavailable")
+    } else {
+        ApiError {
+            retry_after: Some(Duration::from_secs(1)),
+            ..ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the task could not be recorded",
+            )
+        }
+    }
+}
