@@ -1,1 +1,204 @@
-fn main() {}
+//! `conveyorctl`: submit and inspect tasks through the gateway; redrive and audit queries
+//! against the broker and the database directly.
+
+mod redrive;
+
+use anyhow::{bail, Context};
+use chrono::{DateTime, Utc};
+use clap::{Parser, Subcommand};
+use conveyor_core::amqp::Publisher;
+use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret};
+use conveyor_core::db::Db;
+use conveyor_core::task::TaskEvent;
+use uuid::Uuid;
+
+#[derive(Debug, Parser)]
+#[command(name = "conveyorctl", version, about = "Command-line client for Conveyor")]
+struct Cli {
+    /// Gateway base URL.
+    #[arg(long, global = true, env = "CONVEYOR_GATEWAY_URL", default_value = "http://127.0.0.1:8080")]
+    gateway: String,
+    /// Bearer token for the gateway (never printed).
+    #[arg(long, global = true, env = "CONVEYOR_TOKEN", hide_env_values = true)]
+    token: Option<Secret<String>>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Submit one task.
+    Submit {
+        /// Task type.
+        #[arg(long = "type")]
+        task_type: String,
+        /// JSON payload.
+        #[arg(long, default_value = "{}")]
+        payload: String,
+        /// Idempotency key (UUID); the same key twice gives the same task.
+        #[arg(long)]
+        idempotency_key: Option<Uuid>,
+    },
+    /// Show a task's current record.
+    Get { id: Uuid },
+    /// Show a task's audit timeline as a table.
+    Events { id: Uuid },
+    /// Move dead-lettered tasks from the remediation queue back to the work queue.
+    Redrive {
+        #[arg(long = "type")]
+        task_type: String,
+        /// Most tasks to redrive.
+        #[arg(long, default_value_t = 1000)]
+        limit: usize,
+        /// Who redrives, for the audit log.
+        #[arg(long, env = "USER", default_value = "conveyorctl")]
+        by: String,
+        #[command(flatten)]
+        database: DatabaseArgs,
+        #[command(flatten)]
+        amqp: AmqpArgs,
+    },
+    /// Point in time: the state of tasks at a timestamp, rebuilt from the audit log.
+    StateAt {
+        /// RFC 3339 timestamp, e.g. 2026-11-29T14:05:00Z.
+        #[arg(long)]
+        at: DateTime<Utc>,
+        /// Every task of this type (prints counts per state).
+        #[arg(long = "type", conflicts_with = "id")]
+        task_type: Option<String>,
+        /// One task.
+        #[arg(long)]
+        id: Option<Uuid>,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+    /// Audit-log retention: drop daily partitions older than --keep-days.
+    Retention {
+        #[arg(long)]
+        keep_days: i32,
+        #[command(flatten)]
+        database: DatabaseArgs,
+    },
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match &cli.command {
+        Command::Submit { task_type, payload, idempotency_key } => {
+            let payload: serde_json::Value =
+                serde_json::from_str(payload).context("--payload is not JSON")?;
+            let mut request = http(&cli)?
+                .post(format!("{}/v1/tasks", cli.gateway))
+                .json(&serde_json::json!({ "taskType": task_type, "payload": payload }));
+            if let Some(key) = idempotency_key {
+                request = request.header("Idempotency-Key", key.to_string());
+            }
+            print_json(request.send().await?).await?;
+        }
+        Command::Get { id } => {
+            let request = http(&cli)?.get(format!("{}/v1/tasks/{id}", cli.gateway));
+            print_json(request.send().await?).await?;
+        }
+        Command::Events { id } => {
+            let response = http(&cli)?
+                .get(format!("{}/v1/tasks/{id}/events", cli.gateway))
+                .send()
+                .await?;
+            let body = checked(response).await?;
+            let events: Vec<TaskEvent> = serde_json::from_value(body["events"].clone())?;
+            print!("{}", events_table(&events));
+        }
+        Command::Redrive { task_type, limit, by, database, amqp } => {
+            let db = Db::connect(&database.options())?;
+            let publisher = Publisher::new(amqp.url.expose().clone(), amqp.confirm_timeout());
+            let report =
+                redrive::redrive(&db, amqp.url.expose(), &publisher, task_type, *limit, by).await?;
+            println!(
+                "redriven: {}  stale messages dropped: {}",
+                report.redriven, report.stale
+            );
+        }
+        Command::StateAt { at, task_type, id, database } => {
+            if task_type.is_none() && id.is_none() {
+                bail!("give --type or --id");
+            }
+            let db = Db::connect(&database.options())?;
+            let states = db.states_at(*at, task_type.as_deref(), *id).await?;
+            if id.is_some() {
+                for (id, state, since) in &states {
+                    println!("{id}  {state}  since {}", since.to_rfc3339());
+                }
+                if states.is_empty() {
+                    println!("the task did not exist at {}", at.to_rfc3339());
+                }
+            } else {
+                let mut counts = std::collections::BTreeMap::new();
+                for (_, state, _) in &states {
+                    *counts.entry(state.as_str()).or_insert(0u64) += 1;
+                }
+                println!("{:<14} {:>10}", "STATE", "TASKS");
+                for (state, n) in counts {
+                    println!("{state:<14} {n:>10}");
+                }
+            }
+        }
+        Command::Retention { keep_days, database } => {
+            let db = Db::connect(&database.options())?;
+            db.ensure_partitions().await?;
+            let dropped = db.drop_partitions(*keep_days).await?;
+            println!("dropped {} partition(s): {}", dropped.len(), dropped.join(", "));
+        }
+    }
+    Ok(())
+}
+
+fn http(cli: &Cli) -> anyhow::Result<reqwest::Client> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(token) = &cli.token {
+        let value = format!("Bearer {}", token.expose());
+        let mut value = reqwest::header::HeaderValue::from_str(&value).context("token")?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    Ok(reqwest::Client::builder().default_headers(headers).build()?)
+}
+
+async fn checked(response: reqwest::Response) -> anyhow::Result<serde_json::Value> {
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.context("gateway answer is not JSON")?;
+    if !status.is_success() {
+        bail!(
+            "{status}: {} ({})",
+            body["error"]["message"].as_str().unwrap_or("error"),
+            body["error"]["code"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(body)
+}
+
+async fn print_json(response: reqwest::Response) -> anyhow::Result<()> {
+    let body = checked(response).await?;
+    println!("{}", serde_json::to_string_pretty(&body)?);
+    Ok(())
+}
+
+/// The audit timeline, one transition per line.
+fn events_table(events: &[TaskEvent]) -> String {
+    let mut out = format!(
+        "{:<30} {:<14} {:<14} {:>7}  {:<24} {}\n",
+        "TIME", "FROM", "TO", "ATTEMPT", "WORKER", "DETAIL"
+    );
+    for e in events {
+        out.push_str(&format!(
+            "{:<30} {:<14} {:<14} {:>7}  {:<24} {}\n",
+            e.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            e.from_state.map(|s| s.as_str()).unwrap_or("-"),
+            e.to_state.as_str(),
+            e.attempt,
+            e.worker_id.as_deref().unwrap_or("-"),
+            e.detail.as_deref().unwrap_or(""),
+        ));
+    }
+    out
+}

@@ -352,3 +352,17 @@ pub async fn consume(
     }
     Ok((channel, consumers))
 }
+
+/// Takes one message from a queue without a consumer (`basic.get`), unacked.
+pub async fn get_one(channel: &Channel, queue: &str) -> AmqpResult<Option<lapin::message::Delivery>> {
+    channel
+        .basic_get(queue, lapin::options::BasicGetOptions::default())
+        .await
+        .map(|message| message.map(|m| m.delivery))
+        .map_err(|source| match &source {
+            lapin::Error::ProtocolError(e) if e.get_id() == 404 => AmqpError::NoQueue {
+                queue: queue.to_owned(),
+            },
+            _ => AmqpError::Unavailable(source),
+        })
+}

@@ -1,1 +1,254 @@
+//! The Conveyor worker: consumes task messages, claims each task with a compare-and-set,
+//! heartbeats while its handler runs, records the outcome, and only then acks.
+#![forbid(unsafe_code)]
 
+pub mod handler;
+pub mod inflight;
+pub mod process;
+pub mod reaper;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use conveyor_core::admin;
+use conveyor_core::amqp::{self, Outgoing, Publisher, QueueNames};
+use conveyor_core::db::{Db, DbOptions, PendingRequeue};
+use conveyor_core::metrics::Metrics;
+use conveyor_core::task::Requeue;
+use conveyor_core::task_type::TaskTypeSpec;
+use futures_util::stream::{select_all, StreamExt};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::handler::Handler;
+use crate::inflight::InFlight;
+use crate::process::Processor;
+
+/// Everything a worker needs, already parsed.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Unique per process; owner of the tasks it claims.
+    pub worker_id: String,
+    pub task_types: Vec<TaskTypeSpec>,
+    pub handler: Handler,
+    /// Tasks run at once; also the prefetch.
+    pub concurrency: u16,
+    pub database: DbOptions,
+    pub amqp_url: String,
+    pub confirm_timeout: Duration,
+    /// After SIGTERM, how long in-flight tasks may run before they are released.
+    pub drain_grace: Duration,
+}
+
+impl WorkerConfig {
+    /// A third of the shortest heartbeat timeout, so two missed beats still leave margin.
+    fn heartbeat_interval(&self) -> Duration {
+        self.task_types
+            .iter()
+            .map(TaskTypeSpec::heartbeat_timeout)
+            .min()
+            .unwrap_or(Duration::from_secs(30))
+            / 3
+    }
+}
+
+/// Runs the worker until `shutdown`, then drains. `admin` serves /metrics and health.
+pub async fn run(
+    config: WorkerConfig,
+    admin_listener: Option<TcpListener>,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(!config.task_types.is_empty(), "the worker consumes no task type");
+    let db = Db::connect(&config.database).context("database settings")?;
+    let publisher = Arc::new(Publisher::new(&config.amqp_url, config.confirm_timeout));
+    let in_flight = InFlight::default();
+    // Background loops outlive the consumer: they stop after the drain.
+    let background = CancellationToken::new();
+
+    if let Some(listener) = admin_listener {
+        let db = db.clone();
+        let ready: admin::ReadinessCheck = Arc::new(move || {
+            let db = db.clone();
+            Box::pin(async move { db.ping().await.map_err(|e| format!("database: {e}")) })
+        });
+        let app = admin::router(metrics.clone(), ready);
+        let stop = background.clone();
+        tokio::spawn(async move {
+            let served = axum::serve(listener, app)
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await;
+            if let Err(err) = served {
+                tracing::error!(error = %err, "admin server failed");
+            }
+        });
+    }
+    tokio::spawn(inflight::heartbeat_loop(
+        db.clone(),
+        config.worker_id.clone(),
+        in_flight.clone(),
+        config.heartbeat_interval(),
+        metrics.clone(),
+        background.clone(),
+    ));
+    for spec in &config.task_types {
+        tokio::spawn(reaper::reap_loop(
+            db.clone(),
+            publisher.clone(),
+            spec.clone(),
+            config.worker_id.clone(),
+            metrics.clone(),
+            background.clone(),
+        ));
+    }
+
+    let processor = Arc::new(Processor {
+        worker_id: config.worker_id.clone(),
+        types: config
+            .task_types
+            .iter()
+            .map(|s| (s.name.clone(), s.clone()))
+            .collect::<BTreeMap<_, _>>(),
+        handler: config.handler.clone(),
+        db,
+        publisher,
+        in_flight: in_flight.clone(),
+        metrics,
+    });
+    tracing::info!(worker = config.worker_id, types = ?processor.types.keys().collect::<Vec<_>>(),
+        concurrency = config.concurrency, "worker started");
+    let result = consume(&config, processor, in_flight, shutdown).await;
+    background.cancel();
+    result
+}
+
+/// Consumes until `shutdown`, reconnecting after connection loss, then drains.
+async fn consume(
+    config: &WorkerConfig,
+    processor: Arc<Processor>,
+    in_flight: InFlight,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let queues: Vec<String> = config
+        .task_types
+        .iter()
+        .map(|s| QueueNames::of(&s.name).main)
+        .collect();
+    let permits = Arc::new(Semaphore::new(usize::from(config.concurrency)));
+    let mut running = JoinSet::new();
+    let mut retry_delay = Duration::from_millis(200);
+    while !shutdown.is_cancelled() {
+        let session = async {
+            let conn = amqp::connect(&config.amqp_url).await?;
+            let channel = conn.create_channel().await.map_err(amqp::AmqpError::Unavailable)?;
+            for spec in &config.task_types {
+                amqp::declare_task_type(&channel, &spec.name).await?;
+            }
+            let (channel, consumers) =
+                amqp::consume(&conn, &queues, config.concurrency, &config.worker_id).await?;
+            Ok::<_, amqp::AmqpError>((conn, channel, consumers))
+        };
+        let (conn, channel, consumers) = match session.await {
+            Ok(session) => session,
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot consume; retrying in {retry_delay:?}");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(retry_delay) => {}
+                }
+                retry_delay = (retry_delay * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        retry_delay = Duration::from_millis(200);
+        tracing::info!(?queues, "consuming");
+        let mut deliveries = select_all(consumers);
+        loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                permit = permits.clone().acquire_owned() => permit?,
+            };
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                next = deliveries.next() => next,
+            };
+            match next {
+                Some(Ok(delivery)) => {
+                    let processor = processor.clone();
+                    running.spawn(async move {
+                        processor.handle(delivery).await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(err)) => {
+                    tracing::warn!(error = %err, "consumer failed; reconnecting");
+                    break;
+                }
+                None => {
+                    tracing::warn!("broker closed the consumer; reconnecting");
+                    break;
+                }
+            }
+            // Reap finished handler tasks so the set does not grow.
+            while running.try_join_next().is_some() {}
+        }
+        if shutdown.is_cancelled() {
+            // Stop deliveries but keep the channel open: in-flight tasks still need to ack.
+            for consumer in deliveries.into_iter() {
+                let _ = channel
+                    .basic_cancel(consumer.tag().as_str(), Default::default())
+                    .await;
+            }
+            drain(&mut running, &in_flight, config.drain_grace).await;
+            let _ = conn.close(200, "worker shutting down").await;
+        }
+    }
+    drain(&mut running, &in_flight, config.drain_grace).await;
+    Ok(())
+}
+
+/// Lets in-flight tasks finish within `grace`, then cancels the rest, which release their
+/// tasks back to the queue before they return.
+async fn drain(running: &mut JoinSet<()>, in_flight: &InFlight, grace: Duration) {
+    if running.is_empty() {
+        return;
+    }
+    tracing::info!(in_flight = in_flight.len(), ?grace, "draining");
+    let finished = tokio::time::timeout(grace, async {
+        while running.join_next().await.is_some() {}
+    })
+    .await;
+    if finished.is_err() {
+        tracing::warn!(remaining = in_flight.len(), "grace period over; releasing tasks");
+        in_flight.cancel_all();
+        while running.join_next().await.is_some() {}
+    }
+}
+
+/// Publishes the messages of a pending re-queue, then commits it. On any error the
+/// transaction rolls back and the task stays with its (silent) owner for the reaper.
+pub async fn publish_requeue(
+    publisher: &Publisher,
+    spec: &TaskTypeSpec,
+    pending: PendingRequeue,
+) -> anyhow::Result<()> {
+    let outgoing: Vec<Outgoing> = pending
+        .tasks
+        .iter()
+        .map(|task| Outgoing {
+            message: task.message.clone(),
+            route: task.route,
+            delay: (task.route == Requeue::Retry)
+                .then(|| spec.backoff.delay((task.retries - 1).max(0) as u32)),
+        })
+        .collect();
+    for result in publisher.publish(&outgoing).await {
+        result.context("publishing re-queued task")?;
+    }
+    pending.commit().await.context("committing re-queue")?;
+    Ok(())
+}

@@ -1,1 +1,93 @@
-fn main() {}
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use conveyor_core::config::{AmqpArgs, DatabaseArgs, TelemetryArgs};
+use conveyor_core::metrics::Metrics;
+use conveyor_core::task_type::load_task_types;
+use conveyor_worker::handler::Handler;
+use conveyor_worker::WorkerConfig;
+use tokio_util::sync::CancellationToken;
+
+/// Conveyor worker.
+#[derive(Debug, Parser)]
+#[command(name = "conveyor-worker", version)]
+struct Args {
+    /// YAML file with the task types (`taskTypes: [...]`).
+    #[arg(long, env = "CONVEYOR_TASK_TYPES", default_value = "examples/task-types.yaml")]
+    task_types: std::path::PathBuf,
+    /// Task types to consume, comma-separated.
+    #[arg(long, env = "CONVEYOR_CONSUME", value_delimiter = ',', required = true)]
+    consume: Vec<String>,
+    /// exec, http, noop, sleep, fail or crash.
+    #[arg(long, env = "CONVEYOR_HANDLER", default_value = "noop")]
+    handler: String,
+    /// Command line for the exec handler.
+    #[arg(long, env = "CONVEYOR_EXEC_COMMAND")]
+    exec_command: Option<String>,
+    /// Sidecar URL for the http handler.
+    #[arg(long, env = "CONVEYOR_HTTP_URL")]
+    http_url: Option<String>,
+    /// Tasks run at once (and the prefetch).
+    #[arg(long, env = "CONVEYOR_CONCURRENCY", default_value_t = 16)]
+    concurrency: u16,
+    /// Identity in the audit log; a random suffix keeps each process distinct.
+    #[arg(long, env = "POD_NAME", default_value = "worker")]
+    worker_name: String,
+    /// Seconds in-flight tasks may run after SIGTERM before they are released.
+    #[arg(long, env = "CONVEYOR_DRAIN_GRACE_SECONDS", default_value_t = 25.0)]
+    drain_grace_seconds: f64,
+    /// Address for /metrics, /healthz and /readyz (none when absent).
+    #[arg(long, env = "CONVEYOR_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
+    #[command(flatten)]
+    database: DatabaseArgs,
+    #[command(flatten)]
+    amqp: AmqpArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    args.telemetry.init();
+    let known = load_task_types(&args.task_types)?;
+    let task_types = args
+        .consume
+        .iter()
+        .map(|name| {
+            known.get(name).cloned().with_context(|| {
+                format!("task type {name:?} is not in {}", args.task_types.display())
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let handler = Handler::parse(
+        &args.handler,
+        args.exec_command.as_deref(),
+        args.http_url.as_deref(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let config = WorkerConfig {
+        worker_id: format!("{}-{}", args.worker_name, &suffix[..8]),
+        task_types,
+        handler,
+        concurrency: args.concurrency.max(1),
+        database: args.database.options(),
+        amqp_url: args.amqp.url.expose().clone(),
+        confirm_timeout: args.amqp.confirm_timeout(),
+        drain_grace: Duration::from_secs_f64(args.drain_grace_seconds.max(0.0)),
+    };
+    let admin = match &args.metrics_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr}"))?,
+        ),
+        None => None,
+    };
+    let shutdown = CancellationToken::new();
+    tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
+    conveyor_worker::run(config, admin, Metrics::new(), shutdown).await
+}
