@@ -33,7 +33,9 @@ CREATE TABLE task_events (
     attempt    integer     NOT NULL,
     worker_id  text,
     detail     text,
-    at         timestamptz NOT NULL DEFAULT now()
+    -- clock_timestamp, not now(): a writer that waited for another's row lock must record
+    -- a later time than the event it waited for, or the timeline would read backwards.
+    at         timestamptz NOT NULL DEFAULT clock_timestamp()
 ) PARTITION BY RANGE (at);
 
 -- A task's timeline, and point-in-time questions per task.

@@ -111,7 +111,7 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Redrive { task_type, limit, by, database, amqp } => {
             let db = Db::connect(&database.options())?;
-            let publisher = Publisher::new(amqp.url.expose().clone(), amqp.confirm_timeout());
+            let publisher = Publisher::new(amqp.url.expose().clone(), "conveyorctl", amqp.confirm_timeout());
             let report =
                 redrive::redrive(&db, amqp.url.expose(), &publisher, task_type, *limit, by).await?;
             println!(

@@ -26,7 +26,7 @@ pub async fn redrive(
     limit: usize,
     by: &str,
 ) -> anyhow::Result<RedriveReport> {
-    let conn = amqp::connect(amqp_url).await?;
+    let conn = amqp::connect(amqp_url, &format!("conveyorctl-redrive-{by}")).await?;
     let channel = conn.create_channel().await.context("opening a channel")?;
     let queue = QueueNames::of(task_type).remediation;
     let mut report = RedriveReport::default();

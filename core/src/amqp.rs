@@ -88,12 +88,13 @@ impl QueueNames {
     }
 }
 
-/// Opens a connection driven by the tokio runtime.
-pub async fn connect(url: &str) -> AmqpResult<Connection> {
+/// Opens a connection driven by the tokio runtime. `name` shows in the broker's
+/// connection list (and lets tests find and cut a given process's connection).
+pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
     let properties = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
-        .with_connection_name("conveyor".into());
+        .with_connection_name(name.into());
     Connection::connect(url, properties)
         .await
         .map_err(AmqpError::Unavailable)
@@ -181,14 +182,17 @@ pub struct Outgoing {
 /// A confirmed publisher over one lazily (re)opened connection.
 pub struct Publisher {
     url: String,
+    name: String,
     confirm_timeout: Duration,
     channel: Mutex<Option<(Connection, Channel)>>,
 }
 
 impl Publisher {
-    pub fn new(url: impl Into<String>, confirm_timeout: Duration) -> Self {
+    /// `name` is the connection name the broker shows.
+    pub fn new(url: impl Into<String>, name: impl Into<String>, confirm_timeout: Duration) -> Self {
         Publisher {
             url: url.into(),
+            name: name.into(),
             confirm_timeout,
             channel: Mutex::new(None),
         }
@@ -203,7 +207,7 @@ impl Publisher {
             }
         }
         *slot = None;
-        let conn = connect(&self.url).await?;
+        let conn = connect(&self.url, &self.name).await?;
         let channel = conn
             .create_channel()
             .await

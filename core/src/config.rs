@@ -44,6 +44,7 @@ impl std::str::FromStr for Secret<String> {
 pub struct DatabaseArgs {
     /// PostgreSQL URL (contains the password, so it is never logged).
     #[arg(
+        id = "database_url",
         long = "database-url",
         env = "CONVEYOR_DATABASE_URL",
         default_value = "postgres://conveyor:conveyor@127.0.0.1:5432/conveyor"
@@ -68,6 +69,7 @@ impl DatabaseArgs {
 pub struct AmqpArgs {
     /// AMQP URL (contains the password, so it is never logged).
     #[arg(
+        id = "amqp_url",
         long = "amqp-url",
         env = "CONVEYOR_AMQP_URL",
         default_value = "amqp://conveyor:conveyor@127.0.0.1:5672/%2f"

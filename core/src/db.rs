@@ -1,5 +1,9 @@
 //! The Postgres layer: every SQL statement Conveyor runs is in this module.
 //!
+//! Audit events are ordered by `(at, seq)`; events written by one statement share `at`, so
+//! they are inserted from an ordered subquery, which makes `seq` follow the lifecycle order
+//! (a plain `INSERT ... SELECT ... ORDER BY` draws the sequence before sorting).
+//!
 //! Writes that change `tasks.state` append their audit events in the same statement or
 //! transaction, so the current row and its history never disagree. Hot-path writes (insert,
 //! mark queued, claim, complete) are single statements over arrays, so that a batch of tasks
@@ -301,11 +305,13 @@ impl Db {
                  RETURNING t.id, t.task_type, t.attempt, current.state AS prior
              )
              INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id)
-             SELECT c.id, c.task_type, p.from_state, p.to_state, c.attempt, $3
-             FROM claimed c, unnest($4::text[], $5::text[]) WITH ORDINALITY
-                 AS p(from_state, to_state, ord)
-             WHERE p.ord > 1 OR c.prior = $6
-             ORDER BY p.ord",
+             SELECT * FROM (
+                 SELECT c.id, c.task_type, p.from_state, p.to_state, c.attempt, $3
+                 FROM claimed c, unnest($4::text[], $5::text[]) WITH ORDINALITY
+                     AS p(from_state, to_state, ord)
+                 WHERE p.ord > 1 OR c.prior = $6
+                 ORDER BY p.ord
+             ) ordered",
         )
         .bind(id)
         .bind(attempt)
@@ -731,10 +737,12 @@ async fn append_events(
     let details: Vec<Option<String>> = rows.iter().map(|r| r.detail.clone()).collect();
     sqlx::query(
         "INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id, detail)
-         SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[],
-                              $6::text[], $7::text[]) WITH ORDINALITY
-             AS e(task_id, task_type, from_state, to_state, attempt, worker_id, detail, ord)
-         ORDER BY ord",
+         SELECT task_id, task_type, from_state, to_state, attempt, worker_id, detail FROM (
+             SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::int[],
+                                  $6::text[], $7::text[]) WITH ORDINALITY
+                 AS e(task_id, task_type, from_state, to_state, attempt, worker_id, detail, ord)
+             ORDER BY ord
+         ) ordered",
     )
     .bind(&ids)
     .bind(&types)

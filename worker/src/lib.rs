@@ -65,7 +65,11 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     anyhow::ensure!(!config.task_types.is_empty(), "the worker consumes no task type");
     let db = Db::connect(&config.database).context("database settings")?;
-    let publisher = Arc::new(Publisher::new(&config.amqp_url, config.confirm_timeout));
+    let publisher = Arc::new(Publisher::new(
+        &config.amqp_url,
+        format!("{}/publish", config.worker_id),
+        config.confirm_timeout,
+    ));
     let in_flight = InFlight::default();
     // Background loops outlive the consumer: they stop after the drain.
     let background = CancellationToken::new();
@@ -143,7 +147,7 @@ async fn consume(
     let mut retry_delay = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
         let session = async {
-            let conn = amqp::connect(&config.amqp_url).await?;
+            let conn = amqp::connect(&config.amqp_url, &format!("{}/consume", config.worker_id)).await?;
             let channel = conn.create_channel().await.map_err(amqp::AmqpError::Unavailable)?;
             for spec in &config.task_types {
                 amqp::declare_task_type(&channel, &spec.name).await?;

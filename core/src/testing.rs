@@ -1,0 +1,71 @@
+//! Integration-test support: one database per test and unique task types, so tests run in
+//! parallel against the same PostgreSQL and RabbitMQ without seeing each other.
+
+use uuid::Uuid;
+
+use crate::amqp::{self, QueueNames};
+use crate::db::{Db, DbOptions};
+
+/// Where the test services are; `scripts/services.sh up` provides these defaults.
+pub fn admin_database_url() -> String {
+    std::env::var("CONVEYOR_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://conveyor:conveyor@127.0.0.1:5432/postgres".to_owned())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("CONVEYOR_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://conveyor:conveyor@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// The RabbitMQ management API, for tests that close connections or read queue counts.
+pub fn management_url() -> String {
+    std::env::var("CONVEYOR_TEST_MANAGEMENT_URL")
+        .unwrap_or_else(|_| "http://conveyor:conveyor@127.0.0.1:15672".to_owned())
+}
+
+/// A fresh, migrated database.
+pub struct TestDatabase {
+    pub db: Db,
+    pub url: String,
+    pub name: String,
+}
+
+impl TestDatabase {
+    pub async fn create() -> TestDatabase {
+        let admin_url = admin_database_url();
+        let name = format!("conveyor_test_{}", Uuid::new_v4().simple());
+        let admin = Db::connect(&DbOptions::new(&admin_url)).expect("admin database URL");
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(admin.pool())
+            .await
+            .expect("create the test database (is `scripts/services.sh up` done?)");
+        admin.pool().close().await;
+        let base = admin_url
+            .rsplit_once('/')
+            .map(|(base, _)| base)
+            .expect("database URL ends in /dbname");
+        let url = format!("{base}/{name}");
+        let db = Db::connect(&DbOptions::new(&url)).expect("test database URL");
+        db.migrate().await.expect("migrations apply");
+        TestDatabase { db, url, name }
+    }
+}
+
+/// A task type name no other test uses.
+pub fn unique_type(prefix: &str) -> String {
+    format!("{prefix}-{}", &Uuid::new_v4().simple().to_string()[..10])
+}
+
+/// Deletes a task type's queues (best effort, at the end of a test).
+pub async fn delete_queues(task_type: &str) {
+    let Ok(conn) = amqp::connect(&amqp_url(), "conveyor-test-cleanup").await else {
+        return;
+    };
+    if let Ok(channel) = conn.create_channel().await {
+        let names = QueueNames::of(task_type);
+        for queue in [names.main, names.retry, names.remediation] {
+            let _ = channel.queue_delete(&queue, Default::default()).await;
+        }
+    }
+    let _ = conn.close(200, "test cleanup").await;
+}

@@ -1,0 +1,142 @@
+//! The Postgres layer on its own: compare-and-set, fencing, reaping, point in time.
+
+use std::time::Duration;
+
+use conveyor_core::db::Recorded;
+use conveyor_core::task::{NewTask, Requeue};
+use conveyor_core::testing::{unique_type, TestDatabase};
+use conveyor_core::TaskState::*;
+use uuid::Uuid;
+
+fn new_task(task_type: &str) -> NewTask {
+    let id = Uuid::new_v4();
+    NewTask {
+        id,
+        idempotency_key: id,
+        task_type: task_type.to_owned(),
+        payload: serde_json::json!({"n": 1}),
+    }
+}
+
+#[tokio::test]
+async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let task = new_task(&task_type);
+    let recorded = db.record_tasks(&[task.clone()]).await.unwrap();
+    assert!(matches!(recorded[0], Recorded::Created(_)));
+    // The same key again is the same task, not a second one.
+    let mut again = new_task(&task_type);
+    again.idempotency_key = task.idempotency_key;
+    let recorded = db.record_tasks(&[again]).await.unwrap();
+    assert!(matches!(&recorded[0], Recorded::Existing(t) if t.id == task.id));
+
+    // A claim may win before the gateway marks the task QUEUED; it writes QUEUED itself.
+    assert!(db.claim(task.id, 0, "w1").await.unwrap());
+    assert!(!db.claim(task.id, 0, "w2").await.unwrap(), "second claim must lose");
+    db.mark_queued(&[task.id]).await.unwrap();
+    assert_eq!(db.task(task.id).await.unwrap().unwrap().state, Processing);
+
+    assert!(!db.complete(task.id, 0, "w2", &serde_json::json!({})).await.unwrap(), "not the owner");
+    assert!(!db.complete(task.id, 1, "w1", &serde_json::json!({})).await.unwrap(), "wrong attempt");
+    assert!(db.complete(task.id, 0, "w1", &serde_json::json!({"ok": true})).await.unwrap());
+    assert!(!db.complete(task.id, 0, "w1", &serde_json::json!({})).await.unwrap(), "only once");
+
+    let events = db.events(task.id).await.unwrap();
+    let states: Vec<_> = events.iter().map(|e| e.to_state).collect();
+    assert_eq!(states, [Ingested, Queued, Claimed, Processing, Completed]);
+    assert_eq!(events[4].worker_id.as_deref(), Some("w1"));
+}
+
+#[tokio::test]
+async fn silent_owners_are_reaped_once_and_then_fenced() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let task = new_task(&task_type);
+    db.record_tasks(&[task.clone()]).await.unwrap();
+    db.mark_queued(&[task.id]).await.unwrap();
+    assert!(db.claim(task.id, 0, "silent").await.unwrap());
+    let timeout = Duration::from_millis(300);
+    assert!(db.begin_reap(&task_type, timeout, 3, "r", 10).await.unwrap().is_none(), "fresh");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let pending = db.begin_reap(&task_type, timeout, 3, "r1", 10).await.unwrap().unwrap();
+    // A second reaper skips the locked row instead of waiting or double-handling it.
+    assert!(db.begin_reap(&task_type, timeout, 3, "r2", 10).await.unwrap().is_none());
+    assert_eq!(pending.tasks.len(), 1);
+    assert_eq!(pending.tasks[0].route, Requeue::Main);
+    assert_eq!(pending.tasks[0].message.attempt, 1);
+    pending.commit().await.unwrap();
+
+    // The old owner's late result is refused; the stale attempt-0 message cannot claim.
+    assert!(!db.complete(task.id, 0, "silent", &serde_json::json!({})).await.unwrap());
+    assert!(!db.claim(task.id, 0, "w2").await.unwrap());
+    assert!(db.claim(task.id, 1, "w2").await.unwrap());
+    let record = db.task(task.id).await.unwrap().unwrap();
+    assert_eq!((record.attempt, record.retries), (1, 1));
+}
+
+#[tokio::test]
+async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let task = new_task(&task_type);
+    db.record_tasks(&[task.clone()]).await.unwrap();
+    assert!(db.claim(task.id, 0, "w1").await.unwrap());
+    let pending = db.begin_failure(task.id, 0, "w1", "boom", 3).await.unwrap().unwrap();
+    assert_eq!(pending.tasks[0].route, Requeue::Retry);
+    drop(pending); // the publish failed: roll back
+    let record = db.task(task.id).await.unwrap().unwrap();
+    assert_eq!((record.state, record.attempt), (Processing, 0));
+    assert_eq!(db.events(task.id).await.unwrap().len(), 4, "no FAILED event was kept");
+}
+
+#[tokio::test]
+async fn point_in_time_state_comes_from_the_audit_log() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let tasks: Vec<NewTask> = (0..3).map(|_| new_task(&task_type)).collect();
+    db.record_tasks(&tasks).await.unwrap();
+    let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+    db.mark_queued(&ids).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let queued_at = chrono::Utc::now();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert!(db.claim(ids[0], 0, "w").await.unwrap());
+    assert!(db.complete(ids[0], 0, "w", &serde_json::json!({})).await.unwrap());
+
+    let then = db.states_at(queued_at, Some(&task_type), None).await.unwrap();
+    assert_eq!(then.len(), 3);
+    assert!(then.iter().all(|(_, state, _)| *state == Queued));
+    let now = db.states_at(chrono::Utc::now(), Some(&task_type), None).await.unwrap();
+    assert_eq!(now.iter().filter(|(_, s, _)| *s == Completed).count(), 1);
+    let one = db.states_at(queued_at, None, Some(ids[0])).await.unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].1, Queued);
+    let before = queued_at - chrono::Duration::hours(1);
+    assert!(db.states_at(before, Some(&task_type), None).await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn audit_log_partitions_exist_ahead_and_retention_drops_old_days() {
+    let db = TestDatabase::create().await.db;
+    let partitions: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'task_events'::regclass ORDER BY 1",
+    )
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    // yesterday..today+7, plus the default partition
+    assert_eq!(partitions.len(), 10, "{partitions:?}");
+    // Simulate an old day and check that retention drops it and nothing else.
+    sqlx::query(
+        "CREATE TABLE task_events_20200101 PARTITION OF task_events
+         FOR VALUES FROM ('2020-01-01 00:00Z') TO ('2020-01-02 00:00Z')",
+    )
+    .execute(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(db.drop_partitions(30).await.unwrap(), ["task_events_20200101"]);
+    db.ensure_partitions().await.unwrap();
+}

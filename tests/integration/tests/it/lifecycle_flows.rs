@@ -1,0 +1,132 @@
+//! Whole task lives through gateway, broker, workers and database.
+
+use std::time::Duration;
+
+use conveyor_core::TaskState::*;
+use conveyor_worker::handler::Handler;
+use futures_util::stream::{self, StreamExt};
+use reqwest::StatusCode;
+
+use crate::support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thousand_concurrent_tasks_complete_exactly_once_with_full_audit_chains() {
+    let spec = test_type("bulk");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let w1 = harness.start_worker(&[&name], Handler::Noop, 32);
+    let w2 = harness.start_worker(&[&name], Handler::Noop, 32);
+
+    let answers: Vec<(StatusCode, serde_json::Value)> = stream::iter(0..1000)
+        .map(|i| harness.submit(&name, serde_json::json!({ "n": i }), None))
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    assert!(answers.iter().all(|(s, b)| *s == StatusCode::CREATED && b["state"] == "QUEUED"));
+
+    harness.wait_for_state(&name, Completed, 1000, Duration::from_secs(120)).await;
+    assert_eq!(harness.total_tasks(&name).await, 1000);
+    let chains = harness.chains(&name).await;
+    for chain in chains.values() {
+        assert_valid_chain(chain);
+        assert_eq!(states(chain), [Ingested, Queued, Claimed, Processing, Completed]);
+        let owner = chain[2].worker_id.as_deref().expect("claim names the worker");
+        assert!(owner == w1 || owner == w2);
+        assert!(chain[2..].iter().all(|e| e.worker_id.as_deref() == Some(owner)));
+    }
+    let completed: u64 = [&w1, &w2]
+        .iter()
+        .map(|w| harness.worker_metrics(w).tasks.with_label_values(&[&name, "completed"]).get())
+        .sum();
+    assert_eq!(completed, 1000);
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 0);
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn failures_retry_with_growing_delays_then_dead_letter_and_redrive_brings_them_back() {
+    let spec = test_type("failing");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let failing = harness.start_worker(&[&name], Handler::Fail, 4);
+    let id = harness.submit_ok(&name, serde_json::json!({})).await;
+
+    harness.wait_for_state(&name, DeadLetter, 1, Duration::from_secs(30)).await;
+    let events = harness.events(id).await;
+    assert_valid_chain(&events);
+    assert_eq!(events.iter().filter(|e| e.to_state == Failed).count(), 4, "first try + 3 retries");
+    // Delay between FAILED → QUEUED and the next CLAIMED: the backoff, growing each time.
+    let delays: Vec<Duration> = events
+        .windows(2)
+        .filter(|w| w[0].from_state == Some(Failed) && w[0].to_state == Queued)
+        .map(|w| (w[1].at - w[0].at).to_std().unwrap())
+        .collect();
+    assert_eq!(delays.len(), 3, "{:?}", states(&events));
+    assert!(delays[0] >= Duration::from_millis(140), "{delays:?}");
+    assert!(delays[0] < delays[1] && delays[1] < delays[2], "{delays:?}");
+    let last = events.last().unwrap();
+    assert_eq!(last.to_state, DeadLetter);
+    assert!(last.detail.as_deref().unwrap_or("").contains("retries exhausted"));
+    let metrics = harness.worker_metrics(&failing).clone();
+    assert_eq!(metrics.retries.with_label_values(&[&name]).get(), 3);
+    assert_eq!(metrics.dead_letters.with_label_values(&[&name]).get(), 1);
+    harness.take_worker(&failing).stop().await;
+    wait_until("parked in remediation", Duration::from_secs(10), || async {
+        harness.ready_count(&queue(&name).remediation).await == 1
+    })
+    .await;
+
+    let output = std::process::Command::new(binary("conveyorctl"))
+        .args(["redrive", "--type", &name, "--by", "ops-test"])
+        .env("CONVEYOR_DATABASE_URL", &harness.db_url)
+        .env("CONVEYOR_AMQP_URL", conveyor_core::testing::amqp_url())
+        .output()
+        .expect("run conveyorctl");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{stdout} {}", String::from_utf8_lossy(&output.stderr));
+    assert!(stdout.contains("redriven: 1"), "{stdout}");
+    assert_eq!(harness.ready_count(&queue(&name).remediation).await, 0);
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 1);
+    let record = harness.db.task(id).await.unwrap().unwrap();
+    assert_eq!((record.state, record.retries), (Queued, 0));
+    let redrive = harness.events(id).await.pop().unwrap();
+    assert_eq!((redrive.from_state, redrive.to_state), (Some(DeadLetter), Queued));
+    assert_eq!(redrive.worker_id.as_deref(), Some("ops-test"));
+
+    harness.start_worker(&[&name], Handler::Noop, 4);
+    harness.wait_for_state(&name, Completed, 1, Duration::from_secs(20)).await;
+    assert_valid_chain(&harness.events(id).await);
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_duplicate_delivery_completes_once_and_is_counted() {
+    let spec = test_type("dup");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let id = harness.submit_ok(&name, serde_json::json!({"x": 1})).await;
+    // Publish the very same message a second time, as a broker redelivery would.
+    let task = harness.db.task(id).await.unwrap().unwrap();
+    let duplicate = conveyor_core::amqp::Outgoing {
+        message: task.message(),
+        route: conveyor_core::task::Requeue::Main,
+        delay: None,
+    };
+    for result in harness.publisher().publish(&[duplicate]).await {
+        result.unwrap();
+    }
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 2);
+
+    let worker = harness.start_worker(&[&name], Handler::Noop, 1);
+    harness.wait_for_state(&name, Completed, 1, Duration::from_secs(20)).await;
+    let metrics = harness.worker_metrics(&worker).clone();
+    wait_until("duplicate counted", Duration::from_secs(10), || async {
+        metrics.duplicates.with_label_values(&[&name]).get() == 1
+    })
+    .await;
+    assert_eq!(metrics.tasks.with_label_values(&[&name, "completed"]).get(), 1);
+    let events = harness.events(id).await;
+    assert_eq!(events.iter().filter(|e| e.to_state == Completed).count(), 1);
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 0);
+    harness.shutdown().await;
+}

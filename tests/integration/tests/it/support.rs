@@ -1,0 +1,316 @@
+//! A running Conveyor for one test: its own database, its own task types, an in-process
+//! gateway, and workers in-process or as real `conveyor-worker` processes.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use conveyor_core::amqp::{Publisher, QueueNames};
+use conveyor_core::config::Secret;
+use conveyor_core::db::Db;
+use conveyor_core::metrics::Metrics;
+use conveyor_core::task::TaskEvent;
+use conveyor_core::task_type::{TaskTypeSpec, TaskTypes};
+use conveyor_core::testing::{self, TestDatabase};
+use conveyor_core::TaskState;
+use conveyor_gateway::auth::Tokens;
+use conveyor_gateway::ingest::ClientLimits;
+use conveyor_gateway::GatewayConfig;
+use conveyor_worker::handler::Handler;
+use conveyor_worker::WorkerConfig;
+use reqwest::StatusCode;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+pub const TOKEN: &str = "test-token-123";
+
+pub struct Harness {
+    pub db: Db,
+    pub db_url: String,
+    pub types: Vec<TaskTypeSpec>,
+    pub gateway_url: String,
+    pub http: reqwest::Client,
+    pub gateway_metrics: Metrics,
+    types_file: PathBuf,
+    shutdown: CancellationToken,
+    workers: Vec<InProcessWorker>,
+}
+
+pub struct InProcessWorker {
+    pub id: String,
+    pub metrics: Metrics,
+    stop: CancellationToken,
+    handle: JoinHandle<anyhow::Result<()>>,
+}
+
+impl InProcessWorker {
+    /// SIGTERM, in-process: drain and return.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        self.handle.await.expect("worker task").expect("worker ran");
+    }
+}
+
+/// A type with short timeouts for tests.
+pub fn test_type(prefix: &str) -> TaskTypeSpec {
+    let mut spec = TaskTypeSpec::named(testing::unique_type(prefix));
+    spec.heartbeat_timeout_seconds = 2.0;
+    spec.backoff.initial_seconds = 0.2;
+    spec.backoff.max_seconds = 5.0;
+    spec
+}
+
+impl Harness {
+    pub async fn start(types: Vec<TaskTypeSpec>) -> Harness {
+        Self::start_with(types, |_| {}).await
+    }
+
+    pub async fn start_with(
+        types: Vec<TaskTypeSpec>,
+        adjust: impl FnOnce(&mut GatewayConfig),
+    ) -> Harness {
+        let test_db = TestDatabase::create().await;
+        let task_types: TaskTypes = types.iter().map(|t| (t.name.clone(), t.clone())).collect();
+        let mut config = GatewayConfig {
+            database: conveyor_core::db::DbOptions::new(&test_db.url),
+            amqp_url: testing::amqp_url(),
+            confirm_timeout: Duration::from_secs(5),
+            task_types,
+            tokens: Tokens::parse_pairs(&format!("tests={TOKEN}")).expect("token"),
+            client_limits: ClientLimits {
+                per_second: 100_000.0,
+                burst: 100_000.0,
+            },
+            max_body_bytes: 64 * 1024,
+            max_batch_bytes: 1024 * 1024,
+            max_batch_tasks: 500,
+            depth_interval: Duration::from_millis(200),
+            migrate: false,
+        };
+        adjust(&mut config);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let gateway_url = format!("http://{}", listener.local_addr().expect("addr"));
+        let shutdown = CancellationToken::new();
+        let gateway_metrics = Metrics::new();
+        tokio::spawn(conveyor_gateway::run(
+            config,
+            listener,
+            gateway_metrics.clone(),
+            shutdown.clone(),
+        ));
+        let types_file = std::env::temp_dir().join(format!("conveyor-types-{}.json", Uuid::new_v4()));
+        // JSON is YAML: the worker binary reads this file as its --task-types.
+        std::fs::write(
+            &types_file,
+            serde_json::to_vec(&serde_json::json!({ "taskTypes": types })).expect("json"),
+        )
+        .expect("write task types file");
+        let harness = Harness {
+            db: test_db.db,
+            db_url: test_db.url,
+            types,
+            gateway_url,
+            http: reqwest::Client::new(),
+            gateway_metrics,
+            types_file,
+            shutdown,
+            workers: Vec::new(),
+        };
+        harness.wait_ready().await;
+        harness
+    }
+
+    async fn wait_ready(&self) {
+        let url = format!("{}/readyz", self.gateway_url);
+        wait_until("gateway ready", Duration::from_secs(30), || async {
+            matches!(self.http.get(&url).send().await, Ok(r) if r.status().is_success())
+        })
+        .await;
+    }
+
+    pub fn spec(&self, name: &str) -> &TaskTypeSpec {
+        self.types.iter().find(|t| t.name == name).expect("known type")
+    }
+
+    pub async fn submit(
+        &self,
+        task_type: &str,
+        payload: serde_json::Value,
+        key: Option<Uuid>,
+    ) -> (StatusCode, serde_json::Value) {
+        let mut request = self
+            .http
+            .post(format!("{}/v1/tasks", self.gateway_url))
+            .bearer_auth(TOKEN)
+            .json(&serde_json::json!({ "taskType": task_type, "payload": payload }));
+        if let Some(key) = key {
+            request = request.header("Idempotency-Key", key.to_string());
+        }
+        let response = request.send().await.expect("gateway answers");
+        let status = response.status();
+        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+    }
+
+    /// Submits and expects 201; returns the task id.
+    pub async fn submit_ok(&self, task_type: &str, payload: serde_json::Value) -> Uuid {
+        let (status, body) = self.submit(task_type, payload, None).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        body["id"].as_str().and_then(|s| s.parse().ok()).expect("id")
+    }
+
+    pub fn start_worker(&mut self, types: &[&str], handler: Handler, concurrency: u16) -> String {
+        let id = format!("inproc-{}", &Uuid::new_v4().simple().to_string()[..8]);
+        let config = WorkerConfig {
+            worker_id: id.clone(),
+            task_types: types.iter().map(|t| self.spec(t).clone()).collect(),
+            handler,
+            concurrency,
+            database: conveyor_core::db::DbOptions::new(&self.db_url),
+            amqp_url: testing::amqp_url(),
+            confirm_timeout: Duration::from_secs(5),
+            drain_grace: Duration::from_secs(10),
+        };
+        let metrics = Metrics::new();
+        let stop = CancellationToken::new();
+        let handle = tokio::spawn(conveyor_worker::run(config, None, metrics.clone(), stop.clone()));
+        self.workers.push(InProcessWorker { id: id.clone(), metrics, stop, handle });
+        id
+    }
+
+    pub fn take_worker(&mut self, id: &str) -> InProcessWorker {
+        let index = self.workers.iter().position(|w| w.id == id).expect("worker");
+        self.workers.remove(index)
+    }
+
+    pub fn worker_metrics(&self, id: &str) -> &Metrics {
+        &self.workers.iter().find(|w| w.id == id).expect("worker").metrics
+    }
+
+    /// A real `conveyor-worker` process (for signals). Its id starts with `name`.
+    pub fn spawn_worker_process(&self, name: &str, types: &[&str], args: &[&str]) -> Child {
+        Command::new(binary("conveyor-worker"))
+            .arg("--task-types")
+            .arg(&self.types_file)
+            .arg("--consume")
+            .arg(types.join(","))
+            .arg("--worker-name")
+            .arg(name)
+            .args(args)
+            .env("CONVEYOR_DATABASE_URL", &self.db_url)
+            .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start conveyor-worker (run `cargo build --bins` first)")
+    }
+
+    pub fn publisher(&self) -> Publisher {
+        Publisher::new(testing::amqp_url(), "conveyor-test", Duration::from_secs(5))
+    }
+
+    pub async fn ready_count(&self, queue: &str) -> u32 {
+        self.publisher().ready_count(queue).await.expect("queue exists")
+    }
+
+    /// Waits until `n` tasks of `task_type` are in `state`.
+    pub async fn wait_for_state(&self, task_type: &str, state: TaskState, n: i64, timeout: Duration) {
+        wait_until(&format!("{n} {task_type} tasks {state}"), timeout, || async {
+            self.count(task_type, state).await == n
+        })
+        .await;
+    }
+
+    pub async fn count(&self, task_type: &str, state: TaskState) -> i64 {
+        let counts = self.db.state_counts(task_type).await.expect("counts");
+        counts.iter().find(|(s, _)| *s == state).map(|(_, n)| *n).unwrap_or(0)
+    }
+
+    pub async fn total_tasks(&self, task_type: &str) -> i64 {
+        let counts = self.db.state_counts(task_type).await.expect("counts");
+        counts.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Every audit event of a type, by task, in order.
+    pub async fn chains(&self, task_type: &str) -> BTreeMap<Uuid, Vec<TaskEvent>> {
+        let ids: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM tasks WHERE task_type = $1")
+            .bind(task_type)
+            .fetch_all(self.db.pool())
+            .await
+            .expect("ids");
+        let mut chains = BTreeMap::new();
+        for id in ids {
+            chains.insert(id, self.db.events(id).await.expect("events"));
+        }
+        chains
+    }
+
+    pub async fn events(&self, id: Uuid) -> Vec<TaskEvent> {
+        self.db.events(id).await.expect("events")
+    }
+
+    pub async fn shutdown(mut self) {
+        for worker in std::mem::take(&mut self.workers) {
+            worker.stop().await;
+        }
+        self.shutdown.cancel();
+        for spec in &self.types {
+            testing::delete_queues(&spec.name).await;
+        }
+        let _ = std::fs::remove_file(&self.types_file);
+    }
+}
+
+/// The path of a workspace binary next to this test executable.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    // target/<profile>/deps/it-xxxx → target/<profile>/<name>
+    exe.parent().and_then(|deps| deps.parent()).expect("target dir").join(name)
+}
+
+/// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The states of a chain, in order.
+pub fn states(chain: &[TaskEvent]) -> Vec<TaskState> {
+    chain.iter().map(|e| e.to_state).collect()
+}
+
+/// Asserts that a chain is a valid lifecycle path.
+pub fn assert_valid_chain(chain: &[TaskEvent]) {
+    let steps: Vec<_> = chain.iter().map(|e| (e.from_state, e.to_state)).collect();
+    if let Err(err) = conveyor_core::lifecycle::check_chain(&steps) {
+        panic!("invalid audit chain {:?}: {err}", states(chain));
+    }
+    for pair in chain.windows(2) {
+        assert!(pair[0].at <= pair[1].at, "timestamps go backwards in {:?}", states(chain));
+    }
+}
+
+pub fn queue(task_type: &str) -> QueueNames {
+    QueueNames::of(task_type)
+}
+
+pub fn secret(s: &str) -> Secret<String> {
+    Secret::new(s.to_owned())
+}
+
+pub fn kill(child: &Child, signal: &str) {
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{signal} failed");
+}
