@@ -111,9 +111,9 @@ async fn main() -> anyhow::Result<()> {
         }
         Command::Redrive { task_type, limit, by, database, amqp } => {
             let db = Db::connect(&database.options())?;
-            let publisher = Publisher::new(amqp.url.expose().clone(), "conveyorctl", amqp.confirm_timeout());
+            let publisher = Publisher::new(amqp.connection_url(), "conveyorctl", amqp.confirm_timeout());
             let report =
-                redrive::redrive(&db, amqp.url.expose(), &publisher, task_type, *limit, by).await?;
+                redrive::redrive(&db, &amqp.connection_url(), &publisher, task_type, *limit, by).await?;
             println!(
                 "redriven: {}  stale messages dropped: {}",
                 report.redriven, report.stale

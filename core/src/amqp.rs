@@ -88,6 +88,15 @@ impl QueueNames {
     }
 }
 
+/// Adds `heartbeat=<seconds>` to an AMQP URL that does not choose one.
+pub fn with_heartbeat(url: &str, seconds: u16) -> String {
+    if url.contains("heartbeat=") {
+        return url.to_owned();
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}heartbeat={seconds}")
+}
+
 /// Opens a connection driven by the tokio runtime. `name` shows in the broker's
 /// connection list (and lets tests find and cut a given process's connection).
 pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
@@ -369,4 +378,34 @@ pub async fn get_one(channel: &Channel, queue: &str) -> AmqpResult<Option<lapin:
             },
             _ => AmqpError::Unavailable(source),
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_names_and_heartbeat_urls() {
+        let names = QueueNames::of("transcode");
+        assert_eq!(names.route(Requeue::Main), "conveyor.transcode");
+        assert_eq!(names.route(Requeue::Retry), "conveyor.transcode.retry");
+        assert_eq!(names.route(Requeue::Remediation), "conveyor.transcode.remediation");
+        assert_eq!(with_heartbeat("amqp://h/%2f", 5), "amqp://h/%2f?heartbeat=5");
+        assert_eq!(with_heartbeat("amqp://h/?x=1", 5), "amqp://h/?x=1&heartbeat=5");
+        assert_eq!(with_heartbeat("amqp://h/?heartbeat=3", 5), "amqp://h/?heartbeat=3");
+    }
+
+    #[test]
+    fn retry_queue_dead_letters_back_to_work_and_work_to_remediation() {
+        let [(main, main_args), (retry, retry_args), (_, remediation_args)] =
+            queue_arguments(&QueueNames::of("t"));
+        assert_eq!(main, "conveyor.t");
+        assert_eq!(retry, "conveyor.t.retry");
+        let get = |args: &FieldTable, key: &str| args.inner().get(key).cloned();
+        assert_eq!(get(&main_args, "x-dead-letter-routing-key"), Some(arg_str("conveyor.t.remediation")));
+        assert_eq!(get(&retry_args, "x-dead-letter-routing-key"), Some(arg_str("conveyor.t")));
+        assert_eq!(get(&retry_args, "x-dead-letter-strategy"), Some(arg_str("at-least-once")));
+        assert_eq!(get(&remediation_args, "x-queue-type"), Some(arg_str("quorum")));
+        assert_eq!(get(&remediation_args, "x-dead-letter-exchange"), None);
+    }
 }

@@ -78,9 +78,18 @@ pub struct AmqpArgs {
     /// Longest wait for a publisher confirm before the publish counts as failed.
     #[arg(long = "confirm-timeout-ms", env = "CONVEYOR_CONFIRM_TIMEOUT_MS", default_value_t = 5000)]
     pub confirm_timeout_ms: u64,
+    /// AMQP heartbeat. A frozen process (SIGSTOP, a stuck VM) holds its prefetched
+    /// messages until the broker misses two heartbeats, so keep this short.
+    #[arg(long = "amqp-heartbeat-seconds", env = "CONVEYOR_AMQP_HEARTBEAT_SECONDS", default_value_t = 10)]
+    pub heartbeat_seconds: u16,
 }
 
 impl AmqpArgs {
+    /// The URL with the heartbeat applied (unless the URL sets one itself).
+    pub fn connection_url(&self) -> String {
+        crate::amqp::with_heartbeat(self.url.expose(), self.heartbeat_seconds)
+    }
+
     pub fn confirm_timeout(&self) -> Duration {
         Duration::from_millis(self.confirm_timeout_ms)
     }

@@ -9,6 +9,7 @@ pub mod error;
 pub mod ingest;
 pub mod rate_limit;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -64,9 +65,11 @@ pub async fn run(
     }
     let publisher = Arc::new(Publisher::new(&config.amqp_url, "conveyor-gateway", config.confirm_timeout));
     let type_names: Vec<String> = config.task_types.keys().cloned().collect();
+    let declared = Arc::new(AtomicBool::new(false));
     tokio::spawn(declare_topology(
         publisher.clone(),
         type_names.clone(),
+        declared.clone(),
         shutdown.clone(),
     ));
     let depths = Arc::new(DepthMonitor::default());
@@ -95,7 +98,11 @@ pub async fn run(
         let db = db.clone();
         let publisher = publisher.clone();
         let probe_type = config.task_types.keys().next().cloned();
+        let declared = declared.clone();
         Box::pin(async move {
+            if !declared.load(Ordering::Acquire) {
+                return Err("task type queues are not declared yet".to_owned());
+            }
             db.ping().await.map_err(|e| format!("database: {e}"))?;
             if let Some(task_type) = probe_type {
                 let queue = conveyor_core::amqp::QueueNames::of(&task_type).main;
@@ -122,6 +129,7 @@ pub async fn run(
 async fn declare_topology(
     publisher: Arc<Publisher>,
     task_types: Vec<String>,
+    declared: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) {
     for task_type in task_types {
@@ -138,4 +146,5 @@ async fn declare_topology(
             }
         }
     }
+    declared.store(true, Ordering::Release);
 }

@@ -69,7 +69,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let config = GatewayConfig {
         database: args.database.options(),
-        amqp_url: args.amqp.url.expose().clone(),
+        amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
         task_types: load_task_types(&args.task_types)?,
         tokens,

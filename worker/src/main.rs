@@ -75,7 +75,7 @@ async fn main() -> anyhow::Result<()> {
         handler,
         concurrency: args.concurrency.max(1),
         database: args.database.options(),
-        amqp_url: args.amqp.url.expose().clone(),
+        amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
         drain_grace: Duration::from_secs_f64(args.drain_grace_seconds.max(0.0)),
     };

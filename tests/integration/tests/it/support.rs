@@ -200,6 +200,8 @@ impl Harness {
             .args(args)
             .env("CONVEYOR_DATABASE_URL", &self.db_url)
             .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+            // Short, so that the broker notices a SIGSTOPped worker quickly.
+            .env("CONVEYOR_AMQP_HEARTBEAT_SECONDS", "2")
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .spawn()
