@@ -13,10 +13,19 @@ use conveyor_core::task::TaskEvent;
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
-#[command(name = "conveyorctl", version, about = "Command-line client for Conveyor")]
+#[command(
+    name = "conveyorctl",
+    version,
+    about = "Command-line client for Conveyor"
+)]
 struct Cli {
     /// Gateway base URL.
-    #[arg(long, global = true, env = "CONVEYOR_GATEWAY_URL", default_value = "http://127.0.0.1:8080")]
+    #[arg(
+        long,
+        global = true,
+        env = "CONVEYOR_GATEWAY_URL",
+        default_value = "http://127.0.0.1:8080"
+    )]
     gateway: String,
     /// Bearer token for the gateway (never printed).
     #[arg(long, global = true, env = "CONVEYOR_TOKEN", hide_env_values = true)]
@@ -82,13 +91,27 @@ enum Command {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    match run(&cli).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("conveyorctl: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: &Cli) -> anyhow::Result<()> {
     match &cli.command {
-        Command::Submit { task_type, payload, idempotency_key } => {
+        Command::Submit {
+            task_type,
+            payload,
+            idempotency_key,
+        } => {
             let payload: serde_json::Value =
                 serde_json::from_str(payload).context("--payload is not JSON")?;
-            let mut request = http(&cli)?
+            let mut request = http(cli)?
                 .post(format!("{}/v1/tasks", cli.gateway))
                 .json(&serde_json::json!({ "taskType": task_type, "payload": payload }));
             if let Some(key) = idempotency_key {
@@ -97,11 +120,11 @@ async fn main() -> anyhow::Result<()> {
             print_json(request.send().await?).await?;
         }
         Command::Get { id } => {
-            let request = http(&cli)?.get(format!("{}/v1/tasks/{id}", cli.gateway));
+            let request = http(cli)?.get(format!("{}/v1/tasks/{id}", cli.gateway));
             print_json(request.send().await?).await?;
         }
         Command::Events { id } => {
-            let response = http(&cli)?
+            let response = http(cli)?
                 .get(format!("{}/v1/tasks/{id}/events", cli.gateway))
                 .send()
                 .await?;
@@ -109,17 +132,36 @@ async fn main() -> anyhow::Result<()> {
             let events: Vec<TaskEvent> = serde_json::from_value(body["events"].clone())?;
             print!("{}", events_table(&events));
         }
-        Command::Redrive { task_type, limit, by, database, amqp } => {
+        Command::Redrive {
+            task_type,
+            limit,
+            by,
+            database,
+            amqp,
+        } => {
             let db = Db::connect(&database.options())?;
-            let publisher = Publisher::new(amqp.connection_url(), "conveyorctl", amqp.confirm_timeout());
-            let report =
-                redrive::redrive(&db, &amqp.connection_url(), &publisher, task_type, *limit, by).await?;
+            let publisher =
+                Publisher::new(amqp.connection_url(), "conveyorctl", amqp.confirm_timeout());
+            let report = redrive::redrive(
+                &db,
+                &amqp.connection_url(),
+                &publisher,
+                task_type,
+                *limit,
+                by,
+            )
+            .await?;
             println!(
                 "redriven: {}  stale messages dropped: {}",
                 report.redriven, report.stale
             );
         }
-        Command::StateAt { at, task_type, id, database } => {
+        Command::StateAt {
+            at,
+            task_type,
+            id,
+            database,
+        } => {
             if task_type.is_none() && id.is_none() {
                 bail!("give --type or --id");
             }
@@ -143,11 +185,18 @@ async fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Retention { keep_days, database } => {
+        Command::Retention {
+            keep_days,
+            database,
+        } => {
             let db = Db::connect(&database.options())?;
             db.ensure_partitions().await?;
             let dropped = db.drop_partitions(*keep_days).await?;
-            println!("dropped {} partition(s): {}", dropped.len(), dropped.join(", "));
+            println!(
+                "dropped {} partition(s): {}",
+                dropped.len(),
+                dropped.join(", ")
+            );
         }
     }
     Ok(())
@@ -161,12 +210,17 @@ fn http(cli: &Cli) -> anyhow::Result<reqwest::Client> {
         value.set_sensitive(true);
         headers.insert(reqwest::header::AUTHORIZATION, value);
     }
-    Ok(reqwest::Client::builder().default_headers(headers).build()?)
+    Ok(reqwest::Client::builder()
+        .default_headers(headers)
+        .build()?)
 }
 
 async fn checked(response: reqwest::Response) -> anyhow::Result<serde_json::Value> {
     let status = response.status();
-    let body: serde_json::Value = response.json().await.context("gateway answer is not JSON")?;
+    let body: serde_json::Value = response
+        .json()
+        .await
+        .context("gateway answer is not JSON")?;
     if !status.is_success() {
         bail!(
             "{status}: {} ({})",

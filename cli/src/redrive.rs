@@ -38,7 +38,13 @@ pub async fn redrive(
             Ok(task) => task,
             Err(err) => {
                 // Leave unreadable messages parked for a human; stop so we do not spin on them.
-                let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await;
+                let _ = delivery
+                    .acker
+                    .nack(BasicNackOptions {
+                        requeue: true,
+                        ..Default::default()
+                    })
+                    .await;
                 anyhow::bail!("unreadable message in {queue}: {err}");
             }
         };
@@ -47,7 +53,11 @@ pub async fn redrive(
                 let outgoing: Vec<Outgoing> = pending
                     .tasks
                     .iter()
-                    .map(|t| Outgoing { message: t.message.clone(), route: t.route, delay: None })
+                    .map(|t| Outgoing {
+                        message: t.message.clone(),
+                        route: t.route,
+                        delay: None,
+                    })
                     .collect();
                 for result in publisher.publish(&outgoing).await {
                     result.with_context(|| format!("publishing task {}", task.id))?;
@@ -57,7 +67,11 @@ pub async fn redrive(
             }
             None => report.stale += 1,
         }
-        delivery.acker.ack(BasicAckOptions::default()).await.context("acking")?;
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .context("acking")?;
     }
     let _ = conn.close(200, "redrive done").await;
     Ok(report)

@@ -127,7 +127,10 @@ pub fn queue_arguments(names: &QueueNames) -> [(String, FieldTable); 3] {
         "x-dead-letter-routing-key".into(),
         arg_str(&names.remediation),
     );
-    main.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(DELIVERY_LIMIT));
+    main.insert(
+        "x-delivery-limit".into(),
+        AMQPValue::LongLongInt(DELIVERY_LIMIT),
+    );
     let mut retry = quorum();
     retry.insert("x-dead-letter-exchange".into(), arg_str(""));
     retry.insert("x-dead-letter-routing-key".into(), arg_str(&names.main));
@@ -367,7 +370,10 @@ pub async fn consume(
 }
 
 /// Takes one message from a queue without a consumer (`basic.get`), unacked.
-pub async fn get_one(channel: &Channel, queue: &str) -> AmqpResult<Option<lapin::message::Delivery>> {
+pub async fn get_one(
+    channel: &Channel,
+    queue: &str,
+) -> AmqpResult<Option<lapin::message::Delivery>> {
     channel
         .basic_get(queue, lapin::options::BasicGetOptions::default())
         .await
@@ -389,10 +395,22 @@ mod tests {
         let names = QueueNames::of("transcode");
         assert_eq!(names.route(Requeue::Main), "conveyor.transcode");
         assert_eq!(names.route(Requeue::Retry), "conveyor.transcode.retry");
-        assert_eq!(names.route(Requeue::Remediation), "conveyor.transcode.remediation");
-        assert_eq!(with_heartbeat("amqp://h/%2f", 5), "amqp://h/%2f?heartbeat=5");
-        assert_eq!(with_heartbeat("amqp://h/?x=1", 5), "amqp://h/?x=1&heartbeat=5");
-        assert_eq!(with_heartbeat("amqp://h/?heartbeat=3", 5), "amqp://h/?heartbeat=3");
+        assert_eq!(
+            names.route(Requeue::Remediation),
+            "conveyor.transcode.remediation"
+        );
+        assert_eq!(
+            with_heartbeat("amqp://h/%2f", 5),
+            "amqp://h/%2f?heartbeat=5"
+        );
+        assert_eq!(
+            with_heartbeat("amqp://h/?x=1", 5),
+            "amqp://h/?x=1&heartbeat=5"
+        );
+        assert_eq!(
+            with_heartbeat("amqp://h/?heartbeat=3", 5),
+            "amqp://h/?heartbeat=3"
+        );
     }
 
     #[test]
@@ -402,10 +420,22 @@ mod tests {
         assert_eq!(main, "conveyor.t");
         assert_eq!(retry, "conveyor.t.retry");
         let get = |args: &FieldTable, key: &str| args.inner().get(key).cloned();
-        assert_eq!(get(&main_args, "x-dead-letter-routing-key"), Some(arg_str("conveyor.t.remediation")));
-        assert_eq!(get(&retry_args, "x-dead-letter-routing-key"), Some(arg_str("conveyor.t")));
-        assert_eq!(get(&retry_args, "x-dead-letter-strategy"), Some(arg_str("at-least-once")));
-        assert_eq!(get(&remediation_args, "x-queue-type"), Some(arg_str("quorum")));
+        assert_eq!(
+            get(&main_args, "x-dead-letter-routing-key"),
+            Some(arg_str("conveyor.t.remediation"))
+        );
+        assert_eq!(
+            get(&retry_args, "x-dead-letter-routing-key"),
+            Some(arg_str("conveyor.t"))
+        );
+        assert_eq!(
+            get(&retry_args, "x-dead-letter-strategy"),
+            Some(arg_str("at-least-once"))
+        );
+        assert_eq!(
+            get(&remediation_args, "x-queue-type"),
+            Some(arg_str("quorum"))
+        );
         assert_eq!(get(&remediation_args, "x-dead-letter-exchange"), None);
     }
 }

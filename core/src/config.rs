@@ -51,7 +51,11 @@ pub struct DatabaseArgs {
     )]
     pub url: Secret<String>,
     /// Connections in the pool.
-    #[arg(long = "database-connections", env = "CONVEYOR_DATABASE_CONNECTIONS", default_value_t = 16)]
+    #[arg(
+        long = "database-connections",
+        env = "CONVEYOR_DATABASE_CONNECTIONS",
+        default_value_t = 16
+    )]
     pub max_connections: u32,
 }
 
@@ -76,11 +80,19 @@ pub struct AmqpArgs {
     )]
     pub url: Secret<String>,
     /// Longest wait for a publisher confirm before the publish counts as failed.
-    #[arg(long = "confirm-timeout-ms", env = "CONVEYOR_CONFIRM_TIMEOUT_MS", default_value_t = 5000)]
+    #[arg(
+        long = "confirm-timeout-ms",
+        env = "CONVEYOR_CONFIRM_TIMEOUT_MS",
+        default_value_t = 5000
+    )]
     pub confirm_timeout_ms: u64,
     /// AMQP heartbeat. A frozen process (SIGSTOP, a stuck VM) holds its prefetched
     /// messages until the broker misses two heartbeats, so keep this short.
-    #[arg(long = "amqp-heartbeat-seconds", env = "CONVEYOR_AMQP_HEARTBEAT_SECONDS", default_value_t = 10)]
+    #[arg(
+        long = "amqp-heartbeat-seconds",
+        env = "CONVEYOR_AMQP_HEARTBEAT_SECONDS",
+        default_value_t = 10
+    )]
     pub heartbeat_seconds: u16,
 }
 

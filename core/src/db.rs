@@ -70,7 +70,11 @@ impl From<sqlx::Error> for DbError {
             sqlx::Error::Database(db)
                 if db.code().is_some_and(|c| {
                     // admin shutdown, crash shutdown, cannot connect now, too many clients
-                    c.starts_with("08") || c == "57P01" || c == "57P02" || c == "57P03" || c == "53300"
+                    c.starts_with("08")
+                        || c == "57P01"
+                        || c == "57P02"
+                        || c == "57P03"
+                        || c == "53300"
                 }) =>
             {
                 DbError::Unavailable(err)
@@ -195,10 +199,12 @@ impl Db {
 
     /// Drops audit partitions older than `keep_days`; returns their names.
     pub async fn drop_partitions(&self, keep_days: i32) -> DbResult<Vec<String>> {
-        Ok(sqlx::query_scalar("SELECT conveyor_drop_event_partitions($1)")
-            .bind(keep_days)
-            .fetch_all(&self.pool)
-            .await?)
+        Ok(
+            sqlx::query_scalar("SELECT conveyor_drop_event_partitions($1)")
+                .bind(keep_days)
+                .fetch_all(&self.pool)
+                .await?,
+        )
     }
 
     pub async fn ping(&self) -> DbResult<()> {
@@ -248,7 +254,10 @@ impl Db {
         .bind(&keys)
         .fetch_all(&self.pool)
         .await?;
-        let records = rows.iter().map(task_from_row).collect::<DbResult<Vec<_>>>()?;
+        let records = rows
+            .iter()
+            .map(task_from_row)
+            .collect::<DbResult<Vec<_>>>()?;
         tasks
             .iter()
             .map(|task| {
@@ -721,10 +730,7 @@ async fn advance(
 }
 
 /// Appends audit events in one statement, refusing any step outside the lifecycle.
-async fn append_events(
-    tx: &mut Transaction<'static, Postgres>,
-    rows: &[EventRow],
-) -> DbResult<()> {
+async fn append_events(tx: &mut Transaction<'static, Postgres>, rows: &[EventRow]) -> DbResult<()> {
     for row in rows {
         lifecycle::check(row.from, row.to)?;
     }

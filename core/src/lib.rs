@@ -17,8 +17,7 @@ pub use lifecycle::TaskState;
 
 /// Cancels `token` on SIGTERM or Ctrl-C; the binaries' one shutdown input.
 pub async fn shutdown_on_signals(token: tokio_util::sync::CancellationToken) {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(term) => term,
         Err(err) => {
             tracing::error!(error = %err, "cannot listen for SIGTERM");

@@ -93,8 +93,16 @@ pub const TRANSITIONS: [(TaskState, TaskState, &str); 12] = [
     (Processing, Failed, "the handler failed"),
     (Failed, Queued, "retries left: re-enqueued after backoff"),
     (Failed, DeadLetter, "retries exhausted"),
-    (Claimed, RetryClaimed, "heartbeat timeout before the handler started"),
-    (Processing, RetryClaimed, "heartbeat timeout, or released by a draining worker"),
+    (
+        Claimed,
+        RetryClaimed,
+        "heartbeat timeout before the handler started",
+    ),
+    (
+        Processing,
+        RetryClaimed,
+        "heartbeat timeout, or released by a draining worker",
+    ),
     (RetryClaimed, Queued, "re-enqueued with attempt + 1"),
     (RetryClaimed, DeadLetter, "retries exhausted"),
     (DeadLetter, Queued, "redriven by an operator"),
@@ -133,7 +141,9 @@ pub fn check_chain(chain: &[(Option<TaskState>, TaskState)]) -> Result<(), Strin
         }
         match from {
             None if to != Ingested => {
-                return Err(format!("event {i}: a chain must start at INGESTED, not {to}"))
+                return Err(format!(
+                    "event {i}: a chain must start at INGESTED, not {to}"
+                ))
             }
             None => {}
             Some(from) => check(from, to).map_err(|e| format!("event {i}: {e}"))?,

@@ -73,18 +73,71 @@ impl Metrics {
             .register(Box::new(queue_depth.clone()))
             .expect("metric registered once");
         Metrics {
-            submissions: counter(r, "submissions_total", "Task submissions by outcome", &["task_type", "outcome"]),
-            tasks: counter(r, "tasks_total", "Finished task attempts by outcome", &["task_type", "outcome"]),
-            transitions: counter(r, "transitions_total", "Lifecycle transitions written", &["task_type", "from", "to"]),
-            duplicates: counter(r, "duplicates_suppressed_total", "Duplicate or stale deliveries acked and dropped", &["task_type"]),
-            fenced: counter(r, "fenced_total", "Outcomes refused because the worker lost ownership", &["task_type"]),
-            heartbeat_timeouts: counter(r, "heartbeat_timeouts_total", "Tasks re-queued after their owner stopped heartbeating", &["task_type"]),
-            retries: counter(r, "retries_total", "Tasks sent to the retry queue", &["task_type"]),
-            dead_letters: counter(r, "dead_letters_total", "Tasks parked in the remediation queue", &["task_type"]),
-            processing_seconds: histogram(r, "processing_duration_seconds", "Handler run time per attempt"),
-            end_to_end_seconds: histogram(r, "end_to_end_latency_seconds", "Submission to COMPLETED"),
+            submissions: counter(
+                r,
+                "submissions_total",
+                "Task submissions by outcome",
+                &["task_type", "outcome"],
+            ),
+            tasks: counter(
+                r,
+                "tasks_total",
+                "Finished task attempts by outcome",
+                &["task_type", "outcome"],
+            ),
+            transitions: counter(
+                r,
+                "transitions_total",
+                "Lifecycle transitions written",
+                &["task_type", "from", "to"],
+            ),
+            duplicates: counter(
+                r,
+                "duplicates_suppressed_total",
+                "Duplicate or stale deliveries acked and dropped",
+                &["task_type"],
+            ),
+            fenced: counter(
+                r,
+                "fenced_total",
+                "Outcomes refused because the worker lost ownership",
+                &["task_type"],
+            ),
+            heartbeat_timeouts: counter(
+                r,
+                "heartbeat_timeouts_total",
+                "Tasks re-queued after their owner stopped heartbeating",
+                &["task_type"],
+            ),
+            retries: counter(
+                r,
+                "retries_total",
+                "Tasks sent to the retry queue",
+                &["task_type"],
+            ),
+            dead_letters: counter(
+                r,
+                "dead_letters_total",
+                "Tasks parked in the remediation queue",
+                &["task_type"],
+            ),
+            processing_seconds: histogram(
+                r,
+                "processing_duration_seconds",
+                "Handler run time per attempt",
+            ),
+            end_to_end_seconds: histogram(
+                r,
+                "end_to_end_latency_seconds",
+                "Submission to COMPLETED",
+            ),
             queue_depth,
-            errors: counter(r, "errors_total", "Errors by component and category", &["component", "category"]),
+            errors: counter(
+                r,
+                "errors_total",
+                "Errors by component and category",
+                &["component", "category"],
+            ),
             registry,
         }
     }

@@ -167,7 +167,10 @@ impl TaskTypeSpec {
         }
         if let Some(schema) = &self.schema {
             if !schema.is_object() && !schema.is_boolean() {
-                return Err(format!("{}: schema must be a JSON schema object", self.name));
+                return Err(format!(
+                    "{}: schema must be a JSON schema object",
+                    self.name
+                ));
             }
         }
         Ok(())
@@ -217,7 +220,10 @@ pub fn parse_task_types(yaml: &str, path: &str) -> Result<TaskTypes, TaskTypesFi
         };
         spec.validate().map_err(invalid)?;
         if types.contains_key(&spec.name) {
-            return Err(invalid(format!("task type {:?} is defined twice", spec.name)));
+            return Err(invalid(format!(
+                "task type {:?} is defined twice",
+                spec.name
+            )));
         }
         types.insert(spec.name.clone(), spec);
     }

@@ -203,7 +203,10 @@ impl Ingestor {
                     path: Some(shown.to_owned()),
                     ..ApiError::bad_request(
                         "invalid_payload",
-                        format!("payload does not match the {} schema at {shown}: {error}", spec.name),
+                        format!(
+                            "payload does not match the {} schema at {shown}: {error}",
+                            spec.name
+                        ),
                     )
                 });
             }
@@ -282,10 +285,8 @@ impl Ingestor {
                     .inc();
                 if created && answer.is_ok() {
                     self.depths.published(&task.task_type, 1);
-                    self.metrics.record_path(
-                        &task.task_type,
-                        &[TaskState::Ingested, TaskState::Queued],
-                    );
+                    self.metrics
+                        .record_path(&task.task_type, &[TaskState::Ingested, TaskState::Queued]);
                 }
                 answer
             })
@@ -299,8 +300,7 @@ impl Ingestor {
         created: bool,
         publish_error: Option<AmqpError>,
     ) -> Result<Accepted, ApiError> {
-        if !created
-            && (task.task_type != submitted.task_type || task.payload != submitted.payload)
+        if !created && (task.task_type != submitted.task_type || task.payload != submitted.payload)
         {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,

@@ -63,7 +63,11 @@ pub async fn run(
     if config.migrate {
         db.migrate().await.context("migrating the task database")?;
     }
-    let publisher = Arc::new(Publisher::new(&config.amqp_url, "conveyor-gateway", config.confirm_timeout));
+    let publisher = Arc::new(Publisher::new(
+        &config.amqp_url,
+        "conveyor-gateway",
+        config.confirm_timeout,
+    ));
     let type_names: Vec<String> = config.task_types.keys().cloned().collect();
     let declared = Arc::new(AtomicBool::new(false));
     tokio::spawn(declare_topology(

@@ -16,10 +16,18 @@ use tokio_util::sync::CancellationToken;
 #[command(name = "conveyor-gateway", version)]
 struct Args {
     /// Address to serve the API, /metrics and health on.
-    #[arg(long, env = "CONVEYOR_GATEWAY_LISTEN", default_value = "127.0.0.1:8080")]
+    #[arg(
+        long,
+        env = "CONVEYOR_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:8080"
+    )]
     listen: String,
     /// YAML file with the task types (`taskTypes: [...]`).
-    #[arg(long, env = "CONVEYOR_TASK_TYPES", default_value = "examples/task-types.yaml")]
+    #[arg(
+        long,
+        env = "CONVEYOR_TASK_TYPES",
+        default_value = "examples/task-types.yaml"
+    )]
     task_types: PathBuf,
     /// YAML file with client tokens (`clients: [{name, token}]`).
     #[arg(long, env = "CONVEYOR_GATEWAY_TOKENS_FILE")]

@@ -14,7 +14,10 @@ pub enum Handler {
     /// success, and stdout (JSON if it parses, else text) is the result.
     Exec { command: String, args: Vec<String> },
     /// POSTs the payload to a sidecar; a 2xx answer is success and its body the result.
-    Http { url: String, client: reqwest::Client },
+    Http {
+        url: String,
+        client: reqwest::Client,
+    },
     /// Succeeds at once (benchmarks).
     Noop,
     /// Sleeps `sleepMs` from the payload (default 100), then succeeds.
@@ -45,7 +48,9 @@ impl Handler {
                 }
             }
             "http" => Handler::Http {
-                url: http_url.ok_or("the http handler needs --http-url")?.to_owned(),
+                url: http_url
+                    .ok_or("the http handler needs --http-url")?
+                    .to_owned(),
                 client: reqwest::Client::new(),
             },
             other => {
@@ -61,7 +66,11 @@ impl Handler {
         match self {
             Handler::Noop => Ok(serde_json::json!({})),
             Handler::Sleep => {
-                let ms = task.payload.get("sleepMs").and_then(|v| v.as_u64()).unwrap_or(100);
+                let ms = task
+                    .payload
+                    .get("sleepMs")
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or(100);
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 Ok(serde_json::json!({ "sleptMs": ms }))
             }
@@ -109,7 +118,11 @@ async fn run_exec(
             .unwrap_or_else(|_| serde_json::json!({ "stdout": tail(&stdout) })))
     } else {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        Err(format!("{command} exited with {}: {}", output.status, tail(&stderr)))
+        Err(format!(
+            "{command} exited with {}: {}",
+            output.status,
+            tail(&stderr)
+        ))
     }
 }
 
@@ -131,7 +144,8 @@ async fn run_http(
     let status = response.status();
     let body = response.text().await.unwrap_or_default();
     if status.is_success() {
-        Ok(serde_json::from_str(&body).unwrap_or_else(|_| serde_json::json!({ "body": tail(&body) })))
+        Ok(serde_json::from_str(&body)
+            .unwrap_or_else(|_| serde_json::json!({ "body": tail(&body) })))
     } else {
         Err(format!("POST {url} answered {status}: {}", tail(&body)))
     }
@@ -175,14 +189,21 @@ mod tests {
         assert_eq!(result, serde_json::json!({"a": 1}));
 
         let env = Handler::parse("exec", Some("sh -c echo$IFS$CONVEYOR_ATTEMPT"), None).unwrap();
-        assert_eq!(env.run(&task(serde_json::json!({}))).await.unwrap(), serde_json::json!(0));
+        assert_eq!(
+            env.run(&task(serde_json::json!({}))).await.unwrap(),
+            serde_json::json!(0)
+        );
 
         let fail = Handler::parse("exec", Some("sh -c exit$IFS3"), None).unwrap();
         let err = fail.run(&task(serde_json::json!({}))).await.unwrap_err();
         assert!(err.contains("exit status: 3"), "{err}");
 
         let missing = Handler::parse("exec", Some("/nonexistent/tool"), None).unwrap();
-        assert!(missing.run(&task(serde_json::json!({}))).await.unwrap_err().contains("cannot start"));
+        assert!(missing
+            .run(&task(serde_json::json!({})))
+            .await
+            .unwrap_err()
+            .contains("cannot start"));
     }
 
     #[test]

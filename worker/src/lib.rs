@@ -63,7 +63,10 @@ pub async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    anyhow::ensure!(!config.task_types.is_empty(), "the worker consumes no task type");
+    anyhow::ensure!(
+        !config.task_types.is_empty(),
+        "the worker consumes no task type"
+    );
     let db = Db::connect(&config.database).context("database settings")?;
     let publisher = Arc::new(Publisher::new(
         &config.amqp_url,
@@ -147,8 +150,12 @@ async fn consume(
     let mut retry_delay = Duration::from_millis(200);
     while !shutdown.is_cancelled() {
         let session = async {
-            let conn = amqp::connect(&config.amqp_url, &format!("{}/consume", config.worker_id)).await?;
-            let channel = conn.create_channel().await.map_err(amqp::AmqpError::Unavailable)?;
+            let conn =
+                amqp::connect(&config.amqp_url, &format!("{}/consume", config.worker_id)).await?;
+            let channel = conn
+                .create_channel()
+                .await
+                .map_err(amqp::AmqpError::Unavailable)?;
             for spec in &config.task_types {
                 amqp::declare_task_type(&channel, &spec.name).await?;
             }
@@ -227,7 +234,10 @@ async fn drain(running: &mut JoinSet<()>, in_flight: &InFlight, grace: Duration)
     })
     .await;
     if finished.is_err() {
-        tracing::warn!(remaining = in_flight.len(), "grace period over; releasing tasks");
+        tracing::warn!(
+            remaining = in_flight.len(),
+            "grace period over; releasing tasks"
+        );
         in_flight.cancel_all();
         while running.join_next().await.is_some() {}
     }

@@ -14,7 +14,11 @@ use tokio_util::sync::CancellationToken;
 #[command(name = "conveyor-worker", version)]
 struct Args {
     /// YAML file with the task types (`taskTypes: [...]`).
-    #[arg(long, env = "CONVEYOR_TASK_TYPES", default_value = "examples/task-types.yaml")]
+    #[arg(
+        long,
+        env = "CONVEYOR_TASK_TYPES",
+        default_value = "examples/task-types.yaml"
+    )]
     task_types: std::path::PathBuf,
     /// Task types to consume, comma-separated.
     #[arg(long, env = "CONVEYOR_CONSUME", value_delimiter = ',', required = true)]

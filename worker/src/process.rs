@@ -47,7 +47,10 @@ impl Processor {
             Err(err) => {
                 // Not ours to interpret: straight to remediation through the dead-letter route.
                 tracing::error!(error = %err, "unreadable task message; dead-lettering it");
-                self.metrics.errors.with_label_values(&["worker", "unreadable_message"]).inc();
+                self.metrics
+                    .errors
+                    .with_label_values(&["worker", "unreadable_message"])
+                    .inc();
                 let reject = BasicRejectOptions { requeue: false };
                 let _ = delivery.acker.reject(reject).await;
                 return;
@@ -94,7 +97,8 @@ impl Processor {
                 return Settle::Requeue;
             }
         }
-        self.metrics.record_path(name, &[Queued, Claimed, Processing]);
+        self.metrics
+            .record_path(name, &[Queued, Claimed, Processing]);
         let cancel = self.in_flight.insert(task.id);
         let started = Instant::now();
         let outcome = tokio::select! {
@@ -123,13 +127,21 @@ impl Processor {
     ) -> Settle {
         let name = spec.name.as_str();
         let completed = self
-            .with_db_retry(|| self.db.complete(task.id, task.attempt, &self.worker_id, result))
+            .with_db_retry(|| {
+                self.db
+                    .complete(task.id, task.attempt, &self.worker_id, result)
+            })
             .await;
         match completed {
             Ok(true) => {
-                self.metrics.tasks.with_label_values(&[name, "completed"]).inc();
+                self.metrics
+                    .tasks
+                    .with_label_values(&[name, "completed"])
+                    .inc();
                 self.metrics.record_path(name, &[Processing, Completed]);
-                let latency = (Utc::now() - task.submitted_at).to_std().unwrap_or_default();
+                let latency = (Utc::now() - task.submitted_at)
+                    .to_std()
+                    .unwrap_or_default();
                 self.metrics
                     .end_to_end_seconds
                     .with_label_values(&[name])
@@ -181,7 +193,11 @@ impl Processor {
     /// The drain ran out of time: hand the task back without using a retry.
     async fn release(&self, spec: &TaskTypeSpec, task: &TaskMessage) -> Settle {
         let name = spec.name.as_str();
-        let pending = match self.db.begin_release(task.id, task.attempt, &self.worker_id).await {
+        let pending = match self
+            .db
+            .begin_release(task.id, task.attempt, &self.worker_id)
+            .await
+        {
             Ok(Some(pending)) => pending,
             Ok(None) => return self.fenced(name),
             Err(err) => {
@@ -192,7 +208,8 @@ impl Processor {
         match publish_requeue(&self.publisher, spec, pending).await {
             Ok(()) => {
                 tracing::info!("released unfinished task on shutdown");
-                self.metrics.record_path(name, &[Processing, TaskState::RetryClaimed, Queued]);
+                self.metrics
+                    .record_path(name, &[Processing, TaskState::RetryClaimed, Queued]);
                 Settle::Ack
             }
             Err(err) => {

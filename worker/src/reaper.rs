@@ -86,4 +86,3 @@ pub async fn reap_once(
     }
     Ok(tasks.len())
 }
-

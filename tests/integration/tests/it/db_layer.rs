@@ -23,7 +23,7 @@ async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
     let db = TestDatabase::create().await.db;
     let task_type = unique_type("db");
     let task = new_task(&task_type);
-    let recorded = db.record_tasks(&[task.clone()]).await.unwrap();
+    let recorded = db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
     assert!(matches!(recorded[0], Recorded::Created(_)));
     // The same key again is the same task, not a second one.
     let mut again = new_task(&task_type);
@@ -33,14 +33,35 @@ async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
 
     // A claim may win before the gateway marks the task QUEUED; it writes QUEUED itself.
     assert!(db.claim(task.id, 0, "w1").await.unwrap());
-    assert!(!db.claim(task.id, 0, "w2").await.unwrap(), "second claim must lose");
+    assert!(
+        !db.claim(task.id, 0, "w2").await.unwrap(),
+        "second claim must lose"
+    );
     db.mark_queued(&[task.id]).await.unwrap();
     assert_eq!(db.task(task.id).await.unwrap().unwrap().state, Processing);
 
-    assert!(!db.complete(task.id, 0, "w2", &serde_json::json!({})).await.unwrap(), "not the owner");
-    assert!(!db.complete(task.id, 1, "w1", &serde_json::json!({})).await.unwrap(), "wrong attempt");
-    assert!(db.complete(task.id, 0, "w1", &serde_json::json!({"ok": true})).await.unwrap());
-    assert!(!db.complete(task.id, 0, "w1", &serde_json::json!({})).await.unwrap(), "only once");
+    assert!(
+        !db.complete(task.id, 0, "w2", &serde_json::json!({}))
+            .await
+            .unwrap(),
+        "not the owner"
+    );
+    assert!(
+        !db.complete(task.id, 1, "w1", &serde_json::json!({}))
+            .await
+            .unwrap(),
+        "wrong attempt"
+    );
+    assert!(db
+        .complete(task.id, 0, "w1", &serde_json::json!({"ok": true}))
+        .await
+        .unwrap());
+    assert!(
+        !db.complete(task.id, 0, "w1", &serde_json::json!({}))
+            .await
+            .unwrap(),
+        "only once"
+    );
 
     let events = db.events(task.id).await.unwrap();
     let states: Vec<_> = events.iter().map(|e| e.to_state).collect();
@@ -53,23 +74,40 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
     let db = TestDatabase::create().await.db;
     let task_type = unique_type("db");
     let task = new_task(&task_type);
-    db.record_tasks(&[task.clone()]).await.unwrap();
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
     db.mark_queued(&[task.id]).await.unwrap();
     assert!(db.claim(task.id, 0, "silent").await.unwrap());
     let timeout = Duration::from_millis(300);
-    assert!(db.begin_reap(&task_type, timeout, 3, "r", 10).await.unwrap().is_none(), "fresh");
+    assert!(
+        db.begin_reap(&task_type, timeout, 3, "r", 10)
+            .await
+            .unwrap()
+            .is_none(),
+        "fresh"
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
 
-    let pending = db.begin_reap(&task_type, timeout, 3, "r1", 10).await.unwrap().unwrap();
+    let pending = db
+        .begin_reap(&task_type, timeout, 3, "r1", 10)
+        .await
+        .unwrap()
+        .unwrap();
     // A second reaper skips the locked row instead of waiting or double-handling it.
-    assert!(db.begin_reap(&task_type, timeout, 3, "r2", 10).await.unwrap().is_none());
+    assert!(db
+        .begin_reap(&task_type, timeout, 3, "r2", 10)
+        .await
+        .unwrap()
+        .is_none());
     assert_eq!(pending.tasks.len(), 1);
     assert_eq!(pending.tasks[0].route, Requeue::Main);
     assert_eq!(pending.tasks[0].message.attempt, 1);
     pending.commit().await.unwrap();
 
     // The old owner's late result is refused; the stale attempt-0 message cannot claim.
-    assert!(!db.complete(task.id, 0, "silent", &serde_json::json!({})).await.unwrap());
+    assert!(!db
+        .complete(task.id, 0, "silent", &serde_json::json!({}))
+        .await
+        .unwrap());
     assert!(!db.claim(task.id, 0, "w2").await.unwrap());
     assert!(db.claim(task.id, 1, "w2").await.unwrap());
     let record = db.task(task.id).await.unwrap().unwrap();
@@ -81,14 +119,22 @@ async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
     let db = TestDatabase::create().await.db;
     let task_type = unique_type("db");
     let task = new_task(&task_type);
-    db.record_tasks(&[task.clone()]).await.unwrap();
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
     assert!(db.claim(task.id, 0, "w1").await.unwrap());
-    let pending = db.begin_failure(task.id, 0, "w1", "boom", 3).await.unwrap().unwrap();
+    let pending = db
+        .begin_failure(task.id, 0, "w1", "boom", 3)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(pending.tasks[0].route, Requeue::Retry);
     drop(pending); // the publish failed: roll back
     let record = db.task(task.id).await.unwrap().unwrap();
     assert_eq!((record.state, record.attempt), (Processing, 0));
-    assert_eq!(db.events(task.id).await.unwrap().len(), 4, "no FAILED event was kept");
+    assert_eq!(
+        db.events(task.id).await.unwrap().len(),
+        4,
+        "no FAILED event was kept"
+    );
 }
 
 #[tokio::test]
@@ -103,18 +149,31 @@ async fn point_in_time_state_comes_from_the_audit_log() {
     let queued_at = chrono::Utc::now();
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert!(db.claim(ids[0], 0, "w").await.unwrap());
-    assert!(db.complete(ids[0], 0, "w", &serde_json::json!({})).await.unwrap());
+    assert!(db
+        .complete(ids[0], 0, "w", &serde_json::json!({}))
+        .await
+        .unwrap());
 
-    let then = db.states_at(queued_at, Some(&task_type), None).await.unwrap();
+    let then = db
+        .states_at(queued_at, Some(&task_type), None)
+        .await
+        .unwrap();
     assert_eq!(then.len(), 3);
     assert!(then.iter().all(|(_, state, _)| *state == Queued));
-    let now = db.states_at(chrono::Utc::now(), Some(&task_type), None).await.unwrap();
+    let now = db
+        .states_at(chrono::Utc::now(), Some(&task_type), None)
+        .await
+        .unwrap();
     assert_eq!(now.iter().filter(|(_, s, _)| *s == Completed).count(), 1);
     let one = db.states_at(queued_at, None, Some(ids[0])).await.unwrap();
     assert_eq!(one.len(), 1);
     assert_eq!(one[0].1, Queued);
     let before = queued_at - chrono::Duration::hours(1);
-    assert!(db.states_at(before, Some(&task_type), None).await.unwrap().is_empty());
+    assert!(db
+        .states_at(before, Some(&task_type), None)
+        .await
+        .unwrap()
+        .is_empty());
 }
 
 #[tokio::test]
@@ -137,6 +196,9 @@ async fn audit_log_partitions_exist_ahead_and_retention_drops_old_days() {
     .execute(db.pool())
     .await
     .unwrap();
-    assert_eq!(db.drop_partitions(30).await.unwrap(), ["task_events_20200101"]);
+    assert_eq!(
+        db.drop_partitions(30).await.unwrap(),
+        ["task_events_20200101"]
+    );
     db.ensure_partitions().await.unwrap();
 }

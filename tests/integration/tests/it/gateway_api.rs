@@ -10,7 +10,11 @@ use uuid::Uuid;
 use crate::support::*;
 
 /// Posts a raw body to /v1/tasks.
-async fn post_raw(harness: &Harness, token: Option<&str>, body: Vec<u8>) -> (StatusCode, serde_json::Value) {
+async fn post_raw(
+    harness: &Harness,
+    token: Option<&str>,
+    body: Vec<u8>,
+) -> (StatusCode, serde_json::Value) {
     let mut request = harness
         .http
         .post(format!("{}/v1/tasks", harness.gateway_url))
@@ -37,7 +41,9 @@ async fn the_same_idempotency_key_gives_the_same_task() {
     let (again, body2) = harness.submit(&name, payload.clone(), Some(key)).await;
     assert_eq!(again, StatusCode::OK);
     assert_eq!(body2["id"], body["id"]);
-    let (reused, err) = harness.submit(&name, serde_json::json!({"video": "b.mp4"}), Some(key)).await;
+    let (reused, err) = harness
+        .submit(&name, serde_json::json!({"video": "b.mp4"}), Some(key))
+        .await;
     assert_eq!(reused, StatusCode::CONFLICT);
     assert_eq!(err["error"]["code"], "idempotency_key_reused");
     let (bad_key, err) = {
@@ -50,7 +56,10 @@ async fn the_same_idempotency_key_gives_the_same_task() {
             .send()
             .await
             .unwrap();
-        (response.status(), response.json::<serde_json::Value>().await.unwrap())
+        (
+            response.status(),
+            response.json::<serde_json::Value>().await.unwrap(),
+        )
     };
     assert_eq!(bad_key, StatusCode::BAD_REQUEST);
     assert_eq!(err["error"]["code"], "invalid_idempotency_key");
@@ -80,27 +89,88 @@ async fn bad_requests_are_refused_with_clear_codes_and_leave_nothing_behind() {
     let body = |v: serde_json::Value| serde_json::to_vec(&v).unwrap();
     let ok_payload = serde_json::json!({"source": "s3://in/a.mp4", "renditions": [720]});
 
-    let cases: Vec<(&str, Option<&str>, Vec<u8>, StatusCode, &str)> = vec![
-        ("no token", None, body(serde_json::json!({"taskType": name, "payload": ok_payload})), StatusCode::UNAUTHORIZED, "unauthorized"),
-        ("wrong token", Some("wrong-token-xyz"), body(serde_json::json!({"taskType": name, "payload": ok_payload})), StatusCode::UNAUTHORIZED, "unauthorized"),
-        ("not JSON", Some(TOKEN), b"{not json".to_vec(), StatusCode::BAD_REQUEST, "invalid_json"),
-        ("missing payload", Some(TOKEN), body(serde_json::json!({"taskType": name})), StatusCode::BAD_REQUEST, "invalid_json"),
-        ("unknown type", Some(TOKEN), body(serde_json::json!({"taskType": "nope", "payload": {}})), StatusCode::NOT_FOUND, "unknown_task_type"),
-        ("schema", Some(TOKEN), body(serde_json::json!({"taskType": name, "payload": {"source": "x", "renditions": [720, 100]}})), StatusCode::BAD_REQUEST, "invalid_payload"),
-        ("payload over the type's limit", Some(TOKEN), body(serde_json::json!({"taskType": name, "payload": {"source": "x".repeat(300)}})), StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
-        ("body over the gateway's limit", Some(TOKEN), body(serde_json::json!({"taskType": name, "payload": {"source": "x".repeat(100_000)}})), StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+    // (what, token, body, expected status, expected code)
+    type Case<'a> = (&'a str, Option<&'a str>, Vec<u8>, StatusCode, &'a str);
+    let cases: Vec<Case> = vec![
+        (
+            "no token",
+            None,
+            body(serde_json::json!({"taskType": name, "payload": ok_payload})),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            "wrong token",
+            Some("wrong-token-xyz"),
+            body(serde_json::json!({"taskType": name, "payload": ok_payload})),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+        (
+            "not JSON",
+            Some(TOKEN),
+            b"{not json".to_vec(),
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+        ),
+        (
+            "missing payload",
+            Some(TOKEN),
+            body(serde_json::json!({"taskType": name})),
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+        ),
+        (
+            "unknown type",
+            Some(TOKEN),
+            body(serde_json::json!({"taskType": "nope", "payload": {}})),
+            StatusCode::NOT_FOUND,
+            "unknown_task_type",
+        ),
+        (
+            "schema",
+            Some(TOKEN),
+            body(
+                serde_json::json!({"taskType": name, "payload": {"source": "x", "renditions": [720, 100]}}),
+            ),
+            StatusCode::BAD_REQUEST,
+            "invalid_payload",
+        ),
+        (
+            "payload over the type's limit",
+            Some(TOKEN),
+            body(serde_json::json!({"taskType": name, "payload": {"source": "x".repeat(300)}})),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+        ),
+        (
+            "body over the gateway's limit",
+            Some(TOKEN),
+            body(serde_json::json!({"taskType": name, "payload": {"source": "x".repeat(100_000)}})),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+        ),
     ];
     for (what, token, request, status, code) in cases {
         let (got, answer) = post_raw(&harness, token, request).await;
         assert_eq!(got, status, "{what}: {answer}");
         assert_eq!(answer["error"]["code"], code, "{what}: {answer}");
-        assert!(answer["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}");
+        assert!(
+            answer["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}"
+        );
         if code == "invalid_payload" {
             assert_eq!(answer["error"]["path"], "/renditions/1", "{answer}");
         }
     }
     assert_eq!(harness.total_tasks(&name).await, 0, "no task was recorded");
-    assert_eq!(harness.ready_count(&queue(&name).main).await, 0, "no message was queued");
+    assert_eq!(
+        harness.ready_count(&queue(&name).main).await,
+        0,
+        "no message was queued"
+    );
 
     // And a good one still goes through.
     harness.submit_ok(&name, ok_payload).await;
@@ -111,14 +181,21 @@ async fn bad_requests_are_refused_with_clear_codes_and_leave_nothing_behind() {
 #[tokio::test]
 async fn rate_limits_and_backpressure_answer_429_with_retry_after() {
     let mut limited = test_type("limited");
-    limited.rate_limit = Some(RateLimit { per_second: 0.5, burst: Some(2.0) });
+    limited.rate_limit = Some(RateLimit {
+        per_second: 0.5,
+        burst: Some(2.0),
+    });
     let mut shallow = test_type("shallow");
     shallow.max_queue_depth = 3;
     let (limited_name, shallow_name) = (limited.name.clone(), shallow.name.clone());
     let harness = Harness::start(vec![limited, shallow]).await;
 
-    harness.submit_ok(&limited_name, serde_json::json!({})).await;
-    harness.submit_ok(&limited_name, serde_json::json!({})).await;
+    harness
+        .submit_ok(&limited_name, serde_json::json!({}))
+        .await;
+    harness
+        .submit_ok(&limited_name, serde_json::json!({}))
+        .await;
     let response = harness
         .http
         .post(format!("{}/v1/tasks", harness.gateway_url))
@@ -128,7 +205,11 @@ async fn rate_limits_and_backpressure_answer_429_with_retry_after() {
         .await
         .unwrap();
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    let retry_after: u64 = response.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((1..=2).contains(&retry_after), "{retry_after}");
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "rate_limited");
@@ -136,7 +217,9 @@ async fn rate_limits_and_backpressure_answer_429_with_retry_after() {
 
     // No workers: the queue fills past maxQueueDepth and the gateway pushes back.
     for _ in 0..4 {
-        harness.submit_ok(&shallow_name, serde_json::json!({})).await;
+        harness
+            .submit_ok(&shallow_name, serde_json::json!({}))
+            .await;
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let refused = loop {
@@ -150,7 +233,10 @@ async fn rate_limits_and_backpressure_answer_429_with_retry_after() {
             .unwrap();
         if response.status() == StatusCode::TOO_MANY_REQUESTS {
             let retry_after = response.headers().get("retry-after").cloned();
-            break Some((retry_after, response.json::<serde_json::Value>().await.unwrap()));
+            break Some((
+                retry_after,
+                response.json::<serde_json::Value>().await.unwrap(),
+            ));
         }
         assert_eq!(response.status(), StatusCode::CREATED);
         assert!(std::time::Instant::now() < deadline, "no backpressure");
@@ -160,7 +246,10 @@ async fn rate_limits_and_backpressure_answer_429_with_retry_after() {
     assert!(retry_after.is_some(), "Retry-After is set");
     assert_eq!(body["error"]["code"], "queue_full");
     let accepted = harness.total_tasks(&shallow_name).await;
-    assert_eq!(accepted, i64::from(harness.ready_count(&queue(&shallow_name).main).await));
+    assert_eq!(
+        accepted,
+        i64::from(harness.ready_count(&queue(&shallow_name).main).await)
+    );
     assert_eq!(harness.count(&shallow_name, Queued).await, accepted);
     harness.shutdown().await;
 }
@@ -188,7 +277,10 @@ async fn batches_answer_per_task_and_tasks_and_timelines_can_be_read() {
     assert_eq!(response.status(), StatusCode::OK);
     let body: serde_json::Value = response.json().await.unwrap();
     let results = body["results"].as_array().unwrap();
-    let statuses: Vec<u64> = results.iter().map(|r| r["status"].as_u64().unwrap()).collect();
+    let statuses: Vec<u64> = results
+        .iter()
+        .map(|r| r["status"].as_u64().unwrap())
+        .collect();
     assert_eq!(statuses, [201, 400, 404, 200]);
     assert_eq!(results[0]["id"], results[3]["id"]);
     assert_eq!(results[1]["error"]["code"], "invalid_payload");
@@ -216,11 +308,20 @@ async fn batches_answer_per_task_and_tasks_and_timelines_can_be_read() {
         .json()
         .await
         .unwrap();
-    let states: Vec<&str> = events["events"].as_array().unwrap().iter().map(|e| e["toState"].as_str().unwrap()).collect();
+    let states: Vec<&str> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["toState"].as_str().unwrap())
+        .collect();
     assert_eq!(states, ["INGESTED", "QUEUED"]);
     let missing = harness
         .http
-        .get(format!("{}/v1/tasks/{}", harness.gateway_url, Uuid::new_v4()))
+        .get(format!(
+            "{}/v1/tasks/{}",
+            harness.gateway_url,
+            Uuid::new_v4()
+        ))
         .bearer_auth(TOKEN)
         .send()
         .await

@@ -22,21 +22,39 @@ async fn a_thousand_concurrent_tasks_complete_exactly_once_with_full_audit_chain
         .buffer_unordered(64)
         .collect()
         .await;
-    assert!(answers.iter().all(|(s, b)| *s == StatusCode::CREATED && b["state"] == "QUEUED"));
+    assert!(answers
+        .iter()
+        .all(|(s, b)| *s == StatusCode::CREATED && b["state"] == "QUEUED"));
 
-    harness.wait_for_state(&name, Completed, 1000, Duration::from_secs(120)).await;
+    harness
+        .wait_for_state(&name, Completed, 1000, Duration::from_secs(120))
+        .await;
     assert_eq!(harness.total_tasks(&name).await, 1000);
     let chains = harness.chains(&name).await;
     for chain in chains.values() {
         assert_valid_chain(chain);
-        assert_eq!(states(chain), [Ingested, Queued, Claimed, Processing, Completed]);
-        let owner = chain[2].worker_id.as_deref().expect("claim names the worker");
+        assert_eq!(
+            states(chain),
+            [Ingested, Queued, Claimed, Processing, Completed]
+        );
+        let owner = chain[2]
+            .worker_id
+            .as_deref()
+            .expect("claim names the worker");
         assert!(owner == w1 || owner == w2);
-        assert!(chain[2..].iter().all(|e| e.worker_id.as_deref() == Some(owner)));
+        assert!(chain[2..]
+            .iter()
+            .all(|e| e.worker_id.as_deref() == Some(owner)));
     }
     let completed: u64 = [&w1, &w2]
         .iter()
-        .map(|w| harness.worker_metrics(w).tasks.with_label_values(&[&name, "completed"]).get())
+        .map(|w| {
+            harness
+                .worker_metrics(w)
+                .tasks
+                .with_label_values(&[&name, "completed"])
+                .get()
+        })
         .sum();
     assert_eq!(completed, 1000);
     assert_eq!(harness.ready_count(&queue(&name).main).await, 0);
@@ -51,10 +69,16 @@ async fn failures_retry_with_growing_delays_then_dead_letter_and_redrive_brings_
     let failing = harness.start_worker(&[&name], Handler::Fail, 4);
     let id = harness.submit_ok(&name, serde_json::json!({})).await;
 
-    harness.wait_for_state(&name, DeadLetter, 1, Duration::from_secs(30)).await;
+    harness
+        .wait_for_state(&name, DeadLetter, 1, Duration::from_secs(30))
+        .await;
     let events = harness.events(id).await;
     assert_valid_chain(&events);
-    assert_eq!(events.iter().filter(|e| e.to_state == Failed).count(), 4, "first try + 3 retries");
+    assert_eq!(
+        events.iter().filter(|e| e.to_state == Failed).count(),
+        4,
+        "first try + 3 retries"
+    );
     // Delay between FAILED → QUEUED and the next CLAIMED: the backoff, growing each time.
     let delays: Vec<Duration> = events
         .windows(2)
@@ -66,7 +90,11 @@ async fn failures_retry_with_growing_delays_then_dead_letter_and_redrive_brings_
     assert!(delays[0] < delays[1] && delays[1] < delays[2], "{delays:?}");
     let last = events.last().unwrap();
     assert_eq!(last.to_state, DeadLetter);
-    assert!(last.detail.as_deref().unwrap_or("").contains("retries exhausted"));
+    assert!(last
+        .detail
+        .as_deref()
+        .unwrap_or("")
+        .contains("retries exhausted"));
     let metrics = harness.worker_metrics(&failing).clone();
     assert_eq!(metrics.retries.with_label_values(&[&name]).get(), 3);
     assert_eq!(metrics.dead_letters.with_label_values(&[&name]).get(), 1);
@@ -83,18 +111,27 @@ async fn failures_retry_with_growing_delays_then_dead_letter_and_redrive_brings_
         .output()
         .expect("run conveyorctl");
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{stdout} {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     assert!(stdout.contains("redriven: 1"), "{stdout}");
     assert_eq!(harness.ready_count(&queue(&name).remediation).await, 0);
     assert_eq!(harness.ready_count(&queue(&name).main).await, 1);
     let record = harness.db.task(id).await.unwrap().unwrap();
     assert_eq!((record.state, record.retries), (Queued, 0));
     let redrive = harness.events(id).await.pop().unwrap();
-    assert_eq!((redrive.from_state, redrive.to_state), (Some(DeadLetter), Queued));
+    assert_eq!(
+        (redrive.from_state, redrive.to_state),
+        (Some(DeadLetter), Queued)
+    );
     assert_eq!(redrive.worker_id.as_deref(), Some("ops-test"));
 
     harness.start_worker(&[&name], Handler::Noop, 4);
-    harness.wait_for_state(&name, Completed, 1, Duration::from_secs(20)).await;
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(20))
+        .await;
     assert_valid_chain(&harness.events(id).await);
     harness.shutdown().await;
 }
@@ -118,13 +155,18 @@ async fn a_duplicate_delivery_completes_once_and_is_counted() {
     assert_eq!(harness.ready_count(&queue(&name).main).await, 2);
 
     let worker = harness.start_worker(&[&name], Handler::Noop, 1);
-    harness.wait_for_state(&name, Completed, 1, Duration::from_secs(20)).await;
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(20))
+        .await;
     let metrics = harness.worker_metrics(&worker).clone();
     wait_until("duplicate counted", Duration::from_secs(10), || async {
         metrics.duplicates.with_label_values(&[&name]).get() == 1
     })
     .await;
-    assert_eq!(metrics.tasks.with_label_values(&[&name, "completed"]).get(), 1);
+    assert_eq!(
+        metrics.tasks.with_label_values(&[&name, "completed"]).get(),
+        1
+    );
     let events = harness.events(id).await;
     assert_eq!(events.iter().filter(|e| e.to_state == Completed).count(), 1);
     assert_eq!(harness.ready_count(&queue(&name).main).await, 0);

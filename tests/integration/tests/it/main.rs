@@ -1,4 +1,5 @@
 //! The data path against a real RabbitMQ and PostgreSQL (`scripts/services.sh up`).
+#![allow(clippy::unwrap_used)] // tests fail loudly on purpose
 
 mod support;
 

@@ -7,7 +7,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use conveyor_core::amqp::{Publisher, QueueNames};
-use conveyor_core::config::Secret;
 use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::TaskEvent;
@@ -32,7 +31,6 @@ pub struct Harness {
     pub types: Vec<TaskTypeSpec>,
     pub gateway_url: String,
     pub http: reqwest::Client,
-    pub gateway_metrics: Metrics,
     types_file: PathBuf,
     shutdown: CancellationToken,
     workers: Vec<InProcessWorker>,
@@ -90,17 +88,19 @@ impl Harness {
             migrate: false,
         };
         adjust(&mut config);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let gateway_url = format!("http://{}", listener.local_addr().expect("addr"));
         let shutdown = CancellationToken::new();
-        let gateway_metrics = Metrics::new();
         tokio::spawn(conveyor_gateway::run(
             config,
             listener,
-            gateway_metrics.clone(),
+            Metrics::new(),
             shutdown.clone(),
         ));
-        let types_file = std::env::temp_dir().join(format!("conveyor-types-{}.json", Uuid::new_v4()));
+        let types_file =
+            std::env::temp_dir().join(format!("conveyor-types-{}.json", Uuid::new_v4()));
         // JSON is YAML: the worker binary reads this file as its --task-types.
         std::fs::write(
             &types_file,
@@ -113,7 +113,6 @@ impl Harness {
             types,
             gateway_url,
             http: reqwest::Client::new(),
-            gateway_metrics,
             types_file,
             shutdown,
             workers: Vec::new(),
@@ -131,7 +130,10 @@ impl Harness {
     }
 
     pub fn spec(&self, name: &str) -> &TaskTypeSpec {
-        self.types.iter().find(|t| t.name == name).expect("known type")
+        self.types
+            .iter()
+            .find(|t| t.name == name)
+            .expect("known type")
     }
 
     pub async fn submit(
@@ -150,14 +152,20 @@ impl Harness {
         }
         let response = request.send().await.expect("gateway answers");
         let status = response.status();
-        (status, response.json().await.unwrap_or(serde_json::Value::Null))
+        (
+            status,
+            response.json().await.unwrap_or(serde_json::Value::Null),
+        )
     }
 
     /// Submits and expects 201; returns the task id.
     pub async fn submit_ok(&self, task_type: &str, payload: serde_json::Value) -> Uuid {
         let (status, body) = self.submit(task_type, payload, None).await;
         assert_eq!(status, StatusCode::CREATED, "{body}");
-        body["id"].as_str().and_then(|s| s.parse().ok()).expect("id")
+        body["id"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .expect("id")
     }
 
     pub fn start_worker(&mut self, types: &[&str], handler: Handler, concurrency: u16) -> String {
@@ -174,18 +182,37 @@ impl Harness {
         };
         let metrics = Metrics::new();
         let stop = CancellationToken::new();
-        let handle = tokio::spawn(conveyor_worker::run(config, None, metrics.clone(), stop.clone()));
-        self.workers.push(InProcessWorker { id: id.clone(), metrics, stop, handle });
+        let handle = tokio::spawn(conveyor_worker::run(
+            config,
+            None,
+            metrics.clone(),
+            stop.clone(),
+        ));
+        self.workers.push(InProcessWorker {
+            id: id.clone(),
+            metrics,
+            stop,
+            handle,
+        });
         id
     }
 
     pub fn take_worker(&mut self, id: &str) -> InProcessWorker {
-        let index = self.workers.iter().position(|w| w.id == id).expect("worker");
+        let index = self
+            .workers
+            .iter()
+            .position(|w| w.id == id)
+            .expect("worker");
         self.workers.remove(index)
     }
 
     pub fn worker_metrics(&self, id: &str) -> &Metrics {
-        &self.workers.iter().find(|w| w.id == id).expect("worker").metrics
+        &self
+            .workers
+            .iter()
+            .find(|w| w.id == id)
+            .expect("worker")
+            .metrics
     }
 
     /// A real `conveyor-worker` process (for signals). Its id starts with `name`.
@@ -213,20 +240,35 @@ impl Harness {
     }
 
     pub async fn ready_count(&self, queue: &str) -> u32 {
-        self.publisher().ready_count(queue).await.expect("queue exists")
+        self.publisher()
+            .ready_count(queue)
+            .await
+            .expect("queue exists")
     }
 
     /// Waits until `n` tasks of `task_type` are in `state`.
-    pub async fn wait_for_state(&self, task_type: &str, state: TaskState, n: i64, timeout: Duration) {
-        wait_until(&format!("{n} {task_type} tasks {state}"), timeout, || async {
-            self.count(task_type, state).await == n
-        })
+    pub async fn wait_for_state(
+        &self,
+        task_type: &str,
+        state: TaskState,
+        n: i64,
+        timeout: Duration,
+    ) {
+        wait_until(
+            &format!("{n} {task_type} tasks {state}"),
+            timeout,
+            || async { self.count(task_type, state).await == n },
+        )
         .await;
     }
 
     pub async fn count(&self, task_type: &str, state: TaskState) -> i64 {
         let counts = self.db.state_counts(task_type).await.expect("counts");
-        counts.iter().find(|(s, _)| *s == state).map(|(_, n)| *n).unwrap_or(0)
+        counts
+            .iter()
+            .find(|(s, _)| *s == state)
+            .map(|(_, n)| *n)
+            .unwrap_or(0)
     }
 
     pub async fn total_tasks(&self, task_type: &str) -> i64 {
@@ -268,7 +310,10 @@ impl Harness {
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
     // target/<profile>/deps/it-xxxx → target/<profile>/<name>
-    exe.parent().and_then(|deps| deps.parent()).expect("target dir").join(name)
+    exe.parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir")
+        .join(name)
 }
 
 /// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.
@@ -279,7 +324,10 @@ where
 {
     let deadline = Instant::now() + timeout;
     while !check().await {
-        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -296,16 +344,16 @@ pub fn assert_valid_chain(chain: &[TaskEvent]) {
         panic!("invalid audit chain {:?}: {err}", states(chain));
     }
     for pair in chain.windows(2) {
-        assert!(pair[0].at <= pair[1].at, "timestamps go backwards in {:?}", states(chain));
+        assert!(
+            pair[0].at <= pair[1].at,
+            "timestamps go backwards in {:?}",
+            states(chain)
+        );
     }
 }
 
 pub fn queue(task_type: &str) -> QueueNames {
     QueueNames::of(task_type)
-}
-
-pub fn secret(s: &str) -> Secret<String> {
-    Secret::new(s.to_owned())
 }
 
 pub fn kill(child: &Child, signal: &str) {

@@ -9,10 +9,14 @@ use crate::support::*;
 
 /// Waits until the task is PROCESSING by a worker whose id starts with `prefix`.
 async fn wait_owned_by(harness: &Harness, id: uuid::Uuid, prefix: &str) {
-    wait_until(&format!("task owned by {prefix}"), Duration::from_secs(20), || async {
-        let task = harness.db.task(id).await.unwrap().unwrap();
-        task.state == Processing && task.owner.as_deref().unwrap_or("").starts_with(prefix)
-    })
+    wait_until(
+        &format!("task owned by {prefix}"),
+        Duration::from_secs(20),
+        || async {
+            let task = harness.db.task(id).await.unwrap().unwrap();
+            task.state == Processing && task.owner.as_deref().unwrap_or("").starts_with(prefix)
+        },
+    )
     .await;
 }
 
@@ -22,17 +26,28 @@ async fn a_worker_killed_mid_task_has_its_task_rerun_after_the_heartbeat_timeout
     let name = spec.name.clone();
     let mut harness = Harness::start(vec![spec]).await;
     let mut victim = harness.spawn_worker_process("victim", &[&name], &["--handler", "sleep"]);
-    let id = harness.submit_ok(&name, serde_json::json!({"sleepMs": 1500})).await;
+    let id = harness
+        .submit_ok(&name, serde_json::json!({"sleepMs": 1500}))
+        .await;
     wait_owned_by(&harness, id, "victim").await;
     kill(&victim, "KILL");
     victim.wait().unwrap();
 
     let rescuer = harness.start_worker(&[&name], Handler::Sleep, 4);
-    harness.wait_for_state(&name, Completed, 1, Duration::from_secs(30)).await;
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(30))
+        .await;
     let events = harness.events(id).await;
     assert_valid_chain(&events);
-    let timeout = events.iter().find(|e| e.to_state == RetryClaimed).expect("re-queued");
-    assert!(timeout.detail.as_deref().unwrap().contains("heartbeat timeout"));
+    let timeout = events
+        .iter()
+        .find(|e| e.to_state == RetryClaimed)
+        .expect("re-queued");
+    assert!(timeout
+        .detail
+        .as_deref()
+        .unwrap()
+        .contains("heartbeat timeout"));
     assert!(timeout.detail.as_deref().unwrap().contains("victim"));
     let completed: Vec<_> = events.iter().filter(|e| e.to_state == Completed).collect();
     assert_eq!(completed.len(), 1);
@@ -53,14 +68,18 @@ async fn a_paused_owner_is_fenced_when_it_wakes_up() {
         &[&name],
         &["--handler", "sleep", "--metrics-listen", &listen],
     );
-    let id = harness.submit_ok(&name, serde_json::json!({"sleepMs": 1500})).await;
+    let id = harness
+        .submit_ok(&name, serde_json::json!({"sleepMs": 1500}))
+        .await;
     wait_owned_by(&harness, id, "sleeper").await;
     kill(&sleeper, "STOP");
 
     // The re-queued copy may be delivered to the frozen worker, which holds it until the
     // broker misses its AMQP heartbeats (2 s here) and closes the connection.
     let rescuer = harness.start_worker(&[&name], Handler::Sleep, 4);
-    harness.wait_for_state(&name, Completed, 1, Duration::from_secs(45)).await;
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(45))
+        .await;
     kill(&sleeper, "CONT");
     // The woken worker finishes its sleep, tries to complete, and is refused.
     let metrics_url = format!("http://{listen}/metrics");
@@ -87,11 +106,18 @@ async fn a_paused_owner_is_fenced_when_it_wakes_up() {
 async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
     let spec = test_type("drain");
     let name = spec.name.clone();
-    let mut harness = Harness::start(vec![spec]).await;
+    let harness = Harness::start(vec![spec]).await;
     let mut worker = harness.spawn_worker_process(
         "draining",
         &[&name],
-        &["--handler", "sleep", "--concurrency", "4", "--drain-grace-seconds", "1"],
+        &[
+            "--handler",
+            "sleep",
+            "--concurrency",
+            "4",
+            "--drain-grace-seconds",
+            "1",
+        ],
     );
     // Two short tasks finish within the grace period; two long ones cannot.
     let short: Vec<_> = futures_util::future::join_all(
@@ -112,15 +138,29 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
 
     for id in &short {
         let task = harness.db.task(*id).await.unwrap().unwrap();
-        assert_eq!((task.state, task.attempt), (Completed, 0), "finished during the drain");
+        assert_eq!(
+            (task.state, task.attempt),
+            (Completed, 0),
+            "finished during the drain"
+        );
     }
     for id in &long {
         let task = harness.db.task(*id).await.unwrap().unwrap();
-        assert_eq!((task.state, task.attempt, task.retries), (Queued, 1, 0), "released");
+        assert_eq!(
+            (task.state, task.attempt, task.retries),
+            (Queued, 1, 0),
+            "released"
+        );
         let events = harness.events(*id).await;
-        assert!(events.iter().any(|e| e.detail.as_deref() == Some("released by a worker shutting down")));
+        assert!(events
+            .iter()
+            .any(|e| e.detail.as_deref() == Some("released by a worker shutting down")));
     }
-    assert_eq!(harness.ready_count(&queue(&name).main).await, 2, "released tasks are queued");
+    assert_eq!(
+        harness.ready_count(&queue(&name).main).await,
+        2,
+        "released tasks are queued"
+    );
     harness.shutdown().await;
 }
 
