@@ -11,6 +11,7 @@
 //! the next message ([`PendingRequeue`]): a consumer of that message blocks on the row lock
 //! until the commit, and a crash before it rolls the row back for the reaper to find.
 
+use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -226,7 +227,7 @@ impl Db {
         let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
         let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
         let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
-        let created: Vec<Uuid> = sqlx::query_scalar(
+        let inserted = sqlx::query(&format!(
             "WITH input AS (
                  SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::jsonb[])
                      AS i(id, idempotency_key, task_type, payload)
@@ -234,13 +235,13 @@ impl Db {
                  INSERT INTO tasks (id, idempotency_key, task_type, state, payload)
                  SELECT id, idempotency_key, task_type, $5, payload FROM input
                  ON CONFLICT (idempotency_key) DO NOTHING
-                 RETURNING id, task_type
+                 RETURNING {TASK_COLUMNS}
              ), events AS (
                  INSERT INTO task_events (task_id, task_type, to_state, attempt)
                  SELECT id, task_type, $5, 0 FROM inserted
              )
-             SELECT id FROM inserted",
-        )
+             SELECT * FROM inserted"
+        ))
         .bind(&ids)
         .bind(&keys)
         .bind(&types)
@@ -248,26 +249,36 @@ impl Db {
         .bind(Ingested.as_str())
         .fetch_all(&self.pool)
         .await?;
-        let rows = sqlx::query(&format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE idempotency_key = ANY($1)"
-        ))
-        .bind(&keys)
-        .fetch_all(&self.pool)
-        .await?;
-        let records = rows
+        let mut records: HashMap<Uuid, TaskRecord> = HashMap::with_capacity(tasks.len());
+        for row in &inserted {
+            let record = task_from_row(row)?;
+            records.insert(record.idempotency_key, record);
+        }
+        let created: HashSet<Uuid> = records.values().map(|r| r.id).collect();
+        // Only known keys need a second look: the common case is one round trip.
+        let known: Vec<Uuid> = keys
             .iter()
-            .map(task_from_row)
-            .collect::<DbResult<Vec<_>>>()?;
+            .filter(|key| !records.contains_key(key))
+            .copied()
+            .collect();
+        if !known.is_empty() {
+            let rows = sqlx::query(&format!(
+                "SELECT {TASK_COLUMNS} FROM tasks WHERE idempotency_key = ANY($1)"
+            ))
+            .bind(&known)
+            .fetch_all(&self.pool)
+            .await?;
+            for row in &rows {
+                let record = task_from_row(row)?;
+                records.insert(record.idempotency_key, record);
+            }
+        }
         tasks
             .iter()
             .map(|task| {
-                let record = records
-                    .iter()
-                    .find(|r| r.idempotency_key == task.idempotency_key)
-                    .cloned()
-                    .ok_or_else(|| {
-                        DbError::Corrupt(format!("task with key {} vanished", task.idempotency_key))
-                    })?;
+                let record = records.get(&task.idempotency_key).cloned().ok_or_else(|| {
+                    DbError::Corrupt(format!("task with key {} vanished", task.idempotency_key))
+                })?;
                 Ok(if record.id == task.id && created.contains(&task.id) {
                     Recorded::Created(record)
                 } else {

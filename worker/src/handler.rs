@@ -10,7 +10,8 @@ use tokio::process::Command;
 /// How a worker pool processes its tasks.
 #[derive(Debug, Clone)]
 pub enum Handler {
-    /// Runs a command per task: payload on stdin and in `CONVEYOR_PAYLOAD`; exit code 0 is
+    /// Runs a command per task (the command line is split on whitespace; wrap anything
+    /// more complex in a script): payload on stdin and in `CONVEYOR_PAYLOAD`; exit code 0 is
     /// success, and stdout (JSON if it parses, else text) is the result.
     Exec { command: String, args: Vec<String> },
     /// POSTs the payload to a sidecar; a 2xx answer is success and its body the result.
@@ -194,9 +195,9 @@ mod tests {
             serde_json::json!(0)
         );
 
-        let fail = Handler::parse("exec", Some("sh -c exit$IFS3"), None).unwrap();
+        let fail = Handler::parse("exec", Some("false"), None).unwrap();
         let err = fail.run(&task(serde_json::json!({}))).await.unwrap_err();
-        assert!(err.contains("exit status: 3"), "{err}");
+        assert!(err.contains("exit status: 1"), "{err}");
 
         let missing = Handler::parse("exec", Some("/nonexistent/tool"), None).unwrap();
         assert!(missing

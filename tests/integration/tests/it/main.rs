@@ -6,4 +6,6 @@ mod support;
 mod db_layer;
 mod gateway_api;
 mod lifecycle_flows;
+mod outages;
+mod proxy;
 mod worker_faults;

@@ -169,6 +169,17 @@ impl Harness {
     }
 
     pub fn start_worker(&mut self, types: &[&str], handler: Handler, concurrency: u16) -> String {
+        self.start_worker_via(types, handler, concurrency, &testing::amqp_url())
+    }
+
+    /// A worker that reaches the broker at `amqp_url` (through a proxy, say).
+    pub fn start_worker_via(
+        &mut self,
+        types: &[&str],
+        handler: Handler,
+        concurrency: u16,
+        amqp_url: &str,
+    ) -> String {
         let id = format!("inproc-{}", &Uuid::new_v4().simple().to_string()[..8]);
         let config = WorkerConfig {
             worker_id: id.clone(),
@@ -176,7 +187,7 @@ impl Harness {
             handler,
             concurrency,
             database: conveyor_core::db::DbOptions::new(&self.db_url),
-            amqp_url: testing::amqp_url(),
+            amqp_url: amqp_url.to_owned(),
             confirm_timeout: Duration::from_secs(5),
             drain_grace: Duration::from_secs(10),
         };

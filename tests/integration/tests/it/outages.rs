@@ -1,0 +1,122 @@
+//! The broker and the database going away under the gateway and the workers.
+
+use std::time::Duration;
+
+use conveyor_core::TaskState::*;
+use conveyor_worker::handler::Handler;
+use reqwest::StatusCode;
+use uuid::Uuid;
+
+use crate::proxy::Proxy;
+use crate::support::*;
+
+fn amqp_url_via(port: u16) -> String {
+    format!("amqp://conveyor:conveyor@127.0.0.1:{port}/%2f")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_connection_loss_answers_503_then_everything_reconnects_without_loss() {
+    let spec = test_type("brokerloss");
+    let name = spec.name.clone();
+    let broker = Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let via = amqp_url_via(broker.port);
+    let mut harness = Harness::start_with(vec![spec], |config| config.amqp_url = via.clone()).await;
+    harness.start_worker_via(&[&name], Handler::Noop, 8, &via);
+
+    let before: Vec<Uuid> = (0..20).map(|_| Uuid::new_v4()).collect();
+    for key in &before {
+        let (status, _) = harness
+            .submit(&name, serde_json::json!({}), Some(*key))
+            .await;
+        assert_eq!(status, StatusCode::CREATED);
+    }
+    harness
+        .wait_for_state(&name, Completed, 20, Duration::from_secs(20))
+        .await;
+
+    broker.cut();
+    let during: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    for key in &during {
+        let (status, body) = harness
+            .submit(&name, serde_json::json!({}), Some(*key))
+            .await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        assert_eq!(body["error"]["code"], "broker_unavailable");
+    }
+    broker.restore();
+
+    // The client retries with the same keys: each task is queued once, never twice.
+    for key in &during {
+        wait_until(
+            "gateway publishes again",
+            Duration::from_secs(20),
+            || async {
+                let (status, _) = harness
+                    .submit(&name, serde_json::json!({}), Some(*key))
+                    .await;
+                status.is_success()
+            },
+        )
+        .await;
+    }
+    for _ in 0..10 {
+        harness.submit_ok(&name, serde_json::json!({})).await;
+    }
+    // The worker reconnected by itself and finishes everything, each task once.
+    harness
+        .wait_for_state(&name, Completed, 35, Duration::from_secs(60))
+        .await;
+    assert_eq!(harness.total_tasks(&name).await, 35);
+    for chain in harness.chains(&name).await.values() {
+        assert_valid_chain(chain);
+        assert_eq!(chain.iter().filter(|e| e.to_state == Completed).count(), 1);
+    }
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn database_outage_answers_503_and_records_nothing_half_way() {
+    let spec = test_type("dbloss");
+    let name = spec.name.clone();
+    let database = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let port = database.port;
+    let harness = Harness::start_with(vec![spec], |config| {
+        let url = config.database.url.replace(":5432/", &format!(":{port}/"));
+        config.database.url = url;
+        config.database.acquire_timeout = Duration::from_secs(2);
+    })
+    .await;
+    harness.submit_ok(&name, serde_json::json!({})).await;
+
+    database.cut();
+    let key = Uuid::new_v4();
+    let (status, body) = harness
+        .submit(&name, serde_json::json!({}), Some(key))
+        .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "database_unavailable");
+    let ready = harness
+        .http
+        .get(format!("{}/readyz", harness.gateway_url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), StatusCode::SERVICE_UNAVAILABLE);
+    database.restore();
+
+    wait_until("gateway records again", Duration::from_secs(20), || async {
+        harness
+            .submit(&name, serde_json::json!({}), Some(key))
+            .await
+            .0
+            == StatusCode::CREATED
+    })
+    .await;
+    assert_eq!(harness.total_tasks(&name).await, 2);
+    assert_eq!(
+        harness.ready_count(&queue(&name).main).await,
+        2,
+        "one message per task"
+    );
+    harness.shutdown().await;
+}
