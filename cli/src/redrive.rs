@@ -1,9 +1,11 @@
 //! `conveyorctl redrive`: remediation queue → work queue, audited as DEAD_LETTER → QUEUED.
 
 use anyhow::Context;
-use conveyor_core::amqp::{self, Outgoing, Publisher, QueueNames};
+use conveyor_core::amqp::{self, Publisher, QueueNames};
 use conveyor_core::db::Db;
+use conveyor_core::requeue::publish_and_commit;
 use conveyor_core::task::TaskMessage;
+use conveyor_core::task_type::Backoff;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
 /// How a redrive went.
@@ -50,19 +52,10 @@ pub async fn redrive(
         };
         match db.begin_redrive(task.id, task.attempt, by).await? {
             Some(pending) => {
-                let outgoing: Vec<Outgoing> = pending
-                    .tasks
-                    .iter()
-                    .map(|t| Outgoing {
-                        message: t.message.clone(),
-                        route: t.route,
-                        delay: None,
-                    })
-                    .collect();
-                for result in publisher.publish(&outgoing).await {
-                    result.with_context(|| format!("publishing task {}", task.id))?;
-                }
-                pending.commit().await?;
+                // Redriven tasks go to the work queue at once; no backoff applies.
+                publish_and_commit(publisher, pending, &Backoff::default())
+                    .await
+                    .with_context(|| format!("redriving task {}", task.id))?;
                 report.redriven += 1;
             }
             None => report.stale += 1,

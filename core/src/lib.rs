@@ -8,6 +8,7 @@ pub mod config;
 pub mod db;
 pub mod lifecycle;
 pub mod metrics;
+pub mod requeue;
 pub mod task;
 pub mod task_type;
 #[cfg(feature = "testing")]

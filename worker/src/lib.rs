@@ -13,10 +13,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use conveyor_core::admin;
-use conveyor_core::amqp::{self, Outgoing, Publisher, QueueNames};
-use conveyor_core::db::{Db, DbOptions, PendingRequeue};
+use conveyor_core::amqp::{self, Publisher, QueueNames};
+use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
-use conveyor_core::task::Requeue;
 use conveyor_core::task_type::TaskTypeSpec;
 use futures_util::stream::{select_all, StreamExt};
 use tokio::net::TcpListener;
@@ -241,28 +240,4 @@ async fn drain(running: &mut JoinSet<()>, in_flight: &InFlight, grace: Duration)
         in_flight.cancel_all();
         while running.join_next().await.is_some() {}
     }
-}
-
-/// Publishes the messages of a pending re-queue, then commits it. On any error the
-/// transaction rolls back and the task stays with its (silent) owner for the reaper.
-pub async fn publish_requeue(
-    publisher: &Publisher,
-    spec: &TaskTypeSpec,
-    pending: PendingRequeue,
-) -> anyhow::Result<()> {
-    let outgoing: Vec<Outgoing> = pending
-        .tasks
-        .iter()
-        .map(|task| Outgoing {
-            message: task.message.clone(),
-            route: task.route,
-            delay: (task.route == Requeue::Retry)
-                .then(|| spec.backoff.delay((task.retries - 1).max(0) as u32)),
-        })
-        .collect();
-    for result in publisher.publish(&outgoing).await {
-        result.context("publishing re-queued task")?;
-    }
-    pending.commit().await.context("committing re-queue")?;
-    Ok(())
 }

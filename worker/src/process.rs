@@ -17,7 +17,7 @@ use tracing::Instrument;
 
 use crate::handler::Handler;
 use crate::inflight::InFlight;
-use crate::publish_requeue;
+use conveyor_core::requeue::publish_and_commit;
 
 /// Database calls on the path of a claimed task are retried this long before the task is
 /// left to the heartbeat reaper.
@@ -174,7 +174,7 @@ impl Processor {
             Err(_) => return Settle::Requeue,
         };
         let route = pending.tasks.first().map(|t| t.route);
-        if let Err(err) = publish_requeue(&self.publisher, spec, pending).await {
+        if let Err(err) = publish_and_commit(&self.publisher, pending, &spec.backoff).await {
             tracing::warn!(error = %err, "cannot re-queue failed task; the reaper will");
             return Settle::Requeue;
         }
@@ -205,7 +205,7 @@ impl Processor {
                 return Settle::Requeue;
             }
         };
-        match publish_requeue(&self.publisher, spec, pending).await {
+        match publish_and_commit(&self.publisher, pending, &spec.backoff).await {
             Ok(()) => {
                 tracing::info!("released unfinished task on shutdown");
                 self.metrics

@@ -15,7 +15,7 @@ use conveyor_core::task_type::TaskTypeSpec;
 use conveyor_core::TaskState;
 use tokio_util::sync::CancellationToken;
 
-use crate::publish_requeue;
+use conveyor_core::requeue::publish_and_commit;
 
 const BATCH: i64 = 100;
 
@@ -70,7 +70,7 @@ pub async fn reap_once(
         return Ok(0);
     };
     let tasks = pending.tasks.clone();
-    publish_requeue(publisher, spec, pending).await?;
+    publish_and_commit(publisher, pending, &spec.backoff).await?;
     for task in &tasks {
         let name = spec.name.as_str();
         metrics.heartbeat_timeouts.with_label_values(&[name]).inc();

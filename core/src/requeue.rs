@@ -1,0 +1,38 @@
+//! Completing a [`PendingRequeue`]: publish its messages, then commit (decision 0002).
+
+use crate::amqp::{AmqpError, Outgoing, Publisher};
+use crate::db::{DbError, PendingRequeue};
+use crate::task::Requeue;
+use crate::task_type::Backoff;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RequeueError {
+    #[error("publishing the re-queued task failed")]
+    Publish(#[source] AmqpError),
+    #[error("committing the re-queue failed")]
+    Commit(#[source] DbError),
+}
+
+/// Publishes every message of `pending` (retry-queue messages wait `backoff` for their retry
+/// number), waits for the confirms, then commits. On any error the transaction rolls back
+/// and the task stays with its silent owner for the heartbeat reaper.
+pub async fn publish_and_commit(
+    publisher: &Publisher,
+    pending: PendingRequeue,
+    backoff: &Backoff,
+) -> Result<(), RequeueError> {
+    let outgoing: Vec<Outgoing> = pending
+        .tasks
+        .iter()
+        .map(|task| Outgoing {
+            message: task.message.clone(),
+            route: task.route,
+            delay: (task.route == Requeue::Retry)
+                .then(|| backoff.delay((task.retries - 1).max(0) as u32)),
+        })
+        .collect();
+    for result in publisher.publish(&outgoing).await {
+        result.map_err(RequeueError::Publish)?;
+    }
+    pending.commit().await.map_err(RequeueError::Commit)
+}
