@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod amqp;
 pub mod config;
+pub mod crd;
 pub mod db;
 pub mod lifecycle;
 pub mod metrics;

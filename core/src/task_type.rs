@@ -4,92 +4,35 @@
 //! issue lands they are read from a YAML file (`--task-types`).
 
 use std::collections::BTreeMap;
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::time::Duration;
 
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 
-/// One task type.
+pub use crate::crd::task_type::{Backoff, DeletionPolicy, RateLimit, TaskTypeSpec};
+
+/// A task type: the name of its `TaskType` resource (or file entry) and its spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct TaskTypeSpec {
-    /// Name; queues are `conveyor.<name>`, `.retry` and `.remediation`.
+pub struct NamedTaskType {
+    /// Queues are `conveyor.<name>`, `.retry` and `.remediation`.
     pub name: String,
-    /// JSON schema every payload must satisfy. Absent: any JSON object.
-    #[serde(default)]
-    pub schema: Option<serde_json::Value>,
-    /// Largest accepted payload, serialized, in bytes.
-    #[serde(default = "defaults::max_payload_bytes")]
-    pub max_payload_bytes: usize,
-    /// Retries after the first attempt before the task is dead-lettered.
-    #[serde(default = "defaults::max_retries")]
-    pub max_retries: u32,
-    /// Delay before each retry.
-    #[serde(default)]
-    pub backoff: Backoff,
-    /// Longest a handler may run for one attempt, in seconds.
-    #[serde(default = "defaults::timeout_seconds")]
-    pub timeout_seconds: f64,
-    /// A task whose owner has not heartbeated for this long is re-queued, in seconds.
-    #[serde(default = "defaults::heartbeat_timeout_seconds")]
-    pub heartbeat_timeout_seconds: f64,
-    /// Above this many ready messages the gateway refuses new tasks with 429.
-    #[serde(default = "defaults::max_queue_depth")]
-    pub max_queue_depth: u64,
-    /// Submissions per second accepted for this type across all clients.
-    #[serde(default)]
-    pub rate_limit: Option<RateLimit>,
+    #[serde(flatten)]
+    pub spec: TaskTypeSpec,
 }
 
-/// Exponential backoff with jitter: `initial * multiplier^retry`, capped at `max`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct Backoff {
-    /// Delay before the first retry, in seconds.
-    pub initial_seconds: f64,
-    /// Upper bound of any delay, in seconds.
-    pub max_seconds: f64,
-    /// Growth factor per retry.
-    pub multiplier: f64,
-}
-
-/// A token bucket: `per_second` refill, up to `burst` at once.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub struct RateLimit {
-    /// Sustained tasks per second.
-    pub per_second: f64,
-    /// Largest burst; defaults to one second's worth.
-    #[serde(default)]
-    pub burst: Option<f64>,
-}
-
-mod defaults {
-    pub fn max_payload_bytes() -> usize {
-        256 * 1024
-    }
-    pub fn max_retries() -> u32 {
-        3
-    }
-    pub fn timeout_seconds() -> f64 {
-        3600.0
-    }
-    pub fn heartbeat_timeout_seconds() -> f64 {
-        30.0
-    }
-    pub fn max_queue_depth() -> u64 {
-        100_000
+/// Settings are read as `task_type.max_retries`: the name travels with its spec.
+impl Deref for NamedTaskType {
+    type Target = TaskTypeSpec;
+    fn deref(&self) -> &TaskTypeSpec {
+        &self.spec
     }
 }
 
-impl Default for Backoff {
-    fn default() -> Self {
-        Backoff {
-            initial_seconds: 1.0,
-            max_seconds: 300.0,
-            multiplier: 2.0,
-        }
+impl DerefMut for NamedTaskType {
+    fn deref_mut(&mut self) -> &mut TaskTypeSpec {
+        &mut self.spec
     }
 }
 
@@ -106,21 +49,6 @@ impl Backoff {
 }
 
 impl TaskTypeSpec {
-    /// A type with every default, as a YAML file with only `name` would give.
-    pub fn named(name: impl Into<String>) -> Self {
-        TaskTypeSpec {
-            name: name.into(),
-            schema: None,
-            max_payload_bytes: defaults::max_payload_bytes(),
-            max_retries: defaults::max_retries(),
-            backoff: Backoff::default(),
-            timeout_seconds: defaults::timeout_seconds(),
-            heartbeat_timeout_seconds: defaults::heartbeat_timeout_seconds(),
-            max_queue_depth: defaults::max_queue_depth(),
-            rate_limit: None,
-        }
-    }
-
     pub fn heartbeat_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.heartbeat_timeout_seconds)
     }
@@ -128,8 +56,18 @@ impl TaskTypeSpec {
     pub fn timeout(&self) -> Duration {
         Duration::from_secs_f64(self.timeout_seconds)
     }
+}
 
-    /// Rejects settings no task could run under.
+impl NamedTaskType {
+    /// A type with every default, as a file entry with only `name` would give.
+    pub fn named(name: impl Into<String>) -> Self {
+        NamedTaskType {
+            name: name.into(),
+            spec: TaskTypeSpec::default(),
+        }
+    }
+
+    /// Rejects settings no task could run under (the CRD schema says the same to kubectl).
     pub fn validate(&self) -> Result<(), String> {
         let name_ok = !self.name.is_empty()
             && self.name.len() <= 63
@@ -178,7 +116,7 @@ impl TaskTypeSpec {
 }
 
 /// The task types a process knows, by name.
-pub type TaskTypes = BTreeMap<String, TaskTypeSpec>;
+pub type TaskTypes = BTreeMap<String, NamedTaskType>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TaskTypesFileError {
@@ -198,11 +136,34 @@ pub enum TaskTypesFileError {
     Invalid { path: String, message: String },
 }
 
-/// The file format: `taskTypes: [ {name: ..., ...}, ... ]`.
+/// The file format: `taskTypes: [ {name: ..., <TaskType spec fields>}, ... ]`.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct TaskTypesFile {
-    task_types: Vec<TaskTypeSpec>,
+    task_types: Vec<serde_json::Value>,
+}
+
+/// Fields of an entry that the spec does not have (serde's `deny_unknown_fields` does not
+/// work through `flatten`): every field serializes, so the known ones are those it writes.
+fn unknown_fields(entry: &serde_json::Value, parsed: &NamedTaskType) -> Vec<String> {
+    let known = serde_json::to_value(parsed).unwrap_or_default();
+    let mut unknown = Vec::new();
+    if let (Some(entry), Some(known)) = (entry.as_object(), known.as_object()) {
+        for (key, value) in entry {
+            match known.get(key) {
+                None => unknown.push(key.clone()),
+                Some(known) if key != "schema" && value.is_object() && known.is_object() => {
+                    for inner in value.as_object().into_iter().flatten().map(|(k, _)| k) {
+                        if !known.as_object().is_some_and(|k| k.contains_key(inner)) {
+                            unknown.push(format!("{key}.{inner}"));
+                        }
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    unknown
 }
 
 /// Parses and validates a task types YAML document.
@@ -213,11 +174,21 @@ pub fn parse_task_types(yaml: &str, path: &str) -> Result<TaskTypes, TaskTypesFi
             source,
         })?;
     let mut types = TaskTypes::new();
-    for spec in file.task_types {
+    for entry in file.task_types {
         let invalid = |message| TaskTypesFileError::Invalid {
             path: path.to_owned(),
             message,
         };
+        let spec: NamedTaskType = serde_json::from_value(entry.clone())
+            .map_err(|e| invalid(format!("task type {}: {e}", entry["name"])))?;
+        let unknown = unknown_fields(&entry, &spec);
+        if !unknown.is_empty() {
+            return Err(invalid(format!(
+                "task type {}: unknown field(s) {}",
+                spec.name,
+                unknown.join(", ")
+            )));
+        }
         spec.validate().map_err(invalid)?;
         if types.contains_key(&spec.name) {
             return Err(invalid(format!(
@@ -246,7 +217,7 @@ mod tests {
     #[test]
     fn defaults_fill_in() {
         let types = parse_task_types("taskTypes:\n  - name: thumbnail\n", "t.yaml").unwrap();
-        assert_eq!(types["thumbnail"], TaskTypeSpec::named("thumbnail"));
+        assert_eq!(types["thumbnail"], NamedTaskType::named("thumbnail"));
         assert_eq!(types["thumbnail"].max_queue_depth, 100_000);
         assert_eq!(types["thumbnail"].max_retries, 3);
     }
@@ -255,6 +226,11 @@ mod tests {
     fn bad_files_are_refused_with_the_reason() {
         let unknown_field = parse_task_types("taskTypes:\n  - name: a\n    retries: 2\n", "t");
         assert!(unknown_field.unwrap_err().to_string().contains("retries"));
+        let nested = "taskTypes:\n  - name: a\n    backoff: {initialSeconds: 1, maxSeconds: 2, multiplier: 2, jitter: 1}\n";
+        assert!(parse_task_types(nested, "t")
+            .unwrap_err()
+            .to_string()
+            .contains("backoff.jitter"));
         let bad_name = parse_task_types("taskTypes:\n  - name: Bad Name\n", "t");
         assert!(bad_name.unwrap_err().to_string().contains("a-z"));
         let twice = parse_task_types("taskTypes:\n  - name: a\n  - name: a\n", "t");

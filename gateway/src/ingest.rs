@@ -9,7 +9,7 @@ use conveyor_core::amqp::{AmqpError, Outgoing, Publisher};
 use conveyor_core::db::{Db, DbError, Recorded};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::{NewTask, Requeue, TaskRecord};
-use conveyor_core::task_type::{TaskTypeSpec, TaskTypes};
+use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -49,7 +49,7 @@ pub struct ClientLimits {
 
 /// A task type with its compiled payload schema.
 pub struct KnownType {
-    pub spec: TaskTypeSpec,
+    pub spec: NamedTaskType,
     validator: Option<jsonschema::Validator>,
 }
 

@@ -16,7 +16,7 @@ use conveyor_core::admin;
 use conveyor_core::amqp::{self, Publisher, QueueNames};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
-use conveyor_core::task_type::TaskTypeSpec;
+use conveyor_core::task_type::NamedTaskType;
 use futures_util::stream::{select_all, StreamExt};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -32,7 +32,7 @@ use crate::process::Processor;
 pub struct WorkerConfig {
     /// Unique per process; owner of the tasks it claims.
     pub worker_id: String,
-    pub task_types: Vec<TaskTypeSpec>,
+    pub task_types: Vec<NamedTaskType>,
     pub handler: Handler,
     /// Tasks run at once; also the prefetch.
     pub concurrency: u16,
@@ -48,7 +48,7 @@ impl WorkerConfig {
     fn heartbeat_interval(&self) -> Duration {
         self.task_types
             .iter()
-            .map(TaskTypeSpec::heartbeat_timeout)
+            .map(|t| t.heartbeat_timeout())
             .min()
             .unwrap_or(Duration::from_secs(30))
             / 3

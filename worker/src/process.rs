@@ -9,7 +9,7 @@ use conveyor_core::amqp::Publisher;
 use conveyor_core::db::{Db, DbError, DbResult};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::{Requeue, TaskMessage};
-use conveyor_core::task_type::TaskTypeSpec;
+use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState::{self, *};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
@@ -25,7 +25,7 @@ const DB_RETRY_FOR: Duration = Duration::from_secs(10);
 
 pub struct Processor {
     pub worker_id: String,
-    pub types: BTreeMap<String, TaskTypeSpec>,
+    pub types: BTreeMap<String, NamedTaskType>,
     pub handler: Handler,
     pub db: Db,
     pub publisher: Arc<Publisher>,
@@ -121,7 +121,7 @@ impl Processor {
 
     async fn complete(
         &self,
-        spec: &TaskTypeSpec,
+        spec: &NamedTaskType,
         task: &TaskMessage,
         result: &serde_json::Value,
     ) -> Settle {
@@ -154,7 +154,7 @@ impl Processor {
         }
     }
 
-    async fn fail(&self, spec: &TaskTypeSpec, task: &TaskMessage, failure: &str) -> Settle {
+    async fn fail(&self, spec: &NamedTaskType, task: &TaskMessage, failure: &str) -> Settle {
         let name = spec.name.as_str();
         tracing::info!(failure, "attempt failed");
         let pending = self
@@ -191,7 +191,7 @@ impl Processor {
     }
 
     /// The drain ran out of time: hand the task back without using a retry.
-    async fn release(&self, spec: &TaskTypeSpec, task: &TaskMessage) -> Settle {
+    async fn release(&self, spec: &NamedTaskType, task: &TaskMessage) -> Settle {
         let name = spec.name.as_str();
         let pending = match self
             .db

@@ -11,7 +11,7 @@ use conveyor_core::amqp::Publisher;
 use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::Requeue;
-use conveyor_core::task_type::TaskTypeSpec;
+use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState;
 use tokio_util::sync::CancellationToken;
 
@@ -23,7 +23,7 @@ const BATCH: i64 = 100;
 pub async fn reap_loop(
     db: Db,
     publisher: Arc<Publisher>,
-    spec: TaskTypeSpec,
+    spec: NamedTaskType,
     worker_id: String,
     metrics: Metrics,
     stop: CancellationToken,
@@ -53,7 +53,7 @@ pub async fn reap_loop(
 pub async fn reap_once(
     db: &Db,
     publisher: &Publisher,
-    spec: &TaskTypeSpec,
+    spec: &NamedTaskType,
     worker_id: &str,
     metrics: &Metrics,
 ) -> anyhow::Result<usize> {

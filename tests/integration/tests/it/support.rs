@@ -10,7 +10,7 @@ use conveyor_core::amqp::{Publisher, QueueNames};
 use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::TaskEvent;
-use conveyor_core::task_type::{TaskTypeSpec, TaskTypes};
+use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use conveyor_core::testing::{self, TestDatabase};
 use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
@@ -28,7 +28,7 @@ pub const TOKEN: &str = "test-token-123";
 pub struct Harness {
     pub db: Db,
     pub db_url: String,
-    pub types: Vec<TaskTypeSpec>,
+    pub types: Vec<NamedTaskType>,
     pub gateway_url: String,
     pub http: reqwest::Client,
     types_file: PathBuf,
@@ -52,8 +52,8 @@ impl InProcessWorker {
 }
 
 /// A type with short timeouts for tests.
-pub fn test_type(prefix: &str) -> TaskTypeSpec {
-    let mut spec = TaskTypeSpec::named(testing::unique_type(prefix));
+pub fn test_type(prefix: &str) -> NamedTaskType {
+    let mut spec = NamedTaskType::named(testing::unique_type(prefix));
     spec.heartbeat_timeout_seconds = 2.0;
     spec.backoff.initial_seconds = 0.2;
     spec.backoff.max_seconds = 5.0;
@@ -61,12 +61,12 @@ pub fn test_type(prefix: &str) -> TaskTypeSpec {
 }
 
 impl Harness {
-    pub async fn start(types: Vec<TaskTypeSpec>) -> Harness {
+    pub async fn start(types: Vec<NamedTaskType>) -> Harness {
         Self::start_with(types, |_| {}).await
     }
 
     pub async fn start_with(
-        types: Vec<TaskTypeSpec>,
+        types: Vec<NamedTaskType>,
         adjust: impl FnOnce(&mut GatewayConfig),
     ) -> Harness {
         let test_db = TestDatabase::create().await;
@@ -129,7 +129,7 @@ impl Harness {
         .await;
     }
 
-    pub fn spec(&self, name: &str) -> &TaskTypeSpec {
+    pub fn spec(&self, name: &str) -> &NamedTaskType {
         self.types
             .iter()
             .find(|t| t.name == name)

@@ -1,0 +1,82 @@
+//! `crds/` is generated from the Rust types (`conveyor-operator crdgen --out crds`); this
+//! fails when the two drift apart.
+
+use conveyor_core::crd::crd_documents;
+
+#[test]
+fn crds_folder_matches_the_types() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds");
+    for (file, generated) in crd_documents() {
+        let committed = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
+        assert!(
+            committed == generated,
+            "crds/{file} is out of date: run `cargo run -p conveyor-operator -- crdgen --out crds`"
+        );
+    }
+}
+
+#[test]
+fn worker_pool_crd_has_short_names_scale_and_columns() {
+    let docs = crd_documents();
+    let crd: serde_json::Value = serde_yaml::from_str(&docs[1].1).unwrap();
+    assert_eq!(crd["metadata"]["name"], "workerpools.conveyor.dev");
+    assert_eq!(
+        crd["spec"]["names"]["shortNames"],
+        serde_json::json!(["wp", "taskpool", "taskpools"])
+    );
+    let version = &crd["spec"]["versions"][0];
+    assert_eq!(version["name"], "v1alpha1");
+    assert_eq!(
+        version["subresources"]["scale"]["specReplicasPath"],
+        ".spec.replicas"
+    );
+    assert_eq!(
+        version["subresources"]["scale"]["labelSelectorPath"],
+        ".status.selector"
+    );
+    let columns: Vec<&str> = version["additionalPrinterColumns"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            "Task-Types",
+            "Ready",
+            "Desired",
+            "Queued",
+            "In-Flight",
+            "Dead-Lettered",
+            "Status",
+            "Age"
+        ]
+    );
+    let spec = &version["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    assert!(spec["properties"]["concurrency"]["description"]
+        .as_str()
+        .unwrap()
+        .contains("prefetch"));
+    let autoscaling = &spec["properties"]["autoscaling"];
+    assert_eq!(
+        autoscaling["x-kubernetes-validations"][0]["rule"],
+        "self.minReplicas <= self.maxReplicas"
+    );
+}
+
+#[test]
+fn task_type_crd_keeps_payload_schemas_and_has_a_short_name() {
+    let docs = crd_documents();
+    let crd: serde_json::Value = serde_yaml::from_str(&docs[0].1).unwrap();
+    assert_eq!(
+        crd["spec"]["names"]["shortNames"],
+        serde_json::json!(["tt"])
+    );
+    let spec = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    assert_eq!(
+        spec["properties"]["schema"]["x-kubernetes-preserve-unknown-fields"],
+        true
+    );
+    assert_eq!(spec["properties"]["maxRetries"]["maximum"], 100.0);
+}
