@@ -10,8 +10,7 @@ use tokio::process::Command;
 /// How a worker pool processes its tasks.
 #[derive(Debug, Clone)]
 pub enum Handler {
-    /// Runs a command per task (the command line is split on whitespace; wrap anything
-    /// more complex in a script): payload on stdin and in `CONVEYOR_PAYLOAD`; exit code 0 is
+    /// Runs a command per task: payload on stdin and in `CONVEYOR_PAYLOAD`; exit code 0 is
     /// success, and stdout (JSON if it parses, else text) is the result.
     Exec { command: String, args: Vec<String> },
     /// POSTs the payload to a sidecar; a 2xx answer is success and its body the result.
@@ -33,19 +32,20 @@ pub enum Handler {
 pub type Failure = String;
 
 impl Handler {
-    pub fn parse(name: &str, exec: Option<&str>, http_url: Option<&str>) -> Result<Self, String> {
+    /// `exec` is the command and its arguments.
+    pub fn parse(name: &str, exec: &[String], http_url: Option<&str>) -> Result<Self, String> {
         Ok(match name {
             "noop" => Handler::Noop,
             "sleep" => Handler::Sleep,
             "fail" => Handler::Fail,
             "crash" => Handler::Crash,
             "exec" => {
-                let line = exec.ok_or("the exec handler needs --exec-command")?;
-                let mut words = line.split_whitespace().map(str::to_owned);
-                let command = words.next().ok_or("--exec-command is empty")?;
+                let (command, args) = exec
+                    .split_first()
+                    .ok_or("the exec handler needs a command (--exec-command or after --)")?;
                 Handler::Exec {
-                    command,
-                    args: words.collect(),
+                    command: command.clone(),
+                    args: args.to_vec(),
                 }
             }
             "http" => Handler::Http {
@@ -183,23 +183,27 @@ mod tests {
         }
     }
 
+    fn words(line: &str) -> Vec<String> {
+        line.split_whitespace().map(str::to_owned).collect()
+    }
+
     #[tokio::test]
     async fn exec_success_failure_and_environment() {
-        let echo = Handler::parse("exec", Some("sh -c cat"), None).unwrap();
+        let echo = Handler::parse("exec", &words("sh -c cat"), None).unwrap();
         let result = echo.run(&task(serde_json::json!({"a": 1}))).await.unwrap();
         assert_eq!(result, serde_json::json!({"a": 1}));
 
-        let env = Handler::parse("exec", Some("sh -c echo$IFS$CONVEYOR_ATTEMPT"), None).unwrap();
+        let env = Handler::parse("exec", &words("sh -c echo$IFS$CONVEYOR_ATTEMPT"), None).unwrap();
         assert_eq!(
             env.run(&task(serde_json::json!({}))).await.unwrap(),
             serde_json::json!(0)
         );
 
-        let fail = Handler::parse("exec", Some("false"), None).unwrap();
+        let fail = Handler::parse("exec", &words("false"), None).unwrap();
         let err = fail.run(&task(serde_json::json!({}))).await.unwrap_err();
         assert!(err.contains("exit status: 1"), "{err}");
 
-        let missing = Handler::parse("exec", Some("/nonexistent/tool"), None).unwrap();
+        let missing = Handler::parse("exec", &words("/nonexistent/tool"), None).unwrap();
         assert!(missing
             .run(&task(serde_json::json!({})))
             .await
@@ -209,7 +213,7 @@ mod tests {
 
     #[test]
     fn unknown_handlers_are_refused() {
-        assert!(Handler::parse("teleport", None, None).is_err());
-        assert!(Handler::parse("exec", None, None).is_err());
+        assert!(Handler::parse("teleport", &[], None).is_err());
+        assert!(Handler::parse("exec", &[], None).is_err());
     }
 }

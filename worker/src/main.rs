@@ -26,9 +26,13 @@ struct Args {
     /// exec, http, noop, sleep, fail or crash.
     #[arg(long, env = "CONVEYOR_HANDLER", default_value = "noop")]
     handler: String,
-    /// Command line for the exec handler.
+    /// Command line for the exec handler, split on whitespace (or give the command and its
+    /// arguments after `--`).
     #[arg(long, env = "CONVEYOR_EXEC_COMMAND")]
     exec_command: Option<String>,
+    /// The exec handler's command and arguments, after `--`.
+    #[arg(last = true)]
+    exec_args: Vec<String>,
     /// Sidecar URL for the http handler.
     #[arg(long, env = "CONVEYOR_HTTP_URL")]
     http_url: Option<String>,
@@ -66,12 +70,14 @@ async fn main() -> anyhow::Result<()> {
             })
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let handler = Handler::parse(
-        &args.handler,
-        args.exec_command.as_deref(),
-        args.http_url.as_deref(),
-    )
-    .map_err(anyhow::Error::msg)?;
+    let exec = if args.exec_args.is_empty() {
+        let line = args.exec_command.as_deref().unwrap_or_default();
+        line.split_whitespace().map(str::to_owned).collect()
+    } else {
+        args.exec_args.clone()
+    };
+    let handler = Handler::parse(&args.handler, &exec, args.http_url.as_deref())
+        .map_err(anyhow::Error::msg)?;
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     let config = WorkerConfig {
         worker_id: format!("{}-{}", args.worker_name, &suffix[..8]),

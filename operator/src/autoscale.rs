@@ -1,0 +1,234 @@
+//! The autoscaling decision, as a pure function of what the operator observed.
+//!
+//! Desired workers come from the work waiting and running (ready + in-flight) divided by the
+//! pool's `targetBacklogPerReplica`, raised if the measured processing rate says the ready
+//! backlog would take longer than [`DRAIN_TARGET`] to clear. Scale-up applies at once;
+//! scale-down only once every recommendation over the stabilization window was lower (as
+//! the HPA does), and never to zero while anything is in flight or waiting. Each decision
+//! carries the sentence that explains it, for the Event and the condition message.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use conveyor_core::crd::worker_pool::Autoscaling;
+
+/// How long a ready backlog may take to drain at the measured rate before we add workers.
+pub const DRAIN_TARGET: Duration = Duration::from_secs(60);
+
+/// What the operator saw of a pool and its queues.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Observation {
+    /// Ready messages in the pool's work queues.
+    pub ready: u64,
+    /// Tasks delivered to the pool's workers and not yet acknowledged.
+    pub in_flight: u64,
+    /// Tasks per second the pool completed recently; `None` when not measured yet.
+    pub processing_rate: Option<f64>,
+    /// Workers the pool has now.
+    pub current_replicas: i32,
+}
+
+/// A scaling decision and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub replicas: i32,
+    pub reason: String,
+}
+
+/// Recent recommendations of one pool, for scale-down stabilization. Times are seconds on
+/// any monotonic clock the caller keeps.
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    recommendations: VecDeque<(f64, i32)>,
+}
+
+impl History {
+    fn record(&mut self, now: f64, replicas: i32, window: f64) {
+        self.recommendations.push_back((now, replicas));
+        while self
+            .recommendations
+            .front()
+            .is_some_and(|&(t, _)| now - t > window)
+        {
+            self.recommendations.pop_front();
+        }
+    }
+
+    fn highest(&self) -> Option<i32> {
+        self.recommendations.iter().map(|&(_, r)| r).max()
+    }
+}
+
+/// Decides the replica count for an autoscaled pool at time `now` (seconds).
+pub fn desired_replicas(
+    seen: &Observation,
+    policy: &Autoscaling,
+    history: &mut History,
+    now: f64,
+) -> Decision {
+    let work = seen.ready + seen.in_flight;
+    let per_replica = u64::from(policy.target_backlog_per_replica.max(1));
+    let by_backlog = work.div_ceil(per_replica) as i64;
+    let mut reasons = vec![format!(
+        "backlog {work} (ready {} + in-flight {}) at {per_replica} per worker needs {by_backlog}",
+        seen.ready, seen.in_flight
+    )];
+    let mut wanted = by_backlog;
+
+    if let (Some(rate), true) = (seen.processing_rate, seen.current_replicas > 0) {
+        if rate > 0.0 && seen.ready > 0 {
+            let per_worker = rate / f64::from(seen.current_replicas);
+            let by_rate =
+                (seen.ready as f64 / (per_worker * DRAIN_TARGET.as_secs_f64())).ceil() as i64;
+            if by_rate > wanted {
+                reasons.push(format!(
+                    "at {rate:.1} tasks/s ({per_worker:.2} per worker) draining the ready backlog within {}s needs {by_rate}",
+                    DRAIN_TARGET.as_secs()
+                ));
+                wanted = by_rate;
+            }
+        }
+    }
+    // Work in flight or waiting keeps at least one worker, whatever minReplicas says.
+    if work > 0 && wanted < 1 {
+        wanted = 1;
+    }
+    let bounded = wanted.clamp(
+        i64::from(policy.min_replicas),
+        i64::from(policy.max_replicas),
+    ) as i32;
+    if i64::from(bounded) != wanted {
+        reasons.push(format!(
+            "bounded to [{}, {}]",
+            policy.min_replicas, policy.max_replicas
+        ));
+    }
+    let recommendation = if work > 0 { bounded.max(1) } else { bounded };
+
+    let window = f64::from(policy.scale_down_stabilization_seconds);
+    history.record(now, recommendation, window);
+    let current = seen.current_replicas;
+    let replicas = if recommendation >= current {
+        recommendation
+    } else {
+        // Shrink only to the highest recommendation within the window.
+        let stable = history.highest().unwrap_or(recommendation).min(current);
+        if stable > recommendation {
+            reasons.push(format!(
+                "scale-down to {recommendation} held at {stable} for the {window:.0}s stabilization window"
+            ));
+        }
+        stable
+    };
+    Decision {
+        replicas,
+        reason: reasons.join("; "),
+    }
+}
+
+/// `controller.kubernetes.io/pod-deletion-cost` per pod: its in-flight tasks, so that on
+/// scale-down the ReplicaSet removes idle workers first.
+pub fn deletion_costs<'a>(
+    pods: impl IntoIterator<Item = &'a str>,
+    in_flight_by_pod: &std::collections::HashMap<String, u64>,
+) -> Vec<(String, i32)> {
+    pods.into_iter()
+        .map(|pod| {
+            let busy = in_flight_by_pod.get(pod).copied().unwrap_or(0);
+            (pod.to_owned(), busy.min(i32::MAX as u64) as i32)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(min: i32, max: i32) -> Autoscaling {
+        Autoscaling {
+            min_replicas: min,
+            max_replicas: max,
+            target_backlog_per_replica: 100,
+            scale_down_stabilization_seconds: 60,
+        }
+    }
+
+    fn seen(ready: u64, in_flight: u64, current: i32) -> Observation {
+        Observation {
+            ready,
+            in_flight,
+            processing_rate: None,
+            current_replicas: current,
+        }
+    }
+
+    #[test]
+    fn backlog_sets_the_count_within_bounds() {
+        let mut history = History::default();
+        let d = desired_replicas(&seen(950, 50, 1), &policy(0, 20), &mut history, 0.0);
+        assert_eq!(d.replicas, 10);
+        assert!(d.reason.contains("backlog 1000"), "{}", d.reason);
+        let d = desired_replicas(&seen(100_000, 0, 10), &policy(0, 20), &mut history, 1.0);
+        assert_eq!(d.replicas, 20);
+        assert!(d.reason.contains("bounded to [0, 20]"), "{}", d.reason);
+        let d = desired_replicas(&seen(0, 0, 0), &policy(2, 20), &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 2, "minReplicas holds when idle");
+    }
+
+    #[test]
+    fn a_slow_processing_rate_adds_workers() {
+        let mut observed = seen(600, 0, 2);
+        observed.processing_rate = Some(2.0); // 1 task/s per worker: 600 s to drain
+        let d = desired_replicas(&observed, &policy(0, 50), &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 10, "600 ready / (1 per worker * 60 s)");
+        assert!(d.reason.contains("tasks/s"), "{}", d.reason);
+    }
+
+    #[test]
+    fn scale_up_is_immediate_and_scale_down_waits_for_the_window() {
+        let mut history = History::default();
+        let p = policy(0, 20);
+        assert_eq!(
+            desired_replicas(&seen(800, 0, 1), &p, &mut history, 0.0).replicas,
+            8
+        );
+        // The backlog drains: recommendations drop, the pool holds for the window...
+        let held = desired_replicas(&seen(100, 0, 8), &p, &mut history, 10.0);
+        assert_eq!(held.replicas, 8);
+        assert!(held.reason.contains("stabilization"), "{}", held.reason);
+        assert_eq!(
+            desired_replicas(&seen(100, 0, 8), &p, &mut history, 59.0).replicas,
+            8
+        );
+        // ...and shrinks once the high recommendation is older than the window.
+        assert_eq!(
+            desired_replicas(&seen(100, 0, 8), &p, &mut history, 61.0).replicas,
+            1
+        );
+    }
+
+    #[test]
+    fn never_to_zero_while_work_is_in_flight() {
+        let mut history = History::default();
+        let p = Autoscaling {
+            scale_down_stabilization_seconds: 0,
+            ..policy(0, 5)
+        };
+        // Nothing ready (KEDA would scale to zero here), but one task is still running.
+        let d = desired_replicas(&seen(0, 1, 3), &p, &mut history, 0.0);
+        assert_eq!(d.replicas, 1);
+        let d = desired_replicas(&seen(0, 0, 1), &p, &mut history, 1.0);
+        assert_eq!(d.replicas, 0, "idle: zero is allowed");
+    }
+
+    #[test]
+    fn idle_pods_cost_least_to_delete() {
+        let busy: std::collections::HashMap<String, u64> =
+            [("w-a".to_owned(), 3), ("w-c".to_owned(), 1)].into();
+        let costs = deletion_costs(["w-a", "w-b", "w-c"], &busy);
+        assert_eq!(
+            costs,
+            [("w-a".into(), 3), ("w-b".into(), 0), ("w-c".into(), 1)]
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! The WorkerPool builders against fixtures: `fixtures/<name>.yaml` is the input and
+//! `fixtures/<name>.objects.yaml` the expected output (`UPDATE_FIXTURES=1` rewrites it).
+#![allow(clippy::unwrap_used)] // fixtures fail loudly on purpose
+
+use conveyor_core::crd::WorkerPool;
+use conveyor_core::task_type::NamedTaskType;
+use conveyor_operator::build::{pool_objects, BuildError, ConnectionSecret, PoolObjects};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Fixture {
+    pool: WorkerPool,
+    task_types: Vec<NamedTaskType>,
+}
+
+fn fixture(name: &str) -> (Fixture, std::path::PathBuf) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let text = std::fs::read_to_string(dir.join(format!("{name}.yaml"))).unwrap();
+    (
+        serde_yaml::from_str(&text).unwrap(),
+        dir.join(format!("{name}.objects.yaml")),
+    )
+}
+
+fn render(objects: &PoolObjects) -> String {
+    [
+        serde_yaml::to_string(&objects.config_map).unwrap(),
+        serde_yaml::to_string(&objects.deployment).unwrap(),
+        serde_yaml::to_string(&objects.service).unwrap(),
+        serde_yaml::to_string(&objects.pod_disruption_budget).unwrap(),
+    ]
+    .join("---\n")
+}
+
+#[test]
+fn transcode_pool_matches_its_fixture() {
+    let (input, expected_path) = fixture("transcode-pool");
+    let objects = pool_objects(
+        &input.pool,
+        &input.task_types,
+        3,
+        &ConnectionSecret::default(),
+    )
+    .unwrap();
+    let rendered = render(&objects);
+    if std::env::var_os("UPDATE_FIXTURES").is_some() {
+        std::fs::write(&expected_path, &rendered).unwrap();
+    }
+    let expected = std::fs::read_to_string(&expected_path).unwrap_or_default();
+    assert!(
+        rendered == expected,
+        "builders changed; review and rerun with UPDATE_FIXTURES=1:\n{rendered}"
+    );
+}
+
+#[test]
+fn workers_run_restricted_and_owned_by_the_pool() {
+    let (input, _) = fixture("transcode-pool");
+    let objects = pool_objects(
+        &input.pool,
+        &input.task_types,
+        3,
+        &ConnectionSecret::default(),
+    )
+    .unwrap();
+    let deployment = serde_json::to_value(&objects.deployment).unwrap();
+    let owner = &deployment["metadata"]["ownerReferences"][0];
+    assert_eq!(owner["kind"], "WorkerPool");
+    assert_eq!(owner["controller"], true);
+    assert_eq!(deployment["spec"]["replicas"], 3);
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(
+        pod["securityContext"]["seccompProfile"]["type"],
+        "RuntimeDefault"
+    );
+    assert_eq!(
+        pod["terminationGracePeriodSeconds"], 130,
+        "drain grace + margin"
+    );
+    assert_eq!(pod["nodeSelector"]["workload"], "video");
+    let container = &pod["containers"][0];
+    let security = &container["securityContext"];
+    assert_eq!(security["allowPrivilegeEscalation"], false);
+    assert_eq!(security["readOnlyRootFilesystem"], true);
+    assert_eq!(security["capabilities"]["drop"], serde_json::json!(["ALL"]));
+    let args: Vec<&str> = container["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(args.contains(&"--consume=transcode,thumbnail"));
+    assert!(args.contains(&"--concurrency=4"));
+    // The exec command goes after `--`, argument by argument (spaces survive).
+    let dashdash = args.iter().position(|a| *a == "--").unwrap();
+    assert_eq!(
+        &args[dashdash + 1..],
+        ["/usr/local/bin/transcode-task", "--preset", "slow veryslow"]
+    );
+    // Only the consumed task types are in the workers' config.
+    let config = &objects.config_map.data.as_ref().unwrap()["task-types.yaml"];
+    assert!(
+        config.contains("transcode")
+            && config.contains("thumbnail")
+            && !config.contains("metadata")
+    );
+}
+
+#[test]
+fn changing_a_task_type_rolls_the_workers() {
+    let (input, _) = fixture("transcode-pool");
+    let secret = ConnectionSecret::default();
+    let hash = |types: &[NamedTaskType]| {
+        let objects = pool_objects(&input.pool, types, 1, &secret).unwrap();
+        let template = objects.deployment.spec.unwrap().template;
+        template.metadata.unwrap().annotations.unwrap()["conveyor.dev/config-hash"].clone()
+    };
+    let before = hash(&input.task_types);
+    let mut changed = input.task_types.clone();
+    changed[0].max_retries = 7;
+    assert_ne!(hash(&changed), before);
+    let mut unrelated = input.task_types.clone();
+    unrelated[2].max_retries = 9; // metadata: not consumed by this pool
+    assert_eq!(hash(&unrelated), before);
+}
+
+#[test]
+fn a_missing_task_type_is_a_clear_error() {
+    let (input, _) = fixture("transcode-pool");
+    let err = pool_objects(
+        &input.pool,
+        &input.task_types[1..],
+        1,
+        &ConnectionSecret::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(matches!(err, BuildError::UnknownTaskType(ref t) if t == "transcode"));
+    assert_eq!(err.category(), "UnknownTaskType");
+    let mut no_uid = input.pool.clone();
+    no_uid.metadata.uid = None;
+    assert!(pool_objects(&no_uid, &input.task_types, 1, &ConnectionSecret::default()).is_err());
+}
