@@ -20,11 +20,6 @@ use tokio::sync::Mutex;
 
 use crate::task::{Requeue, TaskMessage};
 
-/// Redeliveries after which the broker itself parks a message in remediation. The
-/// lifecycle's retries normally decide long before; this only catches messages that kill
-/// the consumer before it can claim them.
-pub const DELIVERY_LIMIT: i64 = 10;
-
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
     #[error("broker unavailable")]
@@ -114,7 +109,8 @@ fn arg_str(value: &str) -> AMQPValue {
 }
 
 /// The arguments of each queue, fixed at declaration. Settings that may change later
-/// (retries, TTLs, lengths) belong in policies, which the operator manages.
+/// (the delivery limit, TTL caps, lengths) are policies, which the operator manages:
+/// a queue argument would win over a policy and could never be changed.
 pub fn queue_arguments(names: &QueueNames) -> [(String, FieldTable); 3] {
     let quorum = || {
         let mut args = FieldTable::default();
@@ -126,10 +122,6 @@ pub fn queue_arguments(names: &QueueNames) -> [(String, FieldTable); 3] {
     main.insert(
         "x-dead-letter-routing-key".into(),
         arg_str(&names.remediation),
-    );
-    main.insert(
-        "x-delivery-limit".into(),
-        AMQPValue::LongLongInt(DELIVERY_LIMIT),
     );
     let mut retry = quorum();
     retry.insert("x-dead-letter-exchange".into(), arg_str(""));

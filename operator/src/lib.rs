@@ -4,3 +4,4 @@
 
 pub mod autoscale;
 pub mod build;
+pub mod rabbitmq;

@@ -1,0 +1,266 @@
+//! RabbitMQ's management API: policies (settings that may change after a queue exists) and
+//! queue depths. Queue declaration itself goes over AMQP (`conveyor_core::amqp`).
+
+use std::time::Duration;
+
+use conveyor_core::amqp::QueueNames;
+use conveyor_core::crd::task_type::QueueDepths;
+use conveyor_core::task_type::NamedTaskType;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// How far the retry safety net sits above `maxRetries`: the broker parks a message in
+/// remediation only after the lifecycle would have (decision 0004).
+pub const DELIVERY_LIMIT_MARGIN: u32 = 2;
+/// The broker refuses publishes beyond this multiple of `maxQueueDepth`; the gateway
+/// answers 429 long before.
+pub const HARD_LENGTH_FACTOR: u64 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManagementError {
+    #[error("RabbitMQ management API unreachable at {url}")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("RabbitMQ management API answered {status} to {what}: {body}")]
+    Refused {
+        what: String,
+        status: u16,
+        body: String,
+    },
+}
+
+impl ManagementError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            ManagementError::Unreachable { .. } => "RabbitMQUnavailable",
+            ManagementError::Refused { .. } => "RabbitMQRefused",
+        }
+    }
+}
+
+/// A RabbitMQ policy, as the management API takes it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Policy {
+    #[serde(skip)]
+    pub name: String,
+    pub pattern: String,
+    pub apply_to: &'static str,
+    pub priority: i32,
+    pub definition: serde_json::Value,
+}
+
+/// The policies of a task type's queues: everything about them that may change after
+/// they were declared.
+pub fn task_type_policies(task_type: &NamedTaskType) -> Vec<Policy> {
+    let queues = QueueNames::of(&task_type.name);
+    // Task type names are [a-z0-9_-]: nothing in them is special in a regex.
+    let exact = |queue: &str| format!("^{}$", queue.replace('.', "\\."));
+    vec![
+        Policy {
+            name: queues.main.clone(),
+            pattern: exact(&queues.main),
+            apply_to: "queues",
+            priority: 10,
+            definition: json!({
+                "delivery-limit": task_type.max_retries + DELIVERY_LIMIT_MARGIN,
+                "max-length": task_type.max_queue_depth.saturating_mul(HARD_LENGTH_FACTOR),
+                "overflow": "reject-publish",
+            }),
+        },
+        Policy {
+            name: queues.retry.clone(),
+            pattern: exact(&queues.retry),
+            apply_to: "queues",
+            priority: 10,
+            // A cap on the per-message backoff TTL: nothing waits longer than maxSeconds.
+            definition: json!({
+                "message-ttl": (task_type.backoff.max_seconds * 1000.0).ceil() as u64,
+            }),
+        },
+    ]
+}
+
+#[derive(Debug, Deserialize)]
+struct QueueInfo {
+    #[serde(default)]
+    messages_ready: u64,
+    #[serde(default)]
+    messages_unacknowledged: u64,
+    #[serde(default)]
+    messages: u64,
+    #[serde(default)]
+    effective_policy_definition: Option<serde_json::Value>,
+}
+
+/// A client of the management API for one vhost.
+#[derive(Clone)]
+pub struct ManagementApi {
+    base: String,
+    user: String,
+    password: String,
+    vhost: String,
+    http: reqwest::Client,
+}
+
+impl ManagementApi {
+    /// `base` like `http://127.0.0.1:15672`.
+    pub fn new(base: &str, user: &str, password: &str, vhost: &str) -> Self {
+        ManagementApi {
+            base: base.trim_end_matches('/').to_owned(),
+            user: user.to_owned(),
+            password: password.to_owned(),
+            vhost: vhost.to_owned(),
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()
+                .unwrap_or_default(),
+        }
+    }
+
+    fn url(&self, path: &str, name: &str) -> String {
+        format!(
+            "{}/api/{path}/{}/{}",
+            self.base,
+            encode(&self.vhost),
+            encode(name)
+        )
+    }
+
+    async fn send(
+        &self,
+        what: String,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, ManagementError> {
+        let response = request
+            .basic_auth(&self.user, Some(&self.password))
+            .send()
+            .await
+            .map_err(|source| ManagementError::Unreachable {
+                url: self.base.clone(),
+                source,
+            })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let body = response.text().await.unwrap_or_default();
+        Err(ManagementError::Refused {
+            what,
+            status: status.as_u16(),
+            body,
+        })
+    }
+
+    /// Creates or replaces a policy (idempotent).
+    pub async fn put_policy(&self, policy: &Policy) -> Result<(), ManagementError> {
+        let url = self.url("policies", &policy.name);
+        self.send(
+            format!("policy {}", policy.name),
+            self.http.put(url).json(policy),
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Deletes a policy; a missing one is fine.
+    pub async fn delete_policy(&self, name: &str) -> Result<(), ManagementError> {
+        let url = self.url("policies", name);
+        match self
+            .send(format!("delete policy {name}"), self.http.delete(url))
+            .await
+        {
+            Err(ManagementError::Refused { status: 404, .. }) | Ok(_) => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// Deletes a queue and its messages; a missing one is fine.
+    pub async fn delete_queue(&self, queue: &str) -> Result<(), ManagementError> {
+        let url = self.url("queues", queue);
+        match self
+            .send(format!("delete queue {queue}"), self.http.delete(url))
+            .await
+        {
+            Err(ManagementError::Refused { status: 404, .. }) | Ok(_) => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    async fn queue(&self, queue: &str) -> Result<QueueInfo, ManagementError> {
+        let url = self.url("queues", queue);
+        let response = self
+            .send(format!("queue {queue}"), self.http.get(url))
+            .await?;
+        response
+            .json()
+            .await
+            .map_err(|source| ManagementError::Unreachable {
+                url: self.base.clone(),
+                source,
+            })
+    }
+
+    /// The policy definition RabbitMQ applies to a queue now.
+    pub async fn effective_policy(
+        &self,
+        queue: &str,
+    ) -> Result<serde_json::Value, ManagementError> {
+        Ok(self
+            .queue(queue)
+            .await?
+            .effective_policy_definition
+            .unwrap_or_default())
+    }
+
+    /// Messages in each of a task type's queues.
+    pub async fn depths(&self, task_type: &str) -> Result<QueueDepths, ManagementError> {
+        let queues = QueueNames::of(task_type);
+        let main = self.queue(&queues.main).await?;
+        let retry = self.queue(&queues.retry).await?;
+        let remediation = self.queue(&queues.remediation).await?;
+        Ok(QueueDepths {
+            ready: main.messages_ready,
+            in_flight: main.messages_unacknowledged,
+            retry: retry.messages,
+            remediation: remediation.messages,
+        })
+    }
+}
+
+/// Percent-encoding for a path segment (vhost `/` is `%2F`).
+fn encode(segment: &str) -> String {
+    segment
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_follow_the_task_type() {
+        let mut spec = NamedTaskType::named("thumbnail");
+        spec.max_retries = 4;
+        spec.max_queue_depth = 1000;
+        spec.backoff.max_seconds = 90.0;
+        let policies = task_type_policies(&spec);
+        assert_eq!(policies[0].name, "conveyor.thumbnail");
+        assert_eq!(policies[0].pattern, "^conveyor\\.thumbnail$");
+        assert_eq!(policies[0].definition["delivery-limit"], 6);
+        assert_eq!(policies[0].definition["max-length"], 2000);
+        assert_eq!(policies[1].pattern, "^conveyor\\.thumbnail\\.retry$");
+        assert_eq!(policies[1].definition["message-ttl"], 90_000);
+        assert_eq!(encode("/"), "%2F");
+    }
+}
