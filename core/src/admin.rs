@@ -10,7 +10,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 
-use crate::metrics::Metrics;
+use prometheus::{Encoder, Registry, TextEncoder};
 
 /// Answers whether the process can do its work now; `Err` carries the reason.
 pub type ReadinessCheck =
@@ -18,17 +18,25 @@ pub type ReadinessCheck =
 
 #[derive(Clone)]
 struct AdminState {
-    metrics: Metrics,
+    registry: Registry,
     ready: ReadinessCheck,
 }
 
 /// Routes for the admin endpoints; merge them into a service's router or serve them alone.
-pub fn router(metrics: Metrics, ready: ReadinessCheck) -> Router {
+pub fn router(registry: Registry, ready: ReadinessCheck) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(render_metrics))
-        .with_state(AdminState { metrics, ready })
+        .with_state(AdminState { registry, ready })
+}
+
+/// The text exposition format of a registry.
+pub fn render(registry: &Registry) -> String {
+    let mut out = Vec::new();
+    // Encoding into a Vec cannot fail for well-formed metrics.
+    let _ = TextEncoder::new().encode(&registry.gather(), &mut out);
+    String::from_utf8(out).unwrap_or_default()
 }
 
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
@@ -41,6 +49,6 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
 async fn render_metrics(State(state): State<AdminState>) -> impl IntoResponse {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(),
+        render(&state.registry),
     )
 }

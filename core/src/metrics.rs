@@ -1,8 +1,8 @@
 //! Prometheus metrics, one registry per process, injected (no globals).
 
 use prometheus::{
-    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    exponential_buckets, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 /// Every metric a Conveyor process exports. Gateways and workers fill in their own part;
@@ -32,6 +32,9 @@ pub struct Metrics {
     pub queue_depth: IntGaugeVec,
     /// Errors talking to the database or the broker, by component and category.
     pub errors: IntCounterVec,
+    /// Tasks this worker is processing now; the operator reads it to pick idle pods to
+    /// remove on scale-down.
+    pub in_flight: IntGauge,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -72,7 +75,16 @@ impl Metrics {
         registry
             .register(Box::new(queue_depth.clone()))
             .expect("metric registered once");
+        let in_flight = IntGauge::new(
+            "conveyor_in_flight_tasks",
+            "Tasks this worker is processing",
+        )
+        .expect("metric definition is valid");
+        registry
+            .register(Box::new(in_flight.clone()))
+            .expect("metric registered once");
         Metrics {
+            in_flight,
             submissions: counter(
                 r,
                 "submissions_total",
@@ -149,15 +161,6 @@ impl Metrics {
                 .with_label_values(&[task_type, pair[0].as_str(), pair[1].as_str()])
                 .inc();
         }
-    }
-
-    /// The text exposition format.
-    pub fn render(&self) -> String {
-        let mut out = Vec::new();
-        let encoder = TextEncoder::new();
-        // Encoding into a Vec cannot fail for well-formed metrics.
-        let _ = encoder.encode(&self.registry.gather(), &mut out);
-        String::from_utf8(out).unwrap_or_default()
     }
 }
 

@@ -119,7 +119,7 @@ pub async fn run(
         })
     });
     let app = api::router(state, config.max_body_bytes, config.max_batch_bytes)
-        .merge(admin::router(metrics, ready));
+        .merge(admin::router(metrics.registry.clone(), ready));
     tracing::info!(addr = ?listener.local_addr().ok(), "gateway listening");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.cancelled_owned())

@@ -1,7 +1,12 @@
-//! The Conveyor operator's logic: pure builders and decisions, unit-tested on fixtures.
-//! The reconcilers that apply them are not built yet (docs/ARCHITECTURE.md, "Status").
+//! The Conveyor operator: reconcile pipelines for TaskType and WorkerPool, with the pure
+//! parts (builders, autoscaling, policies) separate from the parts that call APIs.
 #![forbid(unsafe_code)]
 
 pub mod autoscale;
 pub mod build;
+pub mod context;
+pub mod error;
+pub mod leader;
 pub mod rabbitmq;
+pub mod task_types;
+pub mod worker_pools;

@@ -1,13 +1,30 @@
-//! `conveyor-operator`: reconciles TaskType and WorkerPool resources.
-//!
-//! Built so far: `crdgen`, which writes the CRDs to `crds/`. The reconcilers are not built
-//! yet (docs/ARCHITECTURE.md, "Status"); `run` says so and exits rather than pretend.
+//! `conveyor-operator`: reconciles TaskType and WorkerPool resources (`run`), and writes
+//! the CRDs generated from the Rust types (`crdgen`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Context;
-use clap::{Parser, Subcommand};
+use anyhow::Context as _;
+use clap::{Args as ClapArgs, Parser, Subcommand};
+use conveyor_core::amqp::Publisher;
+use conveyor_core::config::{AmqpArgs, Secret, TelemetryArgs};
+use conveyor_core::crd::{TaskType, WorkerPool};
+use conveyor_operator::build::ConnectionSecret;
+use conveyor_operator::context::{Context, OperatorMetrics};
+use conveyor_operator::error::Error;
+use conveyor_operator::leader::Leader;
+use conveyor_operator::rabbitmq::ManagementApi;
+use conveyor_operator::{task_types, worker_pools};
+use futures_util::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Api, ListParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::Client;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-operator", version)]
@@ -24,13 +41,61 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Run the reconcilers (not built yet).
-    Run,
+    /// Run the reconcilers.
+    Run(Box<RunArgs>),
 }
 
-fn main() -> ExitCode {
-    match run(Args::parse()) {
-        Ok(code) => code,
+#[derive(Debug, ClapArgs)]
+struct RunArgs {
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "CONVEYOR_OPERATOR_LISTEN", default_value = "0.0.0.0:8080")]
+    listen: String,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "conveyor-system")]
+    namespace: String,
+    /// This replica's identity in the Lease.
+    #[arg(long, env = "POD_NAME", default_value = "conveyor-operator")]
+    identity: String,
+    /// Lease duration in seconds.
+    #[arg(long, env = "CONVEYOR_LEASE_SECONDS", default_value_t = 15)]
+    lease_seconds: u64,
+    /// RabbitMQ management API base URL.
+    #[arg(
+        long,
+        env = "CONVEYOR_RABBITMQ_MANAGEMENT_URL",
+        default_value = "http://127.0.0.1:15672"
+    )]
+    management_url: String,
+    #[arg(long, env = "CONVEYOR_RABBITMQ_USER", default_value = "conveyor")]
+    management_user: String,
+    #[arg(
+        long,
+        env = "CONVEYOR_RABBITMQ_PASSWORD",
+        default_value = "conveyor",
+        hide_env_values = true
+    )]
+    management_password: Secret<String>,
+    /// Secret (in each pool's namespace) with the workers' database-url and amqp-url.
+    #[arg(
+        long,
+        env = "CONVEYOR_CONNECTION_SECRET",
+        default_value = "conveyor-connections"
+    )]
+    connection_secret: String,
+    #[command(flatten)]
+    amqp: AmqpArgs,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let result = match Args::parse().command {
+        Command::Crdgen { out } => crdgen(out),
+        Command::Run(args) => run(*args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             eprintln!("conveyor-operator: {err:#}");
             ExitCode::FAILURE
@@ -38,29 +103,165 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: Args) -> anyhow::Result<ExitCode> {
-    match args.command {
-        Command::Crdgen { out: None } => {
-            for (_, yaml) in conveyor_core::crd::crd_documents() {
-                print!("---\n{yaml}");
-            }
+fn crdgen(out: Option<PathBuf>) -> anyhow::Result<()> {
+    let Some(dir) = out else {
+        for (_, yaml) in conveyor_core::crd::crd_documents() {
+            print!("---\n{yaml}");
         }
-        Command::Crdgen { out: Some(dir) } => {
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            for (file, yaml) in conveyor_core::crd::crd_documents() {
-                let path = dir.join(file);
-                std::fs::write(&path, yaml)
-                    .with_context(|| format!("writing {}", path.display()))?;
-                println!("wrote {}", path.display());
-            }
-        }
-        Command::Run => {
-            eprintln!(
-                "conveyor-operator: the TaskType/WorkerPool reconcilers are not built yet; \
-                 run conveyor-gateway and conveyor-worker with --task-types meanwhile"
-            );
-            return Ok(ExitCode::from(2));
+        return Ok(());
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (file, yaml) in conveyor_core::crd::crd_documents() {
+        let path = dir.join(file);
+        std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    args.telemetry.init();
+    let client = Client::try_default()
+        .await
+        .context("connecting to Kubernetes")?;
+    require_crds(&client).await?;
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
+    let metrics = OperatorMetrics::new();
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let ready_client = client.clone();
+    let ready: conveyor_core::admin::ReadinessCheck = Arc::new(move || {
+        let client = ready_client.clone();
+        Box::pin(async move {
+            client
+                .apiserver_version()
+                .await
+                .map(drop)
+                .map_err(|e| format!("apiserver: {e}"))
+        })
+    });
+    let app = conveyor_core::admin::router(metrics.registry.clone(), ready);
+    let admin_stop = shutdown.clone();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(admin_stop.cancelled_owned())
+            .await;
+    });
+
+    let leader = Leader::new(
+        client.clone(),
+        &args.namespace,
+        "conveyor-operator",
+        &args.identity,
+        Duration::from_secs(args.lease_seconds),
+    );
+    if !leader.acquire(&shutdown).await.context("leader election")? {
+        return Ok(());
+    }
+    // Losing the lease stops the controllers exactly like a shutdown does.
+    let stop = CancellationToken::new();
+    tokio::spawn(leader.hold(shutdown.clone(), stop.clone()));
+    let relay = stop.clone();
+    let outer = shutdown.clone();
+    tokio::spawn(async move {
+        outer.cancelled().await;
+        relay.cancel();
+    });
+
+    let reporter = Reporter {
+        controller: "conveyor-operator".into(),
+        instance: Some(args.identity.clone()),
+    };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        Recorder::new(client.clone(), reporter),
+        ManagementApi::new(
+            &args.management_url,
+            &args.management_user,
+            args.management_password.expose(),
+            "/",
+        ),
+        Publisher::new(
+            args.amqp.connection_url(),
+            "conveyor-operator",
+            args.amqp.confirm_timeout(),
+        ),
+        ConnectionSecret {
+            name: args.connection_secret.clone(),
+            ..ConnectionSecret::default()
+        },
+        metrics,
+    ));
+
+    let task_type_controller = Controller::new(
+        Api::<TaskType>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .graceful_shutdown_on(stop.clone().cancelled_owned())
+    .run(task_types::reconcile, error_policy("tasktype"), ctx.clone())
+    .for_each(|_| async {});
+    let pool_controller = Controller::new(
+        Api::<WorkerPool>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .owns(
+        Api::<Deployment>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .graceful_shutdown_on(stop.clone().cancelled_owned())
+    .run(
+        worker_pools::reconcile,
+        error_policy("workerpool"),
+        ctx.clone(),
+    )
+    .for_each(|_| async {});
+    tracing::info!("reconciling TaskTypes and WorkerPools");
+    tokio::join!(task_type_controller, pool_controller);
+    if !shutdown.is_cancelled() {
+        anyhow::bail!("lost leadership");
+    }
+    Ok(())
+}
+
+/// Counts the error and retries: soon for outages, slowly for invalid specs (a user must
+/// edit them first).
+fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Context>) -> Action {
+    move |_object, error, ctx| {
+        ctx.metrics
+            .errors
+            .with_label_values(&[controller, error.category()])
+            .inc();
+        tracing::warn!(controller, error = %error, category = error.category(), "reconcile failed");
+        match error {
+            Error::InvalidSpec(_) | Error::Build(_) => Action::requeue(Duration::from_secs(300)),
+            _ => Action::requeue(Duration::from_secs(5)),
         }
     }
-    Ok(ExitCode::SUCCESS)
+}
+
+/// Exits with a clear message when the CRDs are not installed (the operator never installs
+/// them itself).
+async fn require_crds(client: &Client) -> anyhow::Result<()> {
+    let probe = ListParams::default().limit(1);
+    let task_types = Api::<TaskType>::all(client.clone())
+        .list(&probe)
+        .await
+        .map(drop);
+    let pools = Api::<WorkerPool>::all(client.clone())
+        .list(&probe)
+        .await
+        .map(drop);
+    for result in [task_types, pools] {
+        match result {
+            Ok(()) => {}
+            Err(kube::Error::Api(status)) if status.code == 404 => anyhow::bail!(
+                "the TaskType and WorkerPool CRDs are not installed: kubectl apply -f crds/"
+            ),
+            Err(err) => return Err(err).context("checking for the CRDs"),
+        }
+    }
+    Ok(())
 }

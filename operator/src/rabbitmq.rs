@@ -94,6 +94,20 @@ struct QueueInfo {
     messages: u64,
     #[serde(default)]
     effective_policy_definition: Option<serde_json::Value>,
+    #[serde(default)]
+    message_stats: Option<MessageStats>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct MessageStats {
+    #[serde(default)]
+    ack_details: Option<Rate>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct Rate {
+    #[serde(default)]
+    rate: f64,
 }
 
 /// A client of the management API for one vhost.
@@ -214,6 +228,17 @@ impl ManagementApi {
             .await?
             .effective_policy_definition
             .unwrap_or_default())
+    }
+
+    /// Acknowledgements per second on a task type's work queue: its processing rate, as the
+    /// broker measured it over the last few seconds.
+    pub async fn processing_rate(&self, task_type: &str) -> Result<f64, ManagementError> {
+        let main = self.queue(&QueueNames::of(task_type).main).await?;
+        Ok(main
+            .message_stats
+            .and_then(|s| s.ack_details)
+            .map(|d| d.rate)
+            .unwrap_or(0.0))
     }
 
     /// Messages in each of a task type's queues.

@@ -82,7 +82,7 @@ pub async fn run(
             let db = db.clone();
             Box::pin(async move { db.ping().await.map_err(|e| format!("database: {e}")) })
         });
-        let app = admin::router(metrics.clone(), ready);
+        let app = admin::router(metrics.registry.clone(), ready);
         let stop = background.clone();
         tokio::spawn(async move {
             let served = axum::serve(listener, app)

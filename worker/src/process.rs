@@ -100,6 +100,7 @@ impl Processor {
         self.metrics
             .record_path(name, &[Queued, Claimed, Processing]);
         let cancel = self.in_flight.insert(task.id);
+        self.metrics.in_flight.set(self.in_flight.len() as i64);
         let started = Instant::now();
         let outcome = tokio::select! {
             outcome = tokio::time::timeout(spec.timeout(), self.handler.run(task)) => Some(
@@ -116,6 +117,7 @@ impl Processor {
             None => self.release(spec, task).await,
         };
         self.in_flight.remove(task.id);
+        self.metrics.in_flight.set(self.in_flight.len() as i64);
         settle
     }
 

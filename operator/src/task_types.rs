@@ -1,0 +1,177 @@
+//! TaskType reconcile: validate → declare queues → apply policies → read depths → status.
+//! A finalizer is added only under `deletionPolicy: Delete`, where deleting the TaskType
+//! must delete its queues; under Retain nothing outside the cluster needs cleaning up.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use conveyor_core::amqp::QueueNames;
+use conveyor_core::crd::conditions::{QUEUES_DECLARED, READY};
+use conveyor_core::crd::task_type::{DeletionPolicy, TaskTypeStatus};
+use conveyor_core::crd::TaskType;
+use conveyor_core::task_type::NamedTaskType;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use crate::build::FIELD_MANAGER;
+use crate::context::{condition, Context};
+use crate::error::{Error, Result};
+use crate::rabbitmq::task_type_policies;
+
+pub const FINALIZER: &str = "conveyor.dev/delete-queues";
+/// Depths in the status are refreshed this often.
+const RESYNC: Duration = Duration::from_secs(15);
+
+/// The TaskType as the data path sees it: name and spec.
+pub fn named(task_type: &TaskType) -> NamedTaskType {
+    NamedTaskType {
+        name: task_type.name_any(),
+        spec: task_type.spec.clone(),
+    }
+}
+
+#[tracing::instrument(skip_all, fields(task_type = %task_type.name_any()))]
+pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Action> {
+    ctx.metrics
+        .reconciles
+        .with_label_values(&["tasktype"])
+        .inc();
+    let namespace = task_type.namespace().unwrap_or_default();
+    let api: Api<TaskType> = Api::namespaced(ctx.client.clone(), &namespace);
+    let has_finalizer = task_type.finalizers().iter().any(|f| f == FINALIZER);
+
+    if task_type.meta().deletion_timestamp.is_some() {
+        if has_finalizer {
+            delete_queues(&task_type, &ctx).await?;
+            set_finalizer(&api, &task_type, false).await?;
+        }
+        return Ok(Action::await_change());
+    }
+    let wants_finalizer = task_type.spec.deletion_policy == DeletionPolicy::Delete;
+    if wants_finalizer != has_finalizer {
+        set_finalizer(&api, &task_type, wants_finalizer).await?;
+    }
+
+    let spec = named(&task_type);
+    if let Err(message) = spec.validate() {
+        write_status(
+            &api,
+            &task_type,
+            false,
+            "InvalidSpec",
+            message.clone(),
+            None,
+        )
+        .await?;
+        ctx.event(task_type.as_ref(), true, "InvalidSpec", message.clone())
+            .await;
+        return Err(Error::InvalidSpec(message));
+    }
+    ctx.publisher
+        .declare_task_type(&spec.name)
+        .await
+        .map_err(Error::Amqp)?;
+    for policy in task_type_policies(&spec) {
+        ctx.management.put_policy(&policy).await?;
+    }
+    let depths = ctx.management.depths(&spec.name).await?;
+    write_status(
+        &api,
+        &task_type,
+        true,
+        "QueuesDeclared",
+        format!(
+            "queues {} (+ .retry, .remediation) declared with policies",
+            QueueNames::of(&spec.name).main
+        ),
+        Some(depths),
+    )
+    .await?;
+    Ok(Action::requeue(RESYNC))
+}
+
+async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {
+    let spec = named(task_type);
+    for policy in task_type_policies(&spec) {
+        ctx.management.delete_policy(&policy.name).await?;
+    }
+    let queues = QueueNames::of(&spec.name);
+    for queue in [&queues.main, &queues.retry, &queues.remediation] {
+        ctx.management.delete_queue(queue).await?;
+    }
+    ctx.event(
+        task_type,
+        false,
+        "QueuesDeleted",
+        format!(
+            "deletionPolicy Delete: removed {} and its retry and remediation queues",
+            queues.main
+        ),
+    )
+    .await;
+    Ok(())
+}
+
+async fn set_finalizer(api: &Api<TaskType>, task_type: &TaskType, present: bool) -> Result<()> {
+    let mut finalizers: Vec<String> = task_type
+        .finalizers()
+        .iter()
+        .filter(|f| *f != FINALIZER)
+        .cloned()
+        .collect();
+    if present {
+        finalizers.push(FINALIZER.to_owned());
+    }
+    // resourceVersion makes this a compare-and-set against concurrent finalizer edits.
+    let patch = json!({
+        "metadata": {
+            "finalizers": finalizers,
+            "resourceVersion": task_type.resource_version(),
+        }
+    });
+    api.patch(
+        &task_type.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn write_status(
+    api: &Api<TaskType>,
+    task_type: &TaskType,
+    ok: bool,
+    reason: &str,
+    message: String,
+    depths: Option<conveyor_core::crd::task_type::QueueDepths>,
+) -> Result<()> {
+    let previous = task_type
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let generation = task_type.meta().generation;
+    let status = TaskTypeStatus {
+        observed_generation: generation,
+        conditions: vec![
+            condition(&previous, READY, ok, reason, message.clone(), generation),
+            condition(&previous, QUEUES_DECLARED, ok, reason, message, generation),
+        ],
+        depths,
+    };
+    let patch = json!({
+        "apiVersion": TaskType::api_version(&()),
+        "kind": TaskType::kind(&()),
+        "status": status,
+    });
+    api.patch_status(
+        &task_type.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,337 @@
+//! WorkerPool reconcile: read the pool's task types and load → decide replicas → build the
+//! objects (pure, `build.rs`) → apply them with server-side apply → status, with an Event
+//! for every scaling decision.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use conveyor_core::crd::conditions::{READY, SCALING};
+use conveyor_core::crd::worker_pool::WorkerPoolStatus;
+use conveyor_core::crd::{TaskType, WorkerPool};
+use conveyor_core::task_type::NamedTaskType;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::autoscale::{deletion_costs, desired_replicas, Observation};
+use crate::build::{self, selector, FIELD_MANAGER, METRICS_PORT};
+use crate::context::{condition, Context};
+use crate::error::{Error, Result};
+use crate::task_types::named;
+
+/// How often an autoscaled pool is looked at again.
+const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
+const RESYNC: Duration = Duration::from_secs(60);
+const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+
+/// What the pool's queues hold now.
+#[derive(Debug, Default, Clone, Copy)]
+struct Load {
+    ready: u64,
+    in_flight: u64,
+    dead_lettered: u64,
+    rate: f64,
+}
+
+#[tracing::instrument(skip_all, fields(pool = %pool.name_any()))]
+pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Action> {
+    ctx.metrics
+        .reconciles
+        .with_label_values(&["workerpool"])
+        .inc();
+    let namespace = pool.namespace().unwrap_or_default();
+    let name = pool.name_any();
+    let client = ctx.client.clone();
+
+    let task_types: Vec<NamedTaskType> = Api::<TaskType>::namespaced(client.clone(), &namespace)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .map(named)
+        .collect();
+    let load = read_load(&pool, &ctx).await;
+    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
+    let deployment = deployments.get_opt(&format!("{name}-worker")).await?;
+    let current = deployment
+        .as_ref()
+        .and_then(|d| d.spec.as_ref())
+        .and_then(|s| s.replicas)
+        .unwrap_or(0);
+    let ready_replicas = deployment
+        .as_ref()
+        .and_then(|d| d.status.as_ref())
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0);
+
+    let (replicas, reason) = match (&pool.spec.autoscaling, &load) {
+        (Some(policy), Ok(load)) => {
+            let observation = Observation {
+                ready: load.ready,
+                in_flight: load.in_flight,
+                processing_rate: Some(load.rate),
+                current_replicas: current,
+            };
+            let key = format!("{namespace}/{name}");
+            let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
+            let decision = desired_replicas(
+                &observation,
+                policy,
+                histories.entry(key).or_default(),
+                ctx.now(),
+            );
+            (decision.replicas, decision.reason)
+        }
+        // Without queue depths, hold the current size rather than guess.
+        (Some(_), Err(err)) => (
+            current.max(1),
+            format!("holding at {}: {err}", current.max(1)),
+        ),
+        (None, _) => {
+            let wanted = pool.spec.replicas.unwrap_or(1).max(0);
+            (wanted, format!("spec.replicas is {wanted}"))
+        }
+    };
+
+    let objects = match build::pool_objects(&pool, &task_types, replicas, &ctx.secret) {
+        Ok(objects) => objects,
+        Err(err) => {
+            let message = err.to_string();
+            ctx.event(pool.as_ref(), true, err.category(), message.clone())
+                .await;
+            write_status(
+                &pool,
+                &ctx,
+                Status::degraded(err.category(), message, replicas),
+            )
+            .await?;
+            return Err(err.into());
+        }
+    };
+    if replicas < current {
+        mark_idle_pods(&pool, &ctx).await;
+    }
+    apply(&client, &namespace, &objects.config_map).await?;
+    apply(&client, &namespace, &objects.service).await?;
+    apply(&client, &namespace, &objects.pod_disruption_budget).await?;
+    apply(&client, &namespace, &objects.deployment).await?;
+
+    if replicas != current {
+        let direction = if replicas > current { "up" } else { "down" };
+        ctx.metrics
+            .scaling_decisions
+            .with_label_values(&[direction])
+            .inc();
+        ctx.event(
+            pool.as_ref(),
+            false,
+            "Scaled",
+            format!("{current} → {replicas} workers: {reason}"),
+        )
+        .await;
+    }
+    let load = load.unwrap_or_default();
+    let status = Status {
+        phase: if ready_replicas == replicas {
+            "Ready"
+        } else {
+            "Scaling"
+        },
+        reason: if replicas == current {
+            "Stable"
+        } else {
+            "Scaling"
+        },
+        message: reason,
+        replicas,
+        current,
+        ready_replicas,
+        load,
+    };
+    write_status(&pool, &ctx, status).await?;
+    Ok(Action::requeue(if pool.spec.autoscaling.is_some() {
+        AUTOSCALE_PERIOD
+    } else {
+        RESYNC
+    }))
+}
+
+async fn read_load(pool: &WorkerPool, ctx: &Context) -> Result<Load, Error> {
+    let mut load = Load::default();
+    for task_type in &pool.spec.task_types {
+        let depths = ctx.management.depths(task_type).await?;
+        load.ready += depths.ready;
+        load.in_flight += depths.in_flight;
+        load.dead_lettered += depths.remediation;
+        load.rate += ctx.management.processing_rate(task_type).await?;
+    }
+    Ok(load)
+}
+
+/// Server-side apply under the operator's one field manager; drift is overwritten.
+async fn apply<K>(client: &kube::Client, namespace: &str, object: &K) -> Result<()>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + Serialize
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), namespace);
+    let name = object.meta().name.clone().unwrap_or_default();
+    let mut body = serde_json::to_value(object).map_err(|e| Error::InvalidSpec(e.to_string()))?;
+    body["apiVersion"] = K::api_version(&()).into();
+    body["kind"] = K::kind(&()).into();
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&body),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Before shrinking, tells the ReplicaSet which pods are idle: each pod's deletion cost is
+/// its in-flight task count, read from its metrics. Unreadable pods cost 0.
+async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
+    let namespace = pool.namespace().unwrap_or_default();
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
+    let list = match pods
+        .list(&ListParams::default().labels(&selector(&pool.name_any())))
+        .await
+    {
+        Ok(list) => list.items,
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot list pods for deletion costs");
+            return;
+        }
+    };
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_default();
+    let mut busy = HashMap::new();
+    for pod in &list {
+        let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
+            continue;
+        };
+        let url = format!("http://{ip}:{METRICS_PORT}/metrics");
+        if let Ok(text) = async { http.get(&url).send().await?.text().await }.await {
+            busy.insert(pod.name_any(), in_flight_from_metrics(&text));
+        }
+    }
+    let names: Vec<String> = list.iter().map(|p| p.name_any()).collect();
+    for (pod, cost) in deletion_costs(names.iter().map(String::as_str), &busy) {
+        let patch = json!({"metadata": {"annotations": {DELETION_COST: cost.to_string()}}});
+        if let Err(err) = pods
+            .patch(&pod, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            tracing::warn!(pod, error = %err, "cannot set pod deletion cost");
+        }
+    }
+}
+
+/// `conveyor_in_flight_tasks` from a worker's metrics text.
+pub fn in_flight_from_metrics(text: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix("conveyor_in_flight_tasks "))
+        .and_then(|value| value.trim().parse::<f64>().ok())
+        .map(|v| v.max(0.0) as u64)
+        .unwrap_or(0)
+}
+
+struct Status {
+    phase: &'static str,
+    reason: &'static str,
+    message: String,
+    replicas: i32,
+    current: i32,
+    ready_replicas: i32,
+    load: Load,
+}
+
+impl Status {
+    fn degraded(reason: &'static str, message: String, replicas: i32) -> Status {
+        Status {
+            phase: "Degraded",
+            reason,
+            message,
+            replicas,
+            current: 0,
+            ready_replicas: 0,
+            load: Load::default(),
+        }
+    }
+}
+
+async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Result<()> {
+    let previous = pool
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
+    let generation = pool.meta().generation;
+    let healthy = status.phase != "Degraded";
+    let body = WorkerPoolStatus {
+        observed_generation: generation,
+        replicas: status.current,
+        ready_replicas: status.ready_replicas,
+        desired_replicas: status.replicas,
+        selector: Some(selector(&pool.name_any())),
+        queued: status.load.ready,
+        in_flight: status.load.in_flight,
+        dead_lettered: status.load.dead_lettered,
+        phase: Some(status.phase.to_owned()),
+        conditions: vec![
+            condition(
+                &previous,
+                READY,
+                healthy && status.phase == "Ready",
+                status.reason,
+                status.message.clone(),
+                generation,
+            ),
+            condition(
+                &previous,
+                SCALING,
+                status.replicas != status.current,
+                status.reason,
+                status.message,
+                generation,
+            ),
+        ],
+    };
+    let patch = json!({
+        "apiVersion": WorkerPool::api_version(&()),
+        "kind": WorkerPool::kind(&()),
+        "status": body,
+    });
+    let api: Api<WorkerPool> =
+        Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
+    api.patch_status(
+        &pool.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn in_flight_is_read_from_worker_metrics() {
+        let text =
+            "# HELP conveyor_in_flight_tasks x\nconveyor_in_flight_tasks 3\nconveyor_other 9\n";
+        assert_eq!(in_flight_from_metrics(text), 3);
+        assert_eq!(in_flight_from_metrics("nothing"), 0);
+    }
+}
