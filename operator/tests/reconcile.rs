@@ -1,0 +1,491 @@
+//! Reconcile flows against a mock API server (scripted requests and answers) and the real
+//! RabbitMQ: what the reconcilers ask Kubernetes to do, in order.
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use conveyor_core::amqp::{Publisher, QueueNames};
+use conveyor_core::crd::task_type::DeletionPolicy;
+use conveyor_core::crd::{TaskType, TaskTypeSpec, WorkerPool};
+use conveyor_core::testing;
+use conveyor_operator::build::ConnectionSecret;
+use conveyor_operator::context::{Context, OperatorMetrics};
+use conveyor_operator::rabbitmq::ManagementApi;
+use conveyor_operator::{task_types, worker_pools};
+use http::{Method, Request, Response};
+use kube::client::Body;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::Client;
+use serde_json::{json, Value};
+use tokio::task::JoinHandle;
+
+/// One expected API call and the answer to give.
+struct Expect {
+    method: Method,
+    /// The request path (without query) must end with this.
+    path: String,
+    status: u16,
+    answer: Value,
+}
+
+fn expect(method: Method, path: &str, status: u16, answer: Value) -> Expect {
+    Expect {
+        method,
+        path: path.to_owned(),
+        status,
+        answer,
+    }
+}
+
+/// A seen request: method, path with query, body.
+type Seen = (Method, String, Value);
+
+/// Serves the script in order, then checks that nothing more is asked.
+fn api_server(script: Vec<Expect>) -> (Client, JoinHandle<Vec<Seen>>) {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let verifier = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        for step in script {
+            let next = tokio::time::timeout(Duration::from_secs(10), handle.next_request()).await;
+            let (request, send) = next
+                .unwrap_or_else(|_| panic!("no request; expected {} …{}", step.method, step.path))
+                .expect("client dropped");
+            let method = request.method().clone();
+            let uri = request.uri().to_string();
+            let body = request.into_body().collect_bytes().await.unwrap();
+            let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            assert_eq!(method, step.method, "{uri}");
+            assert!(
+                uri.split('?').next().unwrap().ends_with(&step.path),
+                "{uri} should end with {}",
+                step.path
+            );
+            let response = Response::builder()
+                .status(step.status)
+                .body(Body::from(serde_json::to_vec(&step.answer).unwrap()))
+                .unwrap();
+            send.send_response(response);
+            seen.push((method, uri, body));
+        }
+        seen
+    });
+    (Client::new(service, "default"), verifier)
+}
+
+fn context(client: Client, management_url: &str) -> Arc<Context> {
+    let reporter = Reporter {
+        controller: "conveyor-operator".into(),
+        instance: None,
+    };
+    Arc::new(Context::new(
+        client.clone(),
+        Recorder::new(client, reporter),
+        ManagementApi::new(management_url, "conveyor", "conveyor", "/"),
+        Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5)),
+        ConnectionSecret::default(),
+        OperatorMetrics::new(),
+    ))
+}
+
+fn task_type(name: &str, spec: TaskTypeSpec) -> TaskType {
+    let mut tt = TaskType::new(name, spec);
+    tt.metadata.namespace = Some("video".into());
+    tt.metadata.uid = Some("3b7f0d1e-0000-4000-8000-000000000001".into());
+    tt.metadata.generation = Some(2);
+    tt.metadata.resource_version = Some("41".into());
+    tt
+}
+
+fn status_answer(object: &impl serde::Serialize) -> Value {
+    serde_json::to_value(object).unwrap()
+}
+
+const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/video/events";
+const MANAGEMENT: &str = "http://127.0.0.1:15672";
+
+#[tokio::test]
+async fn a_new_task_type_gets_queues_policies_and_a_ready_status() {
+    let name = testing::unique_type("op");
+    let tt = task_type(
+        &name,
+        TaskTypeSpec {
+            max_retries: 4,
+            ..TaskTypeSpec::default()
+        },
+    );
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let (client, verifier) =
+        api_server(vec![expect(Method::PATCH, &path, 200, status_answer(&tt))]);
+    let ctx = context(client, MANAGEMENT);
+
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    let (_, uri, body) = &seen[0];
+    assert!(
+        uri.contains("fieldManager=conveyor-operator") && uri.contains("force=true"),
+        "{uri}"
+    );
+    assert_eq!(body["status"]["observedGeneration"], 2);
+    assert_eq!(body["status"]["conditions"][0]["type"], "Ready");
+    assert_eq!(body["status"]["conditions"][0]["status"], "True");
+    assert_eq!(body["status"]["depths"]["ready"], 0);
+    // The broker applies policies asynchronously.
+    let mut delivery_limit = Value::Null;
+    for _ in 0..75 {
+        let effective = ctx
+            .management
+            .effective_policy(&QueueNames::of(&name).main)
+            .await
+            .unwrap();
+        delivery_limit = effective["delivery-limit"].clone();
+        if delivery_limit == 6 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(delivery_limit, 6, "maxRetries 4 + 2");
+    testing::delete_queues(&name).await;
+}
+
+#[tokio::test]
+async fn delete_policy_adds_a_finalizer_and_deletion_removes_the_queues() {
+    let name = testing::unique_type("op");
+    let spec = TaskTypeSpec {
+        deletion_policy: DeletionPolicy::Delete,
+        ..TaskTypeSpec::default()
+    };
+    let tt = task_type(&name, spec);
+    let object = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}");
+    let (client, verifier) = api_server(vec![
+        expect(Method::PATCH, &object, 200, status_answer(&tt)),
+        expect(
+            Method::PATCH,
+            &format!("{object}/status"),
+            200,
+            status_answer(&tt),
+        ),
+    ]);
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(
+        seen[0].2["metadata"]["finalizers"],
+        json!([task_types::FINALIZER])
+    );
+    assert_eq!(seen[0].2["metadata"]["resourceVersion"], "41");
+    assert!(ctx.management.depths(&name).await.is_ok(), "queues exist");
+
+    // kubectl delete: the finalizer deletes the queues, then lets go.
+    let mut deleting = tt.clone();
+    deleting.metadata.finalizers = Some(vec![task_types::FINALIZER.into()]);
+    deleting.metadata.deletion_timestamp = Some(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()),
+    );
+    let (client, verifier) = api_server(vec![
+        expect(Method::POST, EVENTS, 201, json!({})),
+        expect(Method::PATCH, &object, 200, status_answer(&tt)),
+    ]);
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(deleting), ctx.clone())
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(seen[0].2["reason"], "QueuesDeleted");
+    assert_eq!(seen[1].2["metadata"]["finalizers"], json!([]));
+    assert!(
+        ctx.management.depths(&name).await.is_err(),
+        "queues are gone"
+    );
+}
+
+#[tokio::test]
+async fn deleting_a_retained_task_type_touches_nothing() {
+    let name = testing::unique_type("op");
+    let mut tt = task_type(&name, TaskTypeSpec::default());
+    tt.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::now(),
+    ));
+    let (client, verifier) = api_server(vec![]);
+    task_types::reconcile(Arc::new(tt), context(client, MANAGEMENT))
+        .await
+        .unwrap();
+    assert!(verifier.await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn an_invalid_spec_is_reported_not_applied() {
+    let name = testing::unique_type("op");
+    // Bypasses the CRD schema (as an older CRD version might): the operator checks again.
+    let tt = task_type(
+        &name,
+        TaskTypeSpec {
+            heartbeat_timeout_seconds: 0.0,
+            ..TaskTypeSpec::default()
+        },
+    );
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let (client, verifier) = api_server(vec![
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+        expect(Method::POST, EVENTS, 201, json!({})),
+    ]);
+    let ctx = context(client, MANAGEMENT);
+    let err = task_types::reconcile(Arc::new(tt), ctx.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(err.category(), "InvalidSpec");
+    let seen = verifier.await.unwrap();
+    assert_eq!(seen[0].2["status"]["conditions"][0]["status"], "False");
+    assert_eq!(
+        seen[0].2["status"]["conditions"][0]["reason"],
+        "InvalidSpec"
+    );
+    assert_eq!(seen[1].2["type"], "Warning");
+    assert!(
+        ctx.management.depths(&name).await.is_err(),
+        "no queue was declared"
+    );
+}
+
+#[tokio::test]
+async fn rabbitmq_down_is_an_error_with_a_category() {
+    let name = testing::unique_type("op");
+    let tt = task_type(&name, TaskTypeSpec::default());
+    let (client, verifier) = api_server(vec![]);
+    let reporter = Reporter {
+        controller: "conveyor-operator".into(),
+        instance: None,
+    };
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        Recorder::new(client, reporter),
+        ManagementApi::new("http://127.0.0.1:1", "conveyor", "conveyor", "/"),
+        Publisher::new(
+            "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
+            "operator-test",
+            Duration::from_secs(1),
+        ),
+        ConnectionSecret::default(),
+        OperatorMetrics::new(),
+    ));
+    let err = task_types::reconcile(Arc::new(tt), ctx).await.unwrap_err();
+    assert_eq!(err.category(), "RabbitMQUnavailable");
+    assert!(
+        verifier.await.unwrap().is_empty(),
+        "no status written on a transient outage"
+    );
+}
+
+fn pool(name: &str, types: &[&str], autoscaling: Value) -> WorkerPool {
+    serde_json::from_value(json!({
+        "apiVersion": "conveyor.dev/v1alpha1",
+        "kind": "WorkerPool",
+        "metadata": {"name": name, "namespace": "video", "uid": "9d0c1f52-0000-4000-8000-000000000002", "generation": 1},
+        "spec": {
+            "taskTypes": types,
+            "image": "conveyor:dev",
+            "handler": {"type": "noop"},
+            "replicas": 2,
+            "autoscaling": autoscaling,
+        }
+    }))
+    .unwrap()
+}
+
+fn task_type_list(names: &[&str]) -> Value {
+    let items: Vec<Value> = names
+        .iter()
+        .map(|n| serde_json::to_value(task_type(n, TaskTypeSpec::default())).unwrap())
+        .collect();
+    json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {}, "items": items})
+}
+
+fn not_found() -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"})
+}
+
+#[tokio::test]
+async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
+    let name = testing::unique_type("tt");
+    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
+    publisher.declare_task_type(&name).await.unwrap();
+    let wp = pool("transcode", &[&name], Value::Null);
+    let ns = "/api/v1/namespaces/video";
+    let (client, verifier) = api_server(vec![
+        expect(
+            Method::GET,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+            200,
+            task_type_list(&[&name]),
+        ),
+        expect(
+            Method::GET,
+            "/apis/apps/v1/namespaces/video/deployments/transcode-worker",
+            404,
+            not_found(),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{ns}/configmaps/transcode-worker"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{ns}/services/transcode-worker-metrics"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/policy/v1/namespaces/video/poddisruptionbudgets/transcode-worker",
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/apps/v1/namespaces/video/deployments/transcode-worker",
+            200,
+            json!({}),
+        ),
+        expect(Method::POST, EVENTS, 201, json!({})),
+        expect(
+            Method::PATCH,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/transcode/status",
+            200,
+            serde_json::to_value(&wp).unwrap(),
+        ),
+    ]);
+    worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    for (_, uri, _) in &seen[2..6] {
+        assert!(
+            uri.contains("fieldManager=conveyor-operator") && uri.contains("force=true"),
+            "{uri}"
+        );
+    }
+    let deployment = &seen[5].2;
+    assert_eq!(deployment["kind"], "Deployment");
+    assert_eq!(
+        deployment["spec"]["replicas"], 2,
+        "spec.replicas rules without autoscaling"
+    );
+    assert_eq!(
+        deployment["metadata"]["ownerReferences"][0]["kind"],
+        "WorkerPool"
+    );
+    assert_eq!(seen[6].2["reason"], "Scaled");
+    assert!(seen[6].2["note"].as_str().unwrap().contains("0 → 2"));
+    let status = &seen[7].2["status"];
+    assert_eq!(status["desiredReplicas"], 2);
+    assert_eq!(status["selector"], "conveyor.dev/pool=transcode");
+    testing::delete_queues(&name).await;
+}
+
+#[tokio::test]
+async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_the_pool() {
+    let name = testing::unique_type("tt");
+    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
+    publisher.declare_task_type(&name).await.unwrap();
+    let wp = pool("thumbs", &[&name], Value::Null);
+    // Someone edited the Deployment by hand (image and replicas): the next reconcile
+    // applies the pool's version over it, with force.
+    let drifted = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "thumbs-worker", "namespace": "video"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"conveyor.dev/pool": "thumbs"}},
+                 "template": {"spec": {"containers": [{"name": "worker", "image": "hand-edited"}]}}},
+        "status": {"readyReplicas": 2}
+    });
+    let ns = "/api/v1/namespaces/video";
+    let (client, verifier) = api_server(vec![
+        expect(
+            Method::GET,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+            200,
+            task_type_list(&[&name]),
+        ),
+        expect(
+            Method::GET,
+            "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
+            200,
+            drifted,
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{ns}/configmaps/thumbs-worker"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{ns}/services/thumbs-worker-metrics"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/policy/v1/namespaces/video/poddisruptionbudgets/thumbs-worker",
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/thumbs/status",
+            200,
+            serde_json::to_value(&wp).unwrap(),
+        ),
+    ]);
+    worker_pools::reconcile(Arc::new(wp.clone()), context(client, MANAGEMENT))
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(
+        seen[5].2["spec"]["template"]["spec"]["containers"][0]["image"],
+        "conveyor:dev"
+    );
+    assert_eq!(seen[6].2["status"]["phase"], "Ready");
+
+    // The pool names a TaskType that does not exist: Warning Event, Degraded, nothing applied.
+    let (client, verifier) = api_server(vec![
+        expect(
+            Method::GET,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+            200,
+            task_type_list(&[]),
+        ),
+        expect(
+            Method::GET,
+            "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
+            404,
+            not_found(),
+        ),
+        expect(Method::POST, EVENTS, 201, json!({})),
+        expect(
+            Method::PATCH,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/thumbs/status",
+            200,
+            serde_json::to_value(&wp).unwrap(),
+        ),
+    ]);
+    let err = worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
+        .await
+        .unwrap_err();
+    assert_eq!(err.category(), "UnknownTaskType");
+    let seen = verifier.await.unwrap();
+    assert_eq!(seen[2].2["type"], "Warning");
+    assert_eq!(seen[3].2["status"]["phase"], "Degraded");
+    testing::delete_queues(&name).await;
+}
