@@ -489,3 +489,113 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
     assert_eq!(seen[3].2["status"]["phase"], "Degraded");
     testing::delete_queues(&name).await;
 }
+
+#[tokio::test]
+async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
+    let name = testing::unique_type("tt");
+    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
+    publisher.declare_task_type(&name).await.unwrap();
+    let backlog: Vec<conveyor_core::amqp::Outgoing> = (0..250)
+        .map(|_| conveyor_core::amqp::Outgoing {
+            message: conveyor_core::task::TaskMessage {
+                id: uuid::Uuid::new_v4(),
+                task_type: name.clone(),
+                attempt: 0,
+                idempotency_key: uuid::Uuid::new_v4(),
+                payload: json!({}),
+                submitted_at: chrono::Utc::now(),
+            },
+            route: conveyor_core::task::Requeue::Main,
+            delay: None,
+        })
+        .collect();
+    assert!(publisher.publish(&backlog).await.iter().all(Result::is_ok));
+    let ctx_management = ManagementApi::new(MANAGEMENT, "conveyor", "conveyor", "/");
+    // The management API's counts lag the broker by a moment.
+    for _ in 0..100 {
+        if ctx_management.depths(&name).await.unwrap().ready == 250 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let wp = pool(
+        "scaled",
+        &[&name],
+        json!({"minReplicas": 0, "maxReplicas": 10}),
+    );
+    let current = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "scaled-worker", "namespace": "video"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"conveyor.dev/pool": "scaled"}}, "template": {}},
+        "status": {"readyReplicas": 1}
+    });
+    let ns = "/api/v1/namespaces/video";
+    let (client, verifier) = api_server(vec![
+        expect(
+            Method::GET,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+            200,
+            task_type_list(&[&name]),
+        ),
+        expect(
+            Method::GET,
+            "/apis/apps/v1/namespaces/video/deployments/scaled-worker",
+            200,
+            current,
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{ns}/configmaps/scaled-worker"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{ns}/services/scaled-worker-metrics"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/policy/v1/namespaces/video/poddisruptionbudgets/scaled-worker",
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            "/apis/apps/v1/namespaces/video/deployments/scaled-worker",
+            200,
+            json!({}),
+        ),
+        expect(Method::POST, EVENTS, 201, json!({})),
+        expect(
+            Method::PATCH,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/scaled/status",
+            200,
+            serde_json::to_value(&wp).unwrap(),
+        ),
+    ]);
+    worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(
+        seen[5].2["spec"]["replicas"], 3,
+        "250 ready at 100 per worker"
+    );
+    let note = seen[6].2["note"].as_str().unwrap();
+    assert!(
+        note.contains("1 → 3") && note.contains("backlog 250"),
+        "{note}"
+    );
+    let status = &seen[7].2["status"];
+    assert_eq!(status["queued"], 250);
+    assert_eq!(status["conditions"][1]["type"], "Scaling");
+    assert_eq!(status["conditions"][1]["status"], "True");
+    assert!(status["conditions"][1]["message"]
+        .as_str()
+        .unwrap()
+        .contains("backlog 250"));
+    testing::delete_queues(&name).await;
+}
