@@ -11,6 +11,8 @@ use conveyor_core::amqp::{Publisher, QueueNames};
 use conveyor_core::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
+use crate::registry::Registry;
+
 #[derive(Debug, Clone, Copy)]
 struct Reading {
     depth: u64,
@@ -80,7 +82,7 @@ impl DepthMonitor {
     pub async fn run(
         self: Arc<Self>,
         publisher: Arc<Publisher>,
-        task_types: Vec<String>,
+        task_types: Arc<Registry>,
         interval: Duration,
         metrics: Metrics,
         shutdown: CancellationToken,
@@ -92,7 +94,7 @@ impl DepthMonitor {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            for task_type in &task_types {
+            for task_type in &task_types.names() {
                 match publisher.ready_count(&QueueNames::of(task_type).main).await {
                     Ok(depth) => {
                         self.record(task_type, u64::from(depth));

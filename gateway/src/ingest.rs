@@ -9,7 +9,6 @@ use conveyor_core::amqp::{AmqpError, Outgoing, Publisher};
 use conveyor_core::db::{Db, DbError, Recorded};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::{NewTask, Requeue, TaskRecord};
-use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -17,6 +16,7 @@ use uuid::Uuid;
 use crate::backpressure::DepthMonitor;
 use crate::error::ApiError;
 use crate::rate_limit::RateLimiter;
+use crate::registry::Registry;
 
 /// One task as a client submits it.
 #[derive(Debug, Clone, Deserialize)]
@@ -47,38 +47,10 @@ pub struct ClientLimits {
     pub burst: f64,
 }
 
-/// A task type with its compiled payload schema.
-pub struct KnownType {
-    pub spec: NamedTaskType,
-    validator: Option<jsonschema::Validator>,
-}
-
-/// Compiles every task type's schema; a schema that does not compile is a start-up error.
-pub fn compile_types(types: &TaskTypes) -> Result<HashMap<String, KnownType>, String> {
-    types
-        .values()
-        .map(|spec| {
-            let validator = spec
-                .schema
-                .as_ref()
-                .map(jsonschema::validator_for)
-                .transpose()
-                .map_err(|e| format!("task type {}: invalid payload schema: {e}", spec.name))?;
-            Ok((
-                spec.name.clone(),
-                KnownType {
-                    spec: spec.clone(),
-                    validator,
-                },
-            ))
-        })
-        .collect()
-}
-
 pub struct Ingestor {
     pub db: Db,
     pub publisher: Arc<Publisher>,
-    pub types: HashMap<String, KnownType>,
+    pub types: Arc<Registry>,
     pub limiter: RateLimiter,
     pub client_limits: ClientLimits,
     pub depths: Arc<DepthMonitor>,
@@ -158,7 +130,7 @@ impl Ingestor {
 
     /// Unknown types are labelled together so that clients cannot blow up label cardinality.
     fn type_label<'a>(&self, task_type: &'a str) -> &'a str {
-        if self.types.contains_key(task_type) {
+        if self.types.snapshot().contains_key(task_type) {
             task_type
         } else {
             "unknown"
@@ -166,7 +138,8 @@ impl Ingestor {
     }
 
     fn check(&self, submission: &Submission) -> Result<(), ApiError> {
-        let known = self.types.get(&submission.task_type).ok_or_else(|| {
+        let types = self.types.snapshot();
+        let known = types.get(&submission.task_type).ok_or_else(|| {
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 "unknown_task_type",

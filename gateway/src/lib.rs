@@ -8,11 +8,13 @@ pub mod backpressure;
 pub mod error;
 pub mod ingest;
 pub mod rate_limit;
+pub mod registry;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::registry::Registry;
 use anyhow::Context;
 use conveyor_core::admin;
 use conveyor_core::amqp::Publisher;
@@ -28,13 +30,25 @@ use crate::backpressure::DepthMonitor;
 use crate::ingest::{ClientLimits, Ingestor};
 use crate::rate_limit::RateLimiter;
 
+/// Where the gateway learns its task types.
+#[derive(Clone)]
+pub enum TaskTypeSource {
+    /// A file, fixed for the process's life; the gateway declares their queues itself.
+    File(TaskTypes),
+    /// The TaskType resources, listed every `refresh`; the operator declares the queues.
+    Cluster {
+        client: kube::Client,
+        refresh: Duration,
+    },
+}
+
 /// Everything the gateway needs, already parsed.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct GatewayConfig {
     pub database: DbOptions,
     pub amqp_url: String,
     pub confirm_timeout: Duration,
-    pub task_types: TaskTypes,
+    pub task_types: TaskTypeSource,
     pub tokens: Tokens,
     pub client_limits: ClientLimits,
     /// Largest body of `POST /v1/tasks`.
@@ -58,7 +72,6 @@ pub async fn run(
     if config.tokens.is_empty() {
         anyhow::bail!("no client tokens configured (--tokens-file or CONVEYOR_GATEWAY_TOKENS)");
     }
-    let types = ingest::compile_types(&config.task_types).map_err(anyhow::Error::msg)?;
     let db = Db::connect(&config.database).context("database settings")?;
     if config.migrate {
         db.migrate().await.context("migrating the task database")?;
@@ -68,18 +81,37 @@ pub async fn run(
         "conveyor-gateway",
         config.confirm_timeout,
     ));
-    let type_names: Vec<String> = config.task_types.keys().cloned().collect();
     let declared = Arc::new(AtomicBool::new(false));
-    tokio::spawn(declare_topology(
-        publisher.clone(),
-        type_names.clone(),
-        declared.clone(),
-        shutdown.clone(),
-    ));
+    let types = match &config.task_types {
+        TaskTypeSource::File(types) => {
+            let registry = Registry::from_file(types).map_err(anyhow::Error::msg)?;
+            tokio::spawn(declare_topology(
+                publisher.clone(),
+                registry.names(),
+                declared.clone(),
+                shutdown.clone(),
+            ));
+            Arc::new(registry)
+        }
+        TaskTypeSource::Cluster { client, refresh } => {
+            let registry = Arc::new(Registry::default());
+            let listed = registry::list_cluster_types(client)
+                .await
+                .context("listing TaskType resources")?;
+            registry.replace(listed);
+            declared.store(true, Ordering::Release);
+            tokio::spawn(registry.clone().follow_cluster(
+                client.clone(),
+                *refresh,
+                shutdown.clone(),
+            ));
+            registry
+        }
+    };
     let depths = Arc::new(DepthMonitor::default());
     tokio::spawn(depths.clone().run(
         publisher.clone(),
-        type_names,
+        types.clone(),
         config.depth_interval,
         metrics.clone(),
         shutdown.clone(),
@@ -89,7 +121,7 @@ pub async fn run(
         ingestor: Ingestor {
             db: db.clone(),
             publisher: publisher.clone(),
-            types,
+            types: types.clone(),
             limiter: RateLimiter::new(),
             client_limits: config.client_limits.clone(),
             depths,
@@ -101,7 +133,7 @@ pub async fn run(
     let ready: admin::ReadinessCheck = Arc::new(move || {
         let db = db.clone();
         let publisher = publisher.clone();
-        let probe_type = config.task_types.keys().next().cloned();
+        let probe_type = types.names().into_iter().next();
         let declared = declared.clone();
         Box::pin(async move {
             if !declared.load(Ordering::Acquire) {

@@ -8,7 +8,7 @@ use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::load_task_types;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
-use conveyor_gateway::GatewayConfig;
+use conveyor_gateway::{GatewayConfig, TaskTypeSource};
 use tokio_util::sync::CancellationToken;
 
 /// Conveyor API gateway and task ingestor.
@@ -29,6 +29,16 @@ struct Args {
         default_value = "examples/task-types.yaml"
     )]
     task_types: PathBuf,
+    /// Read task types from the TaskType resources of the cluster (refreshed every
+    /// --task-types-refresh-seconds) instead of --task-types.
+    #[arg(long, env = "CONVEYOR_TASK_TYPES_FROM_CLUSTER")]
+    task_types_from_cluster: bool,
+    #[arg(
+        long,
+        env = "CONVEYOR_TASK_TYPES_REFRESH_SECONDS",
+        default_value_t = 10
+    )]
+    task_types_refresh_seconds: u64,
     /// YAML file with client tokens (`clients: [{name, token}]`).
     #[arg(long, env = "CONVEYOR_GATEWAY_TOKENS_FILE")]
     tokens_file: Option<PathBuf>,
@@ -79,7 +89,16 @@ async fn main() -> anyhow::Result<()> {
         database: args.database.options(),
         amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
-        task_types: load_task_types(&args.task_types)?,
+        task_types: if args.task_types_from_cluster {
+            TaskTypeSource::Cluster {
+                client: kube::Client::try_default()
+                    .await
+                    .context("connecting to Kubernetes for TaskTypes")?,
+                refresh: Duration::from_secs(args.task_types_refresh_seconds.max(1)),
+            }
+        } else {
+            TaskTypeSource::File(load_task_types(&args.task_types)?)
+        },
         tokens,
         client_limits: ClientLimits {
             per_second: args.client_rate,

@@ -3,6 +3,7 @@
 
 mod support;
 
+mod cluster_task_types;
 mod db_layer;
 mod gateway_api;
 mod lifecycle_flows;

@@ -15,7 +15,7 @@ use conveyor_core::testing::{self, TestDatabase};
 use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
-use conveyor_gateway::GatewayConfig;
+use conveyor_gateway::{GatewayConfig, TaskTypeSource};
 use conveyor_worker::handler::Handler;
 use conveyor_worker::WorkerConfig;
 use reqwest::StatusCode;
@@ -75,7 +75,7 @@ impl Harness {
             database: conveyor_core::db::DbOptions::new(&test_db.url),
             amqp_url: testing::amqp_url(),
             confirm_timeout: Duration::from_secs(5),
-            task_types,
+            task_types: TaskTypeSource::File(task_types),
             tokens: Tokens::parse_pairs(&format!("tests={TOKEN}")).expect("token"),
             client_limits: ClientLimits {
                 per_second: 100_000.0,
@@ -247,6 +247,10 @@ impl Harness {
     }
 
     pub fn publisher(&self) -> Publisher {
+        Self::publisher_for_tests()
+    }
+
+    pub fn publisher_for_tests() -> Publisher {
         Publisher::new(testing::amqp_url(), "conveyor-test", Duration::from_secs(5))
     }
 

@@ -1,0 +1,133 @@
+//! The task types the gateway accepts, with compiled payload schemas. Fixed when they come
+//! from a file; refreshed from the TaskType resources when the gateway runs in a cluster.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use conveyor_core::crd::TaskType;
+use conveyor_core::task_type::{NamedTaskType, TaskTypes};
+use kube::api::{Api, ListParams};
+use kube::ResourceExt;
+use tokio_util::sync::CancellationToken;
+
+/// A task type with its compiled payload schema.
+pub struct KnownType {
+    pub spec: NamedTaskType,
+    pub validator: Option<jsonschema::Validator>,
+}
+
+/// The current set of task types; readers take a cheap snapshot.
+#[derive(Default)]
+pub struct Registry {
+    types: RwLock<Arc<HashMap<String, KnownType>>>,
+}
+
+impl Registry {
+    /// All types must be valid (a file with a broken schema is a start-up error).
+    pub fn from_file(types: &TaskTypes) -> Result<Registry, String> {
+        let mut known = HashMap::new();
+        for spec in types.values() {
+            known.insert(spec.name.clone(), compile(spec)?);
+        }
+        Ok(Registry {
+            types: RwLock::new(Arc::new(known)),
+        })
+    }
+
+    pub fn snapshot(&self) -> Arc<HashMap<String, KnownType>> {
+        self.types.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        self.snapshot().keys().cloned().collect()
+    }
+
+    /// Replaces the set; a type that is invalid is left out (and logged), the rest serve.
+    pub fn replace(&self, types: Vec<NamedTaskType>) {
+        let mut known = HashMap::new();
+        for spec in types {
+            if known.contains_key(&spec.name) {
+                tracing::warn!(
+                    task_type = spec.name,
+                    "TaskType defined in two namespaces; keeping the first"
+                );
+                continue;
+            }
+            match spec.validate().and_then(|()| compile(&spec)) {
+                Ok(k) => {
+                    known.insert(spec.name.clone(), k);
+                }
+                Err(err) => tracing::warn!(task_type = spec.name, error = err, "TaskType refused"),
+            }
+        }
+        *self.types.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(known);
+    }
+
+    /// Lists the TaskType resources every `interval` until `shutdown`. The first list must
+    /// succeed (the gateway cannot serve without it); later failures keep the last set.
+    pub async fn follow_cluster(
+        self: Arc<Self>,
+        client: kube::Client,
+        interval: Duration,
+        shutdown: CancellationToken,
+    ) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+            match list_cluster_types(&client).await {
+                Ok(types) => self.replace(types),
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot list TaskTypes; keeping the last set")
+                }
+            }
+        }
+    }
+}
+
+/// Every TaskType in the cluster, as the data path sees it.
+pub async fn list_cluster_types(client: &kube::Client) -> Result<Vec<NamedTaskType>, kube::Error> {
+    let list = Api::<TaskType>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    Ok(list
+        .items
+        .into_iter()
+        .map(|tt| NamedTaskType {
+            name: tt.name_any(),
+            spec: tt.spec,
+        })
+        .collect())
+}
+
+fn compile(spec: &NamedTaskType) -> Result<KnownType, String> {
+    let validator = spec
+        .schema
+        .as_ref()
+        .map(jsonschema::validator_for)
+        .transpose()
+        .map_err(|e| format!("task type {}: invalid payload schema: {e}", spec.name))?;
+    Ok(KnownType {
+        spec: spec.clone(),
+        validator,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn invalid_types_are_left_out_and_the_rest_serve() {
+        let registry = Registry::default();
+        let good = NamedTaskType::named("good");
+        let mut bad_schema = NamedTaskType::named("bad");
+        bad_schema.schema = Some(serde_json::json!({"type": "no-such-type"}));
+        let mut bad_timeout = NamedTaskType::named("slow");
+        bad_timeout.heartbeat_timeout_seconds = 0.0;
+        registry.replace(vec![good, bad_schema, bad_timeout]);
+        assert_eq!(registry.names(), ["good"]);
+    }
+}

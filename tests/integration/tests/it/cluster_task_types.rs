@@ -1,0 +1,74 @@
+//! In a cluster the gateway takes its task types from the TaskType resources (here a mock
+//! API server) and follows changes without a restart.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use conveyor_core::crd::{TaskType, TaskTypeSpec};
+use conveyor_gateway::TaskTypeSource;
+use http::{Request, Response};
+use kube::client::Body;
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::support::*;
+
+/// Answers every request with the current list of TaskTypes.
+fn mock_cluster(types: Arc<Mutex<Vec<String>>>) -> kube::Client {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    tokio::spawn(async move {
+        while let Some((request, send)) = handle.next_request().await {
+            assert!(request
+                .uri()
+                .path()
+                .ends_with("/apis/conveyor.dev/v1alpha1/tasktypes"));
+            let items: Vec<serde_json::Value> = types
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|name| {
+                    let mut tt = TaskType::new(name, TaskTypeSpec::default());
+                    tt.metadata.namespace = Some("video".into());
+                    serde_json::to_value(tt).unwrap()
+                })
+                .collect();
+            let list = json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {}, "items": items});
+            send.send_response(Response::new(Body::from(
+                serde_json::to_vec(&list).unwrap(),
+            )));
+        }
+    });
+    kube::Client::new(service, "default")
+}
+
+#[tokio::test]
+async fn the_gateway_follows_task_type_resources() {
+    let first = test_type("cluster");
+    let second = test_type("cluster");
+    let publisher = Harness::publisher_for_tests();
+    for spec in [&first, &second] {
+        publisher.declare_task_type(&spec.name).await.unwrap(); // the operator's job
+    }
+    let listed = Arc::new(Mutex::new(vec![first.name.clone()]));
+    let client = mock_cluster(listed.clone());
+    let harness = Harness::start_with(vec![first.clone(), second.clone()], |config| {
+        config.task_types = TaskTypeSource::Cluster {
+            client,
+            refresh: Duration::from_millis(200),
+        };
+    })
+    .await;
+
+    harness.submit_ok(&first.name, json!({})).await;
+    let (status, body) = harness.submit(&second.name, json!({}), None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+
+    listed.lock().unwrap().push(second.name.clone());
+    wait_until(
+        "second TaskType served",
+        Duration::from_secs(10),
+        || async { harness.submit(&second.name, json!({}), None).await.0 == StatusCode::CREATED },
+    )
+    .await;
+    harness.shutdown().await;
+}
