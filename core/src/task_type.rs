@@ -44,17 +44,17 @@ impl Backoff {
         let exp = self.initial_seconds * self.multiplier.powi(retry.min(64) as i32);
         let ceiling = exp.min(self.max_seconds).max(0.0);
         let jittered = ceiling * rand::thread_rng().gen_range(0.75..=1.0);
-        Duration::from_secs_f64(jittered)
+        seconds(jittered)
     }
 }
 
 impl TaskTypeSpec {
     pub fn heartbeat_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.heartbeat_timeout_seconds)
+        seconds(self.heartbeat_timeout_seconds)
     }
 
     pub fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.timeout_seconds)
+        seconds(self.timeout_seconds)
     }
 }
 
@@ -112,6 +112,18 @@ impl NamedTaskType {
             }
         }
         Ok(())
+    }
+}
+
+/// Seconds from a settings field as a Duration, capped at a year so that a user's "1e30"
+/// can neither panic a conversion nor overflow a timer; invalid values (caught by
+/// `validate`) become zero.
+fn seconds(value: f64) -> Duration {
+    const YEAR: f64 = 365.0 * 24.0 * 3600.0;
+    if value.is_nan() || value <= 0.0 {
+        Duration::ZERO
+    } else {
+        Duration::from_secs_f64(value.min(YEAR))
     }
 }
 
@@ -237,6 +249,16 @@ mod tests {
         assert!(twice.unwrap_err().to_string().contains("twice"));
         let zero = parse_task_types("taskTypes:\n  - name: a\n    timeoutSeconds: 0\n", "t");
         assert!(zero.unwrap_err().to_string().contains("timeoutSeconds"));
+    }
+
+    #[test]
+    fn absurd_durations_saturate_instead_of_panicking() {
+        let mut spec = NamedTaskType::named("t");
+        spec.timeout_seconds = 1e300;
+        assert_eq!(spec.timeout(), Duration::from_secs(365 * 24 * 3600));
+        spec.backoff.max_seconds = 1e300;
+        spec.backoff.initial_seconds = 1e300;
+        assert!(spec.backoff.delay(64) <= Duration::from_secs(365 * 24 * 3600));
     }
 
     #[test]

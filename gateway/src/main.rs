@@ -107,7 +107,7 @@ async fn main() -> anyhow::Result<()> {
         max_body_bytes: args.max_body_bytes,
         max_batch_bytes: args.max_batch_bytes,
         max_batch_tasks: args.max_batch_tasks,
-        depth_interval: Duration::from_millis(args.depth_interval_ms),
+        depth_interval: Duration::from_millis(args.depth_interval_ms.max(50)),
         migrate: !args.no_migrate,
     };
     let listener = tokio::net::TcpListener::bind(&args.listen)

@@ -38,7 +38,10 @@ impl RateLimiter {
             bucket.tokens -= n;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64((n - bucket.tokens) / rate))
+            // Capped: a tiny configured rate must not overflow the conversion.
+            Err(Duration::from_secs_f64(
+                ((n - bucket.tokens) / rate).min(3600.0),
+            ))
         }
     }
 }

@@ -51,7 +51,8 @@ impl WorkerConfig {
             .map(|t| t.heartbeat_timeout())
             .min()
             .unwrap_or(Duration::from_secs(30))
-            / 3
+            .div_f64(3.0)
+            .max(Duration::from_millis(100))
     }
 }
 

@@ -87,7 +87,8 @@ async fn main() -> anyhow::Result<()> {
         database: args.database.options(),
         amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
-        drain_grace: Duration::from_secs_f64(args.drain_grace_seconds.max(0.0)),
+        drain_grace: Duration::try_from_secs_f64(args.drain_grace_seconds.clamp(0.0, 86_400.0))
+            .unwrap_or_default(),
     };
     let admin = match &args.metrics_listen {
         Some(addr) => Some(

@@ -28,7 +28,9 @@ pub async fn reap_loop(
     metrics: Metrics,
     stop: CancellationToken,
 ) {
-    let mut tick = tokio::time::interval(spec.heartbeat_timeout() / 2);
+    // A floor keeps absurdly small timeouts from spinning (and a zero period from panicking).
+    let period = (spec.heartbeat_timeout() / 2).max(std::time::Duration::from_millis(100));
+    let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
