@@ -46,6 +46,9 @@ CONF
 rabbit_running() { as_root rabbitmqctl -q status >/dev/null 2>&1; }
 
 rabbit_up() {
+  # Configure before installing: on a machine with systemd the package starts the broker
+  # right away, and it must come up on loopback with the management API.
+  dpkg -s rabbitmq-server >/dev/null 2>&1 || { as_root mkdir -p /etc/rabbitmq; rabbit_configure; }
   install_packages rabbitmq-server
   if ! rabbit_running; then
     rabbit_configure

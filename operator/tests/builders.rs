@@ -143,3 +143,53 @@ fn a_missing_task_type_is_a_clear_error() {
     no_uid.metadata.uid = None;
     assert!(pool_objects(&no_uid, &input.task_types, 1, &ConnectionSecret::default()).is_err());
 }
+
+/// Every document of a multi-document YAML file.
+fn documents(path: &std::path::Path) -> Vec<serde_yaml::Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| serde_yaml::Value::deserialize(doc).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_video_pipeline_example_is_valid_and_builds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/video-pipeline");
+    let task_types: Vec<NamedTaskType> = documents(&dir.join("tasktypes.yaml"))
+        .into_iter()
+        .map(|doc| {
+            let tt: conveyor_core::crd::TaskType = serde_yaml::from_value(doc).unwrap();
+            let named = NamedTaskType {
+                name: tt.metadata.name.clone().unwrap(),
+                spec: tt.spec,
+            };
+            named.validate().unwrap();
+            named
+        })
+        .collect();
+    assert_eq!(task_types.len(), 4);
+    let pools = documents(&dir.join("workerpools.yaml"));
+    assert_eq!(pools.len(), 3);
+    for doc in pools {
+        let mut pool: WorkerPool = serde_yaml::from_value(doc).unwrap();
+        pool.metadata.uid = Some("00000000-0000-4000-8000-000000000000".into());
+        let objects = pool_objects(&pool, &task_types, 1, &ConnectionSecret::default()).unwrap();
+        let command = &objects
+            .deployment
+            .spec
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+            .containers[0];
+        let handler = command.args.as_ref().unwrap().last().unwrap().clone();
+        let script = dir
+            .join("handlers")
+            .join(handler.rsplit('/').next().unwrap());
+        assert!(
+            script.exists(),
+            "{} runs {handler}, which the example does not ship",
+            pool.metadata.name.unwrap()
+        );
+    }
+}
