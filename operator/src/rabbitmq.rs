@@ -182,23 +182,17 @@ impl ManagementApi {
 
     /// Deletes a policy; a missing one is fine.
     pub async fn delete_policy(&self, name: &str) -> Result<(), ManagementError> {
-        let url = self.url("policies", name);
-        match self
-            .send(format!("delete policy {name}"), self.http.delete(url))
-            .await
-        {
-            Err(ManagementError::Refused { status: 404, .. }) | Ok(_) => Ok(()),
-            Err(err) => Err(err),
-        }
+        self.delete("policies", name).await
     }
 
     /// Deletes a queue and its messages; a missing one is fine.
     pub async fn delete_queue(&self, queue: &str) -> Result<(), ManagementError> {
-        let url = self.url("queues", queue);
-        match self
-            .send(format!("delete queue {queue}"), self.http.delete(url))
-            .await
-        {
+        self.delete("queues", queue).await
+    }
+
+    async fn delete(&self, kind: &str, name: &str) -> Result<(), ManagementError> {
+        let request = self.http.delete(self.url(kind, name));
+        match self.send(format!("delete {kind} {name}"), request).await {
             Err(ManagementError::Refused { status: 404, .. }) | Ok(_) => Ok(()),
             Err(err) => Err(err),
         }

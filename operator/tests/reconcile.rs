@@ -304,6 +304,37 @@ fn task_type_list(names: &[&str]) -> Value {
     json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {}, "items": items})
 }
 
+/// The four server-side applies of a pool's objects, in the order the reconciler makes them.
+fn applies(pool: &str) -> Vec<Expect> {
+    let core = "/api/v1/namespaces/video";
+    vec![
+        expect(
+            Method::PATCH,
+            &format!("{core}/configmaps/{pool}-worker"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("{core}/services/{pool}-worker-metrics"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("/apis/policy/v1/namespaces/video/poddisruptionbudgets/{pool}-worker"),
+            200,
+            json!({}),
+        ),
+        expect(
+            Method::PATCH,
+            &format!("/apis/apps/v1/namespaces/video/deployments/{pool}-worker"),
+            200,
+            json!({}),
+        ),
+    ]
+}
+
 fn not_found() -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"})
 }
@@ -314,52 +345,37 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
     publisher.declare_task_type(&name).await.unwrap();
     let wp = pool("transcode", &[&name], Value::Null);
-    let ns = "/api/v1/namespaces/video";
-    let (client, verifier) = api_server(vec![
-        expect(
-            Method::GET,
-            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
-            200,
-            task_type_list(&[&name]),
-        ),
-        expect(
-            Method::GET,
-            "/apis/apps/v1/namespaces/video/deployments/transcode-worker",
-            404,
-            not_found(),
-        ),
-        expect(
-            Method::PATCH,
-            &format!("{ns}/configmaps/transcode-worker"),
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            &format!("{ns}/services/transcode-worker-metrics"),
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/policy/v1/namespaces/video/poddisruptionbudgets/transcode-worker",
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/apps/v1/namespaces/video/deployments/transcode-worker",
-            200,
-            json!({}),
-        ),
-        expect(Method::POST, EVENTS, 201, json!({})),
-        expect(
-            Method::PATCH,
-            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/transcode/status",
-            200,
-            serde_json::to_value(&wp).unwrap(),
-        ),
-    ]);
+    let (client, verifier) = api_server(
+        [
+            vec![
+                expect(
+                    Method::GET,
+                    "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+                    200,
+                    task_type_list(&[&name]),
+                ),
+                expect(
+                    Method::GET,
+                    "/apis/apps/v1/namespaces/video/deployments/transcode-worker",
+                    404,
+                    not_found(),
+                ),
+            ],
+            applies("transcode"),
+            vec![
+                expect(Method::POST, EVENTS, 201, json!({})),
+                expect(
+                    Method::PATCH,
+                    "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/transcode/status",
+                    200,
+                    serde_json::to_value(&wp).unwrap(),
+                ),
+            ],
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    );
     worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
         .await
         .unwrap();
@@ -403,51 +419,34 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
                  "template": {"spec": {"containers": [{"name": "worker", "image": "hand-edited"}]}}},
         "status": {"readyReplicas": 2}
     });
-    let ns = "/api/v1/namespaces/video";
-    let (client, verifier) = api_server(vec![
-        expect(
-            Method::GET,
-            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
-            200,
-            task_type_list(&[&name]),
-        ),
-        expect(
-            Method::GET,
-            "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
-            200,
-            drifted,
-        ),
-        expect(
-            Method::PATCH,
-            &format!("{ns}/configmaps/thumbs-worker"),
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            &format!("{ns}/services/thumbs-worker-metrics"),
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/policy/v1/namespaces/video/poddisruptionbudgets/thumbs-worker",
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/thumbs/status",
-            200,
-            serde_json::to_value(&wp).unwrap(),
-        ),
-    ]);
+    let (client, verifier) = api_server(
+        [
+            vec![
+                expect(
+                    Method::GET,
+                    "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+                    200,
+                    task_type_list(&[&name]),
+                ),
+                expect(
+                    Method::GET,
+                    "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
+                    200,
+                    drifted,
+                ),
+            ],
+            applies("thumbs"),
+            vec![expect(
+                Method::PATCH,
+                "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/thumbs/status",
+                200,
+                serde_json::to_value(&wp).unwrap(),
+            )],
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    );
     worker_pools::reconcile(Arc::new(wp.clone()), context(client, MANAGEMENT))
         .await
         .unwrap();
@@ -530,52 +529,37 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         "spec": {"replicas": 1, "selector": {"matchLabels": {"conveyor.dev/pool": "scaled"}}, "template": {}},
         "status": {"readyReplicas": 1}
     });
-    let ns = "/api/v1/namespaces/video";
-    let (client, verifier) = api_server(vec![
-        expect(
-            Method::GET,
-            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
-            200,
-            task_type_list(&[&name]),
-        ),
-        expect(
-            Method::GET,
-            "/apis/apps/v1/namespaces/video/deployments/scaled-worker",
-            200,
-            current,
-        ),
-        expect(
-            Method::PATCH,
-            &format!("{ns}/configmaps/scaled-worker"),
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            &format!("{ns}/services/scaled-worker-metrics"),
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/policy/v1/namespaces/video/poddisruptionbudgets/scaled-worker",
-            200,
-            json!({}),
-        ),
-        expect(
-            Method::PATCH,
-            "/apis/apps/v1/namespaces/video/deployments/scaled-worker",
-            200,
-            json!({}),
-        ),
-        expect(Method::POST, EVENTS, 201, json!({})),
-        expect(
-            Method::PATCH,
-            "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/scaled/status",
-            200,
-            serde_json::to_value(&wp).unwrap(),
-        ),
-    ]);
+    let (client, verifier) = api_server(
+        [
+            vec![
+                expect(
+                    Method::GET,
+                    "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+                    200,
+                    task_type_list(&[&name]),
+                ),
+                expect(
+                    Method::GET,
+                    "/apis/apps/v1/namespaces/video/deployments/scaled-worker",
+                    200,
+                    current,
+                ),
+            ],
+            applies("scaled"),
+            vec![
+                expect(Method::POST, EVENTS, 201, json!({})),
+                expect(
+                    Method::PATCH,
+                    "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/scaled/status",
+                    200,
+                    serde_json::to_value(&wp).unwrap(),
+                ),
+            ],
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
+    );
     worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
         .await
         .unwrap();

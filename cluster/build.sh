@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds the local control plane from Go modules, once per version, into a cache outside the
+# clone: kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes), etcd
+# (go.etcd.io/etcd/server/v3) and kwok (sigs.k8s.io/kwok). Prints the bin directory.
+#
+# `go install` of the kubernetes commands fails on the module's replace directives, so a
+# small wrapper module requires k8s.io/kubernetes and replaces every k8s.io staging module
+# with its published v0.X.Y twin (the list comes from that version's own go.mod).
+set -euo pipefail
+
+KUBERNETES_VERSION=${KUBERNETES_VERSION:-v1.36.3}
+ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
+KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
+CACHE=${CONVEYOR_CACHE:-$HOME/.cache/conveyor}
+BIN="$CACHE/control-plane/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION/bin"
+export GOTOOLCHAIN=local GOFLAGS=-mod=mod
+
+log() { printf 'cluster: %s\n' "$*" >&2; }
+
+have_all() {
+  for b in kube-apiserver kube-controller-manager kube-scheduler etcd kwok; do
+    [ -x "$BIN/$b" ] || return 1
+  done
+}
+
+if have_all; then echo "$BIN"; exit 0; fi
+mkdir -p "$BIN"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+if ! [ -x "$BIN/kube-apiserver" ] || ! [ -x "$BIN/kube-controller-manager" ] || ! [ -x "$BIN/kube-scheduler" ]; then
+  log "building Kubernetes $KUBERNETES_VERSION (a cold build takes a while)"
+  staging_version="v0.${KUBERNETES_VERSION#v1.}"
+  gomod=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",*/\1/p')
+  mkdir -p "$work/k8s" && cd "$work/k8s"
+  go mod init conveyor.dev/control-plane >/dev/null 2>&1
+  go mod edit -require="k8s.io/kubernetes@$KUBERNETES_VERSION"
+  # Every `k8s.io/x => ./staging/src/k8s.io/x` of kubernetes' go.mod becomes `=> k8s.io/x vX`.
+  for module in $(sed -n 's#^[[:space:]]*\(k8s.io/[^[:space:]]*\) => ./staging/src/.*#\1#p' "$gomod"); do
+    go mod edit -replace="$module=$module@$staging_version"
+  done
+  cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+GO
+  go get "k8s.io/kubernetes/cmd/kube-apiserver@$KUBERNETES_VERSION" \
+         "k8s.io/kubernetes/cmd/kube-controller-manager@$KUBERNETES_VERSION" \
+         "k8s.io/kubernetes/cmd/kube-scheduler@$KUBERNETES_VERSION" >&2
+  go build -trimpath -ldflags=-s -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler >&2
+fi
+
+if ! [ -x "$BIN/etcd" ]; then
+  log "building etcd $ETCD_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags=-s "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
+  [ -x "$BIN/v3" ] && mv "$BIN/v3" "$BIN/etcd"
+  [ -x "$BIN/server" ] && mv "$BIN/server" "$BIN/etcd"
+fi
+
+if ! [ -x "$BIN/kwok" ]; then
+  log "building kwok $KWOK_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags=-s "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" >&2
+fi
+
+have_all || { log "some binaries are missing in $BIN"; ls -l "$BIN" >&2; exit 1; }
+echo "$BIN"
