@@ -53,9 +53,12 @@ fi
 
 if ! [ -x "$BIN/etcd" ]; then
   log "building etcd $ETCD_VERSION"
-  GOBIN="$BIN" go install -trimpath -ldflags=-s "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
-  [ -x "$BIN/v3" ] && mv "$BIN/v3" "$BIN/etcd"
-  [ -x "$BIN/server" ] && mv "$BIN/server" "$BIN/etcd"
+  # etcd's server module has replace directives too: build it from a wrapper module, where
+  # they do not apply and its siblings come at the same version from the proxy.
+  mkdir -p "$work/etcd" && cd "$work/etcd"
+  go mod init conveyor.dev/etcd >/dev/null 2>&1
+  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
+  go build -trimpath -ldflags=-s -o "$BIN/etcd" go.etcd.io/etcd/server/v3 >&2
 fi
 
 if ! [ -x "$BIN/kwok" ]; then
