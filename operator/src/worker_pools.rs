@@ -87,11 +87,9 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
             );
             (decision.replicas, decision.reason)
         }
-        // Without queue depths, hold the current size rather than guess.
-        (Some(_), Err(err)) => (
-            current.max(1),
-            format!("holding at {}: {err}", current.max(1)),
-        ),
+        // Without queue depths, hold the current size rather than guess (a pool whose
+        // queues are not declared yet has no work to scale for).
+        (Some(_), Err(err)) => (current, format!("holding at {current}: {err}")),
         (None, _) => {
             let wanted = pool.spec.replicas.unwrap_or(1).max(0);
             (wanted, format!("spec.replicas is {wanted}"))
