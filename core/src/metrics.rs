@@ -37,7 +37,8 @@ pub struct Metrics {
     pub in_flight: IntGauge,
 }
 
-fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+/// Registers a labelled counter named `conveyor_<name>`.
+pub fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let metric = IntCounterVec::new(Opts::new(format!("conveyor_{name}"), help), labels)
         .expect("metric definition is valid");
     registry

@@ -58,6 +58,16 @@ impl TaskTypeSpec {
     }
 }
 
+/// A TaskType resource as the data path sees it: its name and its spec.
+impl From<&crate::crd::TaskType> for NamedTaskType {
+    fn from(resource: &crate::crd::TaskType) -> Self {
+        NamedTaskType {
+            name: resource.metadata.name.clone().unwrap_or_default(),
+            spec: resource.spec.clone(),
+        }
+    }
+}
+
 impl NamedTaskType {
     /// A type with every default, as a file entry with only `name` would give.
     pub fn named(name: impl Into<String>) -> Self {

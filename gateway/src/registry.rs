@@ -8,7 +8,6 @@ use std::time::Duration;
 use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use kube::api::{Api, ListParams};
-use kube::ResourceExt;
 use tokio_util::sync::CancellationToken;
 
 /// A task type with its compiled payload schema.
@@ -92,14 +91,7 @@ pub async fn list_cluster_types(client: &kube::Client) -> Result<Vec<NamedTaskTy
     let list = Api::<TaskType>::all(client.clone())
         .list(&ListParams::default())
         .await?;
-    Ok(list
-        .items
-        .into_iter()
-        .map(|tt| NamedTaskType {
-            name: tt.name_any(),
-            spec: tt.spec,
-        })
-        .collect())
+    Ok(list.items.iter().map(NamedTaskType::from).collect())
 }
 
 fn compile(spec: &NamedTaskType) -> Result<KnownType, String> {

@@ -8,7 +8,7 @@ use conveyor_core::amqp::Publisher;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounterVec, Registry};
 
 use crate::autoscale::History;
 use crate::build::ConnectionSecret;
@@ -91,26 +91,21 @@ impl OperatorMetrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            let metric = IntCounterVec::new(Opts::new(name, help), labels)
-                .expect("metric definition is valid");
-            registry
-                .register(Box::new(metric.clone()))
-                .expect("metric registered once");
-            metric
+            conveyor_core::metrics::counter(&registry, name, help, labels)
         };
         OperatorMetrics {
             reconciles: counter(
-                "conveyor_operator_reconciles_total",
+                "operator_reconciles_total",
                 "Reconciles by controller",
                 &["controller"],
             ),
             errors: counter(
-                "conveyor_operator_errors_total",
+                "operator_errors_total",
                 "Reconcile errors by controller and category",
                 &["controller", "category"],
             ),
             scaling_decisions: counter(
-                "conveyor_operator_scaling_decisions_total",
+                "operator_scaling_decisions_total",
                 "Replica changes by direction",
                 &["direction"],
             ),

@@ -24,14 +24,6 @@ pub const FINALIZER: &str = "conveyor.dev/delete-queues";
 /// Depths in the status are refreshed this often.
 const RESYNC: Duration = Duration::from_secs(15);
 
-/// The TaskType as the data path sees it: name and spec.
-pub fn named(task_type: &TaskType) -> NamedTaskType {
-    NamedTaskType {
-        name: task_type.name_any(),
-        spec: task_type.spec.clone(),
-    }
-}
-
 #[tracing::instrument(skip_all, fields(task_type = %task_type.name_any()))]
 pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Action> {
     ctx.metrics
@@ -54,7 +46,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
         set_finalizer(&api, &task_type, wants_finalizer).await?;
     }
 
-    let spec = named(&task_type);
+    let spec = NamedTaskType::from(task_type.as_ref());
     if let Err(message) = spec.validate() {
         write_status(
             &api,
@@ -93,7 +85,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
 }
 
 async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {
-    let spec = named(task_type);
+    let spec = NamedTaskType::from(task_type);
     for policy in task_type_policies(&spec) {
         ctx.management.delete_policy(&policy.name).await?;
     }

@@ -22,7 +22,6 @@ use crate::autoscale::{deletion_costs, desired_replicas, Observation};
 use crate::build::{self, selector, FIELD_MANAGER, METRICS_PORT};
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
-use crate::task_types::named;
 
 /// How often an autoscaled pool is looked at again.
 const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
@@ -53,7 +52,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .await?
         .items
         .iter()
-        .map(named)
+        .map(NamedTaskType::from)
         .collect();
     let load = read_load(&pool, &ctx).await;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
