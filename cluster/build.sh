@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the local control plane from Go modules, once per version, into a cache outside the
-# clone: kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes), etcd
+# clone: kube-apiserver, kube-controller-manager, kube-scheduler, kubectl (k8s.io/kubernetes), etcd
 # (go.etcd.io/etcd/server/v3) and kwok (sigs.k8s.io/kwok). Prints the bin directory.
 #
 # `go install` of the kubernetes commands fails on the module's replace directives, so a
@@ -14,11 +14,12 @@ KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 CACHE=${CONVEYOR_CACHE:-$HOME/.cache/conveyor}
 BIN="$CACHE/control-plane/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION/bin"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod
+K8S_COMMANDS="kube-apiserver kube-controller-manager kube-scheduler kubectl"
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 
 have_all() {
-  for b in kube-apiserver kube-controller-manager kube-scheduler etcd kwok; do
+  for b in $K8S_COMMANDS etcd kwok; do
     [ -x "$BIN/$b" ] || return 1
   done
 }
@@ -28,7 +29,9 @@ mkdir -p "$BIN"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-if ! [ -x "$BIN/kube-apiserver" ] || ! [ -x "$BIN/kube-controller-manager" ] || ! [ -x "$BIN/kube-scheduler" ]; then
+missing_k8s=""
+for b in $K8S_COMMANDS; do [ -x "$BIN/$b" ] || missing_k8s="$missing_k8s $b"; done
+if [ -n "$missing_k8s" ]; then
   log "building Kubernetes $KUBERNETES_VERSION (a cold build takes a while)"
   staging_version="v0.${KUBERNETES_VERSION#v1.}"
   gomod=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | sed -n 's/.*"GoMod": "\(.*\)",*/\1/p')
@@ -44,11 +47,12 @@ if ! [ -x "$BIN/kube-apiserver" ] || ! [ -x "$BIN/kube-controller-manager" ] || 
 
 package tools
 GO
-  go get "k8s.io/kubernetes/cmd/kube-apiserver@$KUBERNETES_VERSION" \
-         "k8s.io/kubernetes/cmd/kube-controller-manager@$KUBERNETES_VERSION" \
-         "k8s.io/kubernetes/cmd/kube-scheduler@$KUBERNETES_VERSION" >&2
-  go build -trimpath -ldflags=-s -o "$BIN/" k8s.io/kubernetes/cmd/kube-apiserver \
-    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler >&2
+  packages=""
+  for b in $missing_k8s; do packages="$packages k8s.io/kubernetes/cmd/$b"; done
+  # shellcheck disable=SC2086 # one word per package
+  go get $(for p in $packages; do echo "$p@$KUBERNETES_VERSION"; done) >&2
+  # shellcheck disable=SC2086
+  go build -trimpath -ldflags=-s -o "$BIN/" $packages >&2
 fi
 
 if ! [ -x "$BIN/etcd" ]; then

@@ -1,0 +1,230 @@
+//! conveyor-pod-runner: the kubelet of the local cluster, for tests and `make dev`. kwok
+//! marks the pods scheduled to its node Running; this runs each of them (those selected by
+//! `--selector`) as a local process with the pod's command, arguments and environment, and
+//! stops it when the pod goes away. So an applied WorkerPool really processes tasks, and
+//! `kubectl delete pod` really stops a worker.
+
+mod plan;
+mod supervisor;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::pin::pin;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use conveyor_core::config::TelemetryArgs;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::{Api, Client, ResourceExt};
+
+use crate::plan::{Host, Objects};
+use crate::supervisor::Supervisor;
+
+#[derive(Debug, Parser)]
+#[command(name = "conveyor-pod-runner", version)]
+struct Args {
+    /// The kwok node whose pods run here.
+    #[arg(long, default_value = "conveyor-node")]
+    node: String,
+    /// Label selector of the pods to run (others stay kwok's fakes).
+    #[arg(long, default_value = "conveyor.dev/pool")]
+    selector: String,
+    /// Where bare command names (`conveyor-worker`) are found.
+    #[arg(long, default_value = "target/debug")]
+    bin_dir: PathBuf,
+    /// Per-pod directories (volumes, logs).
+    #[arg(long, default_value = ".dev/pods")]
+    state_dir: PathBuf,
+    /// IMAGE_PATH=LOCAL_DIR: a path prefix inside the image and where it is here.
+    #[arg(long = "map", value_parser = parse_map)]
+    path_maps: Vec<(String, PathBuf)>,
+    #[command(flatten)]
+    telemetry: TelemetryArgs,
+}
+
+fn parse_map(s: &str) -> Result<(String, PathBuf), String> {
+    let (from, to) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not IMAGE_PATH=LOCAL_DIR"))?;
+    let to = std::fs::canonicalize(to).map_err(|e| format!("{to}: {e}"))?;
+    Ok((from.to_owned(), to))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut args = Args::parse();
+    args.telemetry.init();
+    args.bin_dir = std::fs::canonicalize(&args.bin_dir)
+        .with_context(|| format!("bin dir {}", args.bin_dir.display()))?;
+    std::fs::create_dir_all(&args.state_dir)?;
+    args.state_dir = std::fs::canonicalize(&args.state_dir)?;
+    let client = Client::try_default()
+        .await
+        .context("no Kubernetes client configuration (set KUBECONFIG)")?;
+
+    let config = watcher::Config::default()
+        .fields(&format!("spec.nodeName={}", args.node))
+        .labels(&args.selector);
+    let (store, writer) = reflector::store();
+    let mut events = pin!(reflector::reflector(
+        writer,
+        watcher(Api::<Pod>::all(client.clone()), config)
+    )
+    .default_backoff());
+    let mut runner = Runner {
+        client,
+        args,
+        running: HashMap::new(),
+        stopping: Vec::new(),
+        refused: HashMap::new(),
+    };
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tracing::info!(node = %runner.args.node, selector = %runner.args.selector, "running pods");
+    loop {
+        tokio::select! {
+            event = events.next() => match event {
+                Some(Ok(_)) => {}
+                Some(Err(err)) => tracing::warn!(error = %err, "pod watch failed; retrying"),
+                None => break,
+            },
+            _ = tick.tick() => {}
+            _ = shutdown_signal() => break,
+        }
+        runner.sync(&store).await;
+    }
+    runner.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+struct Runner {
+    client: Client,
+    args: Args,
+    /// By pod uid.
+    running: HashMap<String, Supervisor>,
+    stopping: Vec<Supervisor>,
+    /// Pods that cannot run here, with why (logged once per reason).
+    refused: HashMap<String, String>,
+}
+
+impl Runner {
+    /// Starts a process for every running pod without one, stops those whose pod is gone.
+    async fn sync(&mut self, store: &Store<Pod>) {
+        let wanted: BTreeMap<String, std::sync::Arc<Pod>> = store
+            .state()
+            .into_iter()
+            .filter(|pod| {
+                pod.metadata.deletion_timestamp.is_none()
+                    && pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            })
+            .filter_map(|pod| Some((pod.uid()?, pod)))
+            .collect();
+        let gone: Vec<String> = self
+            .running
+            .keys()
+            .filter(|uid| !wanted.contains_key(*uid))
+            .cloned()
+            .collect();
+        for uid in gone {
+            if let Some(supervisor) = self.running.remove(&uid) {
+                supervisor.stop();
+                self.stopping.push(supervisor);
+            }
+        }
+        self.stopping.retain(|s| !s.is_finished());
+        self.refused.retain(|uid, _| wanted.contains_key(uid));
+        for (uid, pod) in wanted {
+            if self.running.contains_key(&uid) {
+                continue;
+            }
+            let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
+            match self.prepare(&pod).await {
+                Ok((launch, log)) => {
+                    self.refused.remove(&uid);
+                    self.running
+                        .insert(uid, Supervisor::spawn(key, launch, log));
+                }
+                Err(err) => {
+                    let reason = format!("{err:#}");
+                    if self.refused.get(&uid) != Some(&reason) {
+                        tracing::warn!(pod = %key, error = %reason, "cannot run pod yet");
+                        self.refused.insert(uid, reason);
+                    }
+                }
+            }
+        }
+    }
+
+    async fn prepare(&self, pod: &Pod) -> anyhow::Result<(plan::Launch, PathBuf)> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let refs = plan::references(pod)?;
+        let mut objects = Objects::default();
+        let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &namespace);
+        for name in refs.secrets {
+            if let Some(secret) = secrets.get_opt(&name).await? {
+                let data = secret
+                    .data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, String::from_utf8_lossy(&v.0).into_owned()));
+                let mut all: BTreeMap<String, String> = data.collect();
+                all.extend(secret.string_data.unwrap_or_default());
+                objects.secrets.insert(name, all);
+            }
+        }
+        let maps: Api<ConfigMap> = Api::namespaced(self.client.clone(), &namespace);
+        for name in refs.config_maps {
+            if let Some(map) = maps.get_opt(&name).await? {
+                objects
+                    .config_maps
+                    .insert(name, map.data.unwrap_or_default());
+            }
+        }
+        let pod_dir = self.args.state_dir.join(&namespace).join(pod.name_any());
+        let mut ports = BTreeMap::new();
+        for container in pod.spec.iter().flat_map(|s| &s.containers) {
+            for port in container.ports.iter().flatten() {
+                ports.insert(port.container_port, free_port()?);
+            }
+        }
+        let host = Host {
+            bin_dir: self.args.bin_dir.clone(),
+            pod_dir: pod_dir.clone(),
+            path_maps: self.args.path_maps.clone(),
+            ports,
+        };
+        let launch = plan::plan(pod, &objects, &host)?;
+        Ok((launch, pod_dir.join("container.log")))
+    }
+
+    /// Stops every process, as a node shutting down would.
+    async fn shutdown(self) {
+        tracing::info!(pods = self.running.len(), "stopping all pods");
+        let all: Vec<Supervisor> = self.running.into_values().chain(self.stopping).collect();
+        for supervisor in &all {
+            supervisor.stop();
+        }
+        futures_util::future::join_all(all.into_iter().map(Supervisor::join)).await;
+    }
+}
+
+/// A loopback port nobody listens on now.
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}

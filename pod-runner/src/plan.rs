@@ -1,0 +1,363 @@
+//! What a pod means on this machine: the pure translation of a pod's container into a local
+//! process (program, arguments, environment, files), given the Secrets and ConfigMaps it
+//! refers to. Paths inside the image and the pod's mounts become directories here; container
+//! ports bound on 0.0.0.0 become free loopback ports.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Container, EnvVarSource, Pod};
+
+/// The process to start for a pod, and the files it expects to find.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Launch {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub files: Vec<(PathBuf, String)>,
+    pub dirs: Vec<PathBuf>,
+    /// SIGTERM, then this long before SIGKILL (the pod's termination grace period).
+    pub grace: Duration,
+}
+
+/// Where the pod lands on this machine.
+#[derive(Debug, Clone)]
+pub struct Host {
+    /// Where a bare command name (`conveyor-worker`) is looked up first.
+    pub bin_dir: PathBuf,
+    /// This pod's own directory: volumes live under it.
+    pub pod_dir: PathBuf,
+    /// Image path prefix → local directory (e.g. the handler scripts).
+    pub path_maps: Vec<(String, PathBuf)>,
+    /// Container port → loopback port.
+    pub ports: BTreeMap<i32, u16>,
+}
+
+/// The Secrets and ConfigMaps of the pod's namespace that it refers to, by name.
+#[derive(Debug, Default, Clone)]
+pub struct Objects {
+    pub secrets: BTreeMap<String, BTreeMap<String, String>>,
+    pub config_maps: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+/// Names the pod refers to, to be fetched before planning.
+#[derive(Debug, Default, PartialEq)]
+pub struct References {
+    pub secrets: BTreeSet<String>,
+    pub config_maps: BTreeSet<String>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("the pod has no spec")]
+    NoSpec,
+    #[error("the pod has {0} containers; the local runner runs pods of exactly one")]
+    Containers(usize),
+    #[error("container {0:?} has no command")]
+    NoCommand(String),
+    #[error("secret {name:?} has no key {key:?} (or does not exist)")]
+    MissingSecret { name: String, key: String },
+    #[error("config map {name:?} has no key {key:?} (or does not exist)")]
+    MissingConfigMapKey { name: String, key: String },
+    #[error("config map {0:?} does not exist")]
+    MissingConfigMap(String),
+    #[error("env {var}: {what} is not supported by the local runner")]
+    UnsupportedEnv { var: String, what: String },
+    #[error("volume {0:?}: only configMap and emptyDir volumes are supported by the local runner")]
+    UnsupportedVolume(String),
+}
+
+fn container(pod: &Pod) -> Result<&Container, PlanError> {
+    let spec = pod.spec.as_ref().ok_or(PlanError::NoSpec)?;
+    match spec.containers.as_slice() {
+        [one] => Ok(one),
+        many => Err(PlanError::Containers(many.len())),
+    }
+}
+
+/// The Secrets and ConfigMaps the pod's container and volumes need.
+pub fn references(pod: &Pod) -> Result<References, PlanError> {
+    let mut refs = References::default();
+    for var in container(pod)?.env.iter().flatten() {
+        if let Some(from) = &var.value_from {
+            if let Some(secret) = &from.secret_key_ref {
+                refs.secrets.insert(secret.name.clone());
+            }
+            if let Some(map) = &from.config_map_key_ref {
+                refs.config_maps.insert(map.name.clone());
+            }
+        }
+    }
+    let volumes = pod.spec.as_ref().and_then(|s| s.volumes.as_ref());
+    for volume in volumes.into_iter().flatten() {
+        if let Some(map) = &volume.config_map {
+            refs.config_maps.insert(map.name.clone());
+        }
+    }
+    Ok(refs)
+}
+
+/// The local process for `pod`.
+pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanError> {
+    let container = container(pod)?;
+    let spec = pod.spec.as_ref().ok_or(PlanError::NoSpec)?;
+
+    // Volumes become directories under the pod's own; config maps become files in them.
+    let mut files = Vec::new();
+    let mut dirs = Vec::new();
+    let mut volume_dirs = BTreeMap::new();
+    for volume in spec.volumes.iter().flatten() {
+        let dir = host.pod_dir.join("volumes").join(&volume.name);
+        if let Some(source) = &volume.config_map {
+            let data = objects
+                .config_maps
+                .get(&source.name)
+                .ok_or_else(|| PlanError::MissingConfigMap(source.name.clone()))?;
+            for (key, value) in data {
+                files.push((dir.join(key), value.clone()));
+            }
+        } else if volume.empty_dir.is_none() {
+            return Err(PlanError::UnsupportedVolume(volume.name.clone()));
+        }
+        dirs.push(dir.clone());
+        volume_dirs.insert(volume.name.clone(), dir);
+    }
+
+    // Every image path and every 0.0.0.0 port is rewritten to its local counterpart.
+    let mut rewrites: Vec<(String, String)> = Vec::new();
+    for mount in container.volume_mounts.iter().flatten() {
+        if let Some(dir) = volume_dirs.get(&mount.name) {
+            rewrites.push((mount.mount_path.clone(), display(dir)));
+        }
+    }
+    for (prefix, dir) in &host.path_maps {
+        rewrites.push((prefix.clone(), display(dir)));
+    }
+    for (container_port, local) in &host.ports {
+        rewrites.push((
+            format!("0.0.0.0:{container_port}"),
+            format!("127.0.0.1:{local}"),
+        ));
+    }
+    // Longest pattern first, so `/etc/conveyor/x` wins over `/etc`.
+    rewrites.sort_by_key(|(from, _)| std::cmp::Reverse(from.len()));
+    let localize = |s: &str| {
+        rewrites
+            .iter()
+            .find(|(from, _)| s.contains(from.as_str()))
+            .map_or_else(|| s.to_owned(), |(from, to)| s.replacen(from, to, 1))
+    };
+
+    let mut line: Vec<String> = container
+        .command
+        .iter()
+        .flatten()
+        .map(|s| localize(s))
+        .collect();
+    line.extend(container.args.iter().flatten().map(|s| localize(s)));
+    if container.command.as_ref().is_none_or(Vec::is_empty) {
+        return Err(PlanError::NoCommand(container.name.clone()));
+    }
+    let program = line.remove(0);
+    let program = if program.contains('/') || !host.bin_dir.join(&program).is_file() {
+        PathBuf::from(program)
+    } else {
+        host.bin_dir.join(program)
+    };
+
+    let mut env = vec![
+        ("HOME".to_owned(), display(&host.pod_dir)),
+        ("TMPDIR".to_owned(), display(&host.pod_dir.join("tmp"))),
+    ];
+    if let Ok(path) = std::env::var("PATH") {
+        env.push(("PATH".to_owned(), path));
+    }
+    dirs.push(host.pod_dir.join("tmp"));
+    for var in container.env.iter().flatten() {
+        let value = match (&var.value, &var.value_from) {
+            (_, Some(from)) => env_from(pod, &var.name, from, objects)?,
+            (Some(value), None) => localize(value),
+            (None, None) => String::new(),
+        };
+        env.push((var.name.clone(), value));
+    }
+
+    let grace = spec.termination_grace_period_seconds.unwrap_or(30).max(0);
+    Ok(Launch {
+        program,
+        args: line,
+        env,
+        files,
+        dirs,
+        grace: Duration::from_secs(grace.unsigned_abs()),
+    })
+}
+
+fn env_from(
+    pod: &Pod,
+    var: &str,
+    from: &EnvVarSource,
+    objects: &Objects,
+) -> Result<String, PlanError> {
+    if let Some(secret) = &from.secret_key_ref {
+        return objects
+            .secrets
+            .get(&secret.name)
+            .and_then(|data| data.get(&secret.key))
+            .cloned()
+            .ok_or_else(|| PlanError::MissingSecret {
+                name: secret.name.clone(),
+                key: secret.key.clone(),
+            });
+    }
+    if let Some(map) = &from.config_map_key_ref {
+        return objects
+            .config_maps
+            .get(&map.name)
+            .and_then(|data| data.get(&map.key))
+            .cloned()
+            .ok_or_else(|| PlanError::MissingConfigMapKey {
+                name: map.name.clone(),
+                key: map.key.clone(),
+            });
+    }
+    let unsupported = |what: &str| PlanError::UnsupportedEnv {
+        var: var.to_owned(),
+        what: what.to_owned(),
+    };
+    let field = from
+        .field_ref
+        .as_ref()
+        .ok_or_else(|| unsupported("this valueFrom"))?;
+    let meta = &pod.metadata;
+    match field.field_path.as_str() {
+        "metadata.name" => Ok(meta.name.clone().unwrap_or_default()),
+        "metadata.namespace" => Ok(meta.namespace.clone().unwrap_or_default()),
+        "spec.nodeName" => Ok(pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .unwrap_or_default()),
+        "status.podIP" | "status.hostIP" => Ok("127.0.0.1".to_owned()),
+        other => Err(unsupported(&format!("fieldRef {other}"))),
+    }
+}
+
+fn display(path: &Path) -> String {
+    path.display().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn pod() -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "w-1", "namespace": "video"},
+            "spec": {
+                "nodeName": "conveyor-node",
+                "terminationGracePeriodSeconds": 35,
+                "containers": [{
+                    "name": "worker",
+                    "command": ["conveyor-worker"],
+                    "args": ["--task-types=/etc/conveyor/task-types.yaml",
+                             "--metrics-listen=0.0.0.0:9090", "--",
+                             "/usr/local/lib/conveyor/handlers/light.sh"],
+                    "env": [
+                        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                        {"name": "CONVEYOR_AMQP_URL", "valueFrom": {"secretKeyRef": {"name": "conn", "key": "amqp-url"}}},
+                        {"name": "PLAIN", "value": "x"}
+                    ],
+                    "volumeMounts": [{"name": "config", "mountPath": "/etc/conveyor"}]
+                }],
+                "volumes": [{"name": "config", "configMap": {"name": "w-config"}}, {"name": "tmp", "emptyDir": {}}]
+            }
+        }))
+        .unwrap()
+    }
+
+    fn host() -> Host {
+        Host {
+            bin_dir: PathBuf::from("/nonexistent-bin"),
+            pod_dir: PathBuf::from("/run/pods/video/w-1"),
+            path_maps: vec![(
+                "/usr/local/lib/conveyor/handlers".to_owned(),
+                PathBuf::from("/src/handlers"),
+            )],
+            ports: [(9090, 41000)].into(),
+        }
+    }
+
+    fn objects() -> Objects {
+        Objects {
+            secrets: [(
+                "conn".to_owned(),
+                [("amqp-url".to_owned(), "amqp://x".to_owned())].into(),
+            )]
+            .into(),
+            config_maps: [(
+                "w-config".to_owned(),
+                [("task-types.yaml".to_owned(), "taskTypes: []".to_owned())].into(),
+            )]
+            .into(),
+        }
+    }
+
+    #[test]
+    fn references_name_every_secret_and_config_map() {
+        let refs = references(&pod()).unwrap();
+        assert_eq!(refs.secrets, ["conn".to_owned()].into());
+        assert_eq!(refs.config_maps, ["w-config".to_owned()].into());
+    }
+
+    #[test]
+    fn a_worker_pod_becomes_a_local_process() {
+        let launch = plan(&pod(), &objects(), &host()).unwrap();
+        assert_eq!(launch.program, PathBuf::from("conveyor-worker"));
+        assert_eq!(
+            launch.args,
+            [
+                "--task-types=/run/pods/video/w-1/volumes/config/task-types.yaml",
+                "--metrics-listen=127.0.0.1:41000",
+                "--",
+                "/src/handlers/light.sh"
+            ]
+        );
+        let env: BTreeMap<_, _> = launch.env.into_iter().collect();
+        assert_eq!(env["POD_NAME"], "w-1");
+        assert_eq!(env["CONVEYOR_AMQP_URL"], "amqp://x");
+        assert_eq!(env["PLAIN"], "x");
+        assert_eq!(
+            launch.files,
+            [(
+                PathBuf::from("/run/pods/video/w-1/volumes/config/task-types.yaml"),
+                "taskTypes: []".to_owned()
+            )]
+        );
+        assert_eq!(launch.grace, Duration::from_secs(35));
+    }
+
+    #[test]
+    fn a_missing_secret_key_is_named() {
+        let mut objects = objects();
+        objects.secrets.clear();
+        assert_eq!(
+            plan(&pod(), &objects, &host()).unwrap_err().to_string(),
+            "secret \"conn\" has no key \"amqp-url\" (or does not exist)"
+        );
+    }
+
+    #[test]
+    fn unsupported_volumes_are_refused() {
+        let mut pod = pod();
+        let volumes = pod.spec.as_mut().unwrap().volumes.as_mut().unwrap();
+        volumes[1].empty_dir = None;
+        volumes[1].host_path = Some(Default::default());
+        assert_eq!(
+            plan(&pod, &objects(), &host()).unwrap_err(),
+            PlanError::UnsupportedVolume("tmp".to_owned())
+        );
+    }
+}

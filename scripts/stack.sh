@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The whole local stack on one machine: RabbitMQ and PostgreSQL (scripts/services.sh), the
+# local Kubernetes control plane (cluster/up.sh), and Conveyor's operator, gateway and pod
+# runner as local processes talking to it. `make dev` and the e2e tests in `make test` both
+# use it. Idempotent: what runs is left alone, unless its binary was rebuilt since it started.
+#
+#   scripts/stack.sh up | down | env
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV=${CONVEYOR_DEV_DIR:-$PWD/.dev}
+BIN=$PWD/target/debug
+GATEWAY=${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
+OPERATOR=${CONVEYOR_OPERATOR_LISTEN:-127.0.0.1:8081}
+export CONVEYOR_CLUSTER_DIR=$DEV/cluster
+export KUBECONFIG=$CONVEYOR_CLUSTER_DIR/kubeconfig
+export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor}
+export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqp://conveyor:conveyor@127.0.0.1:5672/%2f}
+mkdir -p "$DEV"
+# kubectl comes with the control plane (cluster/build.sh builds it once, cached).
+PATH=$(cluster/build.sh):$PATH
+
+log() { printf 'stack: %s\n' "$*" >&2; }
+running() { [ -f "$DEV/$1.pid" ] && kill -0 "$(cat "$DEV/$1.pid")" 2>/dev/null; }
+stop() { # name
+  running "$1" || { rm -f "$DEV/$1.pid"; return 0; }
+  local pid; pid=$(cat "$DEV/$1.pid")
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+  kill -KILL "$pid" 2>/dev/null || true
+  rm -f "$DEV/$1.pid" "$DEV/$1.stamp"
+  log "stopped $1"
+}
+start() { # name, binary, args...
+  local name=$1 binary=$2; shift 2
+  local stamp; stamp=$(stat -c %Y "$binary")
+  if running "$name"; then
+    [ "$(cat "$DEV/$name.stamp" 2>/dev/null)" = "$stamp" ] && return 0
+    log "$name was rebuilt; restarting it"
+    stop "$name"
+  fi
+  nohup "$binary" "$@" >>"$DEV/$name.log" 2>&1 &
+  echo $! >"$DEV/$name.pid"
+  echo "$stamp" >"$DEV/$name.stamp"
+  log "started $name (pid $!, log $DEV/$name.log)"
+}
+wait_http() { # name, url
+  for _ in $(seq 1 120); do curl -fsS "$2" >/dev/null 2>&1 && return 0; sleep 0.5; done
+  log "$1 is not ready at $2; see $DEV/$1.log"; exit 1
+}
+
+up() {
+  scripts/services.sh up
+  cluster/up.sh
+  [ -x "$BIN/conveyor-operator" ] || { log "build first: cargo build --workspace --bins"; exit 1; }
+  kubectl apply --server-side --field-manager=conveyor-dev -k crds >/dev/null
+  kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev >/dev/null
+
+  POD_NAMESPACE=default CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \
+    start operator "$BIN/conveyor-operator" run
+  start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --task-types-from-cluster \
+    --task-types-refresh-seconds 2 --tokens-file examples/dev-tokens.yaml
+  start pod-runner "$BIN/conveyor-pod-runner" --bin-dir "$BIN" --state-dir "$DEV/pods" \
+    --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers
+  wait_http operator "http://$OPERATOR/readyz"
+  wait_http gateway "http://$GATEWAY/readyz"
+}
+
+down() {
+  for name in pod-runner gateway operator; do stop "$name"; done
+  cluster/down.sh
+  log "RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"
+}
+
+case "${1:-up}" in
+  up) up ;;
+  down) down ;;
+  # For `eval "$(scripts/stack.sh env)"`: how to reach the stack.
+  env) echo "export KUBECONFIG=$KUBECONFIG CONVEYOR_GATEWAY_URL=http://$GATEWAY" ;;
+  *) echo "usage: $0 [up|down|env]" >&2; exit 2 ;;
+esac
