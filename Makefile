@@ -1,12 +1,17 @@
-# Conveyor. `make dev` runs it locally; `make test` runs every test tier. Both bring up
-# RabbitMQ and PostgreSQL themselves (scripts/services.sh), installing them when missing.
+# Conveyor. `make dev` runs it locally; `make test` runs every test tier. Both bring up what
+# they need themselves: RabbitMQ and PostgreSQL (scripts/services.sh, installed from Debian
+# packages when missing) and the local Kubernetes control plane (cluster/, built once from
+# Go modules and cached in ~/.cache/conveyor), via scripts/stack.sh.
 
 CARGO ?= cargo
 DEV_DIR := .dev
 export CONVEYOR_DATABASE_URL ?= postgres://conveyor:conveyor@127.0.0.1:5432/conveyor
 export CONVEYOR_AMQP_URL ?= amqp://conveyor:conveyor@127.0.0.1:5672/%2f
 
-.PHONY: all build services services-down lint test unit integration dev down
+# The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
+E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
+
+.PHONY: all build services services-down stack lint test unit integration e2e e2e-kind dev down
 
 all: build
 
@@ -23,10 +28,15 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+stack: build
+	scripts/stack.sh up
+
 # Unit tests need nothing; integration tests need the services and the built binaries
-# (they start real conveyor-worker processes and signal them).
-test: services build
-	$(CARGO) test --workspace -- --test-threads=4
+# (they start real conveyor-worker processes and signal them); the e2e suite needs the
+# whole stack. The stack stays up afterwards (a rerun reuses it); `make down` stops it.
+test: stack
+	$(CARGO) test --workspace --exclude conveyor-e2e-tests -- --test-threads=4
+	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 
 unit:
 	$(CARGO) test --workspace --lib --bins
@@ -34,7 +44,14 @@ unit:
 integration: services build
 	$(CARGO) test -p conveyor-integration-tests -- --test-threads=4
 
-dev: services build
+e2e: stack
+	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
+
+# The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
+e2e-kind:
+	scripts/e2e-kind.sh
+
+dev: build
 	scripts/dev.sh up
 
 down:

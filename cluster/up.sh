@@ -61,6 +61,7 @@ start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$KUBE
 start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$KUBECONFIG_FILE" \
   --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false
 start kwok "$BIN/kwok" --kubeconfig "$KUBECONFIG_FILE" --manage-single-node conveyor-node \
+  --node-lease-duration-seconds 40 \
   --config cluster/kwok-stages.yaml
 
 # The one node, managed by kwok.

@@ -1,83 +1,105 @@
 #!/usr/bin/env bash
-# `make dev` / `make down`: runs the gateway and one worker per example task type as local
-# processes (logs and pids in .dev/), submits a task of each type and shows its timeline.
-# Safe to re-run: processes already running are left alone.
+# `make dev` / `make down`: the whole stack on this machine (scripts/stack.sh: services, the
+# local control plane, operator, gateway, pod runner), the video pipeline of examples/ applied
+# to it, and a short generated clip transcoded, thumbnailed, probed and quality-checked by
+# real ffmpeg in the pool's workers. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEV=.dev
+DEV=$PWD/.dev
 BIN=target/debug
-TYPES=examples/task-types.yaml
-GATEWAY=${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
-export CONVEYOR_GATEWAY_URL="http://$GATEWAY"
+NS=video
+export CONVEYOR_GATEWAY_URL=http://${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
 export CONVEYOR_TOKEN=dev-token-change-me
-mkdir -p "$DEV"
+export KUBECONFIG=$DEV/cluster/kubeconfig
+export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor}
+export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqp://conveyor:conveyor@127.0.0.1:5672/%2f}
 
-running() { [ -f "$DEV/$1.pid" ] && kill -0 "$(cat "$DEV/$1.pid")" 2>/dev/null; }
+log() { printf 'dev: %s\n' "$*" >&2; }
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-start() { # name, command...
-  local name=$1; shift
-  if running "$name"; then echo "dev: $name already running (pid $(cat "$DEV/$name.pid"))"; return; fi
-  nohup "$@" >"$DEV/$name.log" 2>&1 &
-  echo $! >"$DEV/$name.pid"
-  echo "dev: started $name (pid $!, log $DEV/$name.log)"
+# The example handlers run ffmpeg, ffprobe and jq.
+ensure_tools() {
+  command -v ffmpeg >/dev/null && command -v jq >/dev/null && return 0
+  log "installing ffmpeg and jq from Debian packages"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ffmpeg jq >/dev/null
+}
+
+submit() { # type, payload → task id; retried while the gateway has not seen the type yet
+  local key answer
+  key=$(cat /proc/sys/kernel/random/uuid)
+  for _ in $(seq 1 30); do
+    if answer=$("$BIN/conveyorctl" submit --type "$1" --payload "$2" --idempotency-key "$key" 2>/dev/null); then
+      printf '%s' "$answer" | sed -n 's/.*"id": "\(.*\)".*/\1/p'; return 0
+    fi
+    sleep 1
+  done
+  "$BIN/conveyorctl" submit --type "$1" --payload "$2" --idempotency-key "$key" >/dev/null
+}
+
+wait_done() { # id → prints the final state
+  local state=""
+  for _ in $(seq 1 180); do
+    state=$("$BIN/conveyorctl" get "$1" | sed -n 's/.*"state": "\([A-Z_]*\)".*/\1/p')
+    case "$state" in COMPLETED|DEAD_LETTER) break ;; esac
+    sleep 1
+  done
+  echo "$state"
 }
 
 up() {
-  start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --task-types "$TYPES" \
-    --tokens-file examples/dev-tokens.yaml
-  for _ in $(seq 1 60); do
-    curl -fsS "$CONVEYOR_GATEWAY_URL/readyz" >/dev/null 2>&1 && break; sleep 0.5
-  done
-  curl -fsS "$CONVEYOR_GATEWAY_URL/readyz" >/dev/null || { echo "dev: gateway not ready, see $DEV/gateway.log"; exit 1; }
-  local port=9100
-  for type in transcode thumbnail metadata quality-analysis; do
-    port=$((port + 1))
-    # The built-in sleep handler stands in for ffmpeg until the example pools run it.
-    start "worker-$type" "$BIN/conveyor-worker" --task-types "$TYPES" --consume "$type" \
-      --handler sleep --concurrency 8 --worker-name "dev-$type" --metrics-listen "127.0.0.1:$port"
-  done
+  ensure_tools
+  scripts/stack.sh up
+  PATH=$(cluster/build.sh):$PATH
 
-  echo; echo "dev: submitting one task of each type"
-  local ids=()
-  ids+=("$(submit transcode '{"source":"clips/intro.mp4","renditions":[720,1080],"sleepMs":300}')")
-  ids+=("$(submit thumbnail '{"source":"clips/intro.mp4","atSeconds":2.5,"sleepMs":100}')")
-  ids+=("$(submit metadata '{"source":"clips/intro.mp4","sleepMs":50}')")
-  ids+=("$(submit quality-analysis '{"source":"out/intro-720.mp4","reference":"clips/intro.mp4","metric":"ssim","sleepMs":200}')")
-  sleep 2
-  for id in "${ids[@]}"; do echo; echo "task $id"; "$BIN/conveyorctl" events "$id"; done
+  kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null
+  # The workers' connections, as the operator's pods expect them (local addresses here).
+  kubectl -n "$NS" create secret generic conveyor-connections --dry-run=client -o yaml \
+    --from-literal=database-url="$CONVEYOR_DATABASE_URL" --from-literal=amqp-url="$CONVEYOR_AMQP_URL" \
+    | kubectl apply -f - >/dev/null
+  kubectl apply -f examples/video-pipeline/
+
+  local media=$DEV/media clip
+  clip=$media/clip.mp4
+  mkdir -p "$media"
+  [ -s "$clip" ] || ffmpeg -nostdin -loglevel error -y -f lavfi -i testsrc2=duration=4:size=640x360:rate=25 \
+    -f lavfi -i sine=frequency=440:duration=4 -c:v libx264 -preset veryfast -pix_fmt yuv420p -c:a aac -shortest "$clip"
+  log "test clip $clip"
+
+  log "submitting a transcode, a thumbnail and a metadata task (the transcode pool scales up from 0)"
+  local transcode thumbnail metadata quality output
+  transcode=$(submit transcode "{\"source\":\"$clip\",\"renditions\":[240]}")
+  thumbnail=$(submit thumbnail "{\"source\":\"$clip\",\"atSeconds\":1.5}")
+  metadata=$(submit metadata "{\"source\":\"$clip\"}")
+  log "transcode: $(wait_done "$transcode")"
+  output=$("$BIN/conveyorctl" get "$transcode" | jq -r '.result.outputs[0] // empty')
+  if [ -n "$output" ]; then
+    quality=$(submit quality-analysis "{\"source\":\"$output\",\"reference\":\"$clip\",\"metric\":\"ssim\"}")
+    log "quality-analysis: $(wait_done "$quality")"
+  fi
+  log "thumbnail: $(wait_done "$thumbnail"), metadata: $(wait_done "$metadata")"
+  for id in "$transcode" "$thumbnail" ${quality:+"$quality"}; do
+    echo; echo "task $id"; "$BIN/conveyorctl" events "$id"
+    "$BIN/conveyorctl" get "$id" | jq -c '.result'
+  done
+  echo; kubectl get taskpools -n "$NS"; echo; kubectl get tasktypes -n "$NS"
   cat <<MSG
 
-Conveyor is running locally:
-  gateway   $CONVEYOR_GATEWAY_URL  (token: $CONVEYOR_TOKEN, metrics at /metrics)
-  workers   one per task type, metrics on 127.0.0.1:9101-9104/metrics
-  RabbitMQ  management UI http://127.0.0.1:15672 (conveyor / conveyor)
-
-Try:
+Conveyor is running on the local cluster (logs in .dev/, worker logs in .dev/pods/):
+  export KUBECONFIG=$KUBECONFIG PATH=$(cluster/build.sh):\$PATH
   export CONVEYOR_GATEWAY_URL=$CONVEYOR_GATEWAY_URL CONVEYOR_TOKEN=$CONVEYOR_TOKEN
-  $BIN/conveyorctl submit --type thumbnail --payload '{"source":"a.mp4"}'
+  kubectl get taskpools -n $NS -w
+  kubectl scale workerpool/media-light -n $NS --replicas=3
+  $BIN/conveyorctl submit --type thumbnail --payload '{"source":"$clip"}'
   $BIN/conveyorctl events <task id>
-  $BIN/conveyorctl state-at --type thumbnail --at "\$(date -u +%FT%TZ)"
+  RabbitMQ management UI: http://127.0.0.1:15672 (conveyor / conveyor)
 Stop with: make down
 MSG
 }
 
-submit() {
-  "$BIN/conveyorctl" submit --type "$1" --payload "$2" | sed -n 's/.*"id": "\(.*\)".*/\1/p'
-}
-
-down() {
-  for pidfile in "$DEV"/*.pid; do
-    [ -e "$pidfile" ] || continue
-    local pid; pid=$(cat "$pidfile")
-    kill -TERM "$pid" 2>/dev/null && echo "dev: stopped $(basename "$pidfile" .pid)"
-    rm -f "$pidfile"
-  done
-  echo "dev: RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"
-}
-
 case "${1:-up}" in
   up) up ;;
-  down) down ;;
+  down) scripts/stack.sh down ;;
   *) echo "usage: $0 [up|down]" >&2; exit 2 ;;
 esac

@@ -68,6 +68,7 @@ up() {
 
 down() {
   for name in pod-runner gateway operator; do stop "$name"; done
+  rm -rf "$DEV/pods"
   cluster/down.sh
   log "RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"
 }

@@ -1,10 +1,14 @@
 //! Integration-test support: one database per test and unique task types, so tests run in
 //! parallel against the same PostgreSQL and RabbitMQ without seeing each other.
 
+use std::time::{Duration, Instant};
+
 use uuid::Uuid;
 
 use crate::amqp::{self, QueueNames};
 use crate::db::{Db, DbOptions};
+use crate::task::TaskEvent;
+use crate::TaskState;
 
 /// Where the test services are; `scripts/services.sh up` provides these defaults.
 pub fn admin_database_url() -> String {
@@ -68,4 +72,59 @@ pub async fn delete_queues(task_type: &str) {
         }
     }
     let _ = conn.close(200, "test cleanup").await;
+}
+
+/// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The states of a chain, in order.
+pub fn states(chain: &[TaskEvent]) -> Vec<TaskState> {
+    chain.iter().map(|e| e.to_state).collect()
+}
+
+/// Asserts that a chain is a valid lifecycle path.
+pub fn assert_valid_chain(chain: &[TaskEvent]) {
+    let steps: Vec<_> = chain.iter().map(|e| (e.from_state, e.to_state)).collect();
+    if let Err(err) = crate::lifecycle::check_chain(&steps) {
+        panic!("invalid audit chain {:?}: {err}", states(chain));
+    }
+    for pair in chain.windows(2) {
+        assert!(
+            pair[0].at <= pair[1].at,
+            "timestamps go backwards in {:?}",
+            states(chain)
+        );
+    }
+}
+
+/// How many tasks of `task_type` are in `state`.
+pub async fn count_in_state(db: &Db, task_type: &str, state: TaskState) -> i64 {
+    let counts = db.state_counts(task_type).await.expect("counts");
+    counts
+        .iter()
+        .find(|(s, _)| *s == state)
+        .map_or(0, |(_, n)| *n)
+}
+
+/// Waits until `n` tasks of `task_type` are in `state`.
+pub async fn wait_for_state(db: &Db, task_type: &str, state: TaskState, n: i64, timeout: Duration) {
+    wait_until(
+        &format!("{n} {task_type} tasks {state}"),
+        timeout,
+        || async { count_in_state(db, task_type, state).await == n },
+    )
+    .await;
 }

@@ -1,1 +1,303 @@
-//! placeholder
+//! The e2e suite's view of a running stack (`scripts/stack.sh up`, or kind with
+//! `make e2e-kind`): kubectl and the API server, the gateway, PostgreSQL and RabbitMQ's
+//! management API. Each test works in a namespace of its own with task types of its own, so
+//! tests run side by side and next to `make dev`'s examples.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use conveyor_core::db::{Db, DbOptions};
+use conveyor_core::task::TaskEvent;
+use conveyor_core::testing::{self, wait_until};
+use conveyor_core::TaskState;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+pub use conveyor_core::testing::{assert_valid_chain, unique_type};
+
+/// The stack's addresses; `scripts/stack.sh` and the Makefile provide these defaults.
+fn env_or(var: &str, default: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| default.to_owned())
+}
+
+/// Runs kubectl (from PATH, against $KUBECONFIG) and returns stdout; panics with its stderr
+/// when it fails.
+pub fn kubectl(args: &[&str]) -> String {
+    kubectl_with(args, None).unwrap_or_else(|err| panic!("kubectl {}: {err}", args.join(" ")))
+}
+
+/// Runs kubectl with `stdin`; Err holds stderr when it fails.
+pub fn kubectl_with(args: &[&str], stdin: Option<&str>) -> Result<String, String> {
+    let mut child = Command::new("kubectl")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl on PATH (make test puts the control plane's there)");
+    let mut input = child.stdin.take().expect("stdin");
+    input
+        .write_all(stdin.unwrap_or_default().as_bytes())
+        .expect("write kubectl stdin");
+    drop(input);
+    let out = child.wait_with_output().expect("kubectl runs");
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// One test's namespace, with the connection Secret the operator gives its workers.
+pub struct Stack {
+    pub namespace: String,
+    pub client: kube::Client,
+    pub db: Db,
+    http: reqwest::Client,
+    gateway: String,
+    token: String,
+    management: String,
+    task_types: Vec<String>,
+}
+
+impl Stack {
+    /// Connects to the running stack and creates a fresh namespace.
+    pub async fn namespace(prefix: &str) -> Stack {
+        let client = kube::Client::try_default()
+            .await
+            .expect("a cluster (KUBECONFIG); `scripts/stack.sh up` starts one");
+        let namespace = unique_type(&format!("e2e-{prefix}"));
+        kubectl(&["create", "namespace", &namespace]);
+        let database_url = env_or(
+            "CONVEYOR_DATABASE_URL",
+            "postgres://conveyor:conveyor@127.0.0.1:5432/conveyor",
+        );
+        // What the workers' pods get through secretKeyRef. In the local cluster the pods are
+        // processes on this machine and the test's own addresses are right; on kind they
+        // are the in-cluster services (CONVEYOR_WORKER_*).
+        let worker_database_url = env_or("CONVEYOR_WORKER_DATABASE_URL", &database_url);
+        let amqp_url = env_or(
+            "CONVEYOR_AMQP_URL",
+            "amqp://conveyor:conveyor@127.0.0.1:5672/%2f",
+        );
+        let worker_amqp_url = env_or("CONVEYOR_WORKER_AMQP_URL", &amqp_url);
+        kubectl(&[
+            "-n",
+            &namespace,
+            "create",
+            "secret",
+            "generic",
+            "conveyor-connections",
+            &format!("--from-literal=database-url={worker_database_url}"),
+            &format!("--from-literal=amqp-url={worker_amqp_url}"),
+        ]);
+        let db = Db::connect(&DbOptions::new(&database_url)).expect("database URL");
+        Stack {
+            namespace,
+            client,
+            db,
+            http: reqwest::Client::new(),
+            gateway: env_or("CONVEYOR_GATEWAY_URL", "http://127.0.0.1:8080"),
+            token: env_or("CONVEYOR_TOKEN", "dev-token-change-me"),
+            management: testing::management_url(),
+            task_types: Vec::new(),
+        }
+    }
+
+    /// A task type name for this test (its queues are deleted at `finish`).
+    pub fn task_type(&mut self, prefix: &str) -> String {
+        let name = unique_type(prefix);
+        self.task_types.push(name.clone());
+        name
+    }
+
+    /// `kubectl apply` of `yaml` in this namespace.
+    pub fn apply(&self, yaml: &str) {
+        kubectl_with(&["apply", "-n", &self.namespace, "-f", "-"], Some(yaml))
+            .unwrap_or_else(|err| panic!("kubectl apply:\n{yaml}\n{err}"));
+    }
+
+    /// kubectl in this namespace.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        let mut all = vec!["-n", &self.namespace];
+        all.extend_from_slice(args);
+        kubectl(&all)
+    }
+
+    pub fn deployments(&self) -> Api<Deployment> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
+    /// The pool's pods kwok reports Running (the pod runner runs a worker for each).
+    pub async fn running_pods(&self, pool: &str) -> Vec<Pod> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
+        let selector = format!("conveyor.dev/pool={pool}");
+        let list = pods.list(&ListParams::default().labels(&selector)).await;
+        list.map(|l| l.items)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|p| {
+                p.metadata.deletion_timestamp.is_none()
+                    && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+            })
+            .collect()
+    }
+
+    /// The Deployment's desired replicas (None while it does not exist).
+    pub async fn deployment_replicas(&self, pool: &str) -> Option<i32> {
+        let deployment = self
+            .deployments()
+            .get_opt(&format!("{pool}-worker"))
+            .await
+            .ok()??;
+        deployment.spec.and_then(|s| s.replicas)
+    }
+
+    /// Submits every payload through the gateway with its own idempotency key. Refusals
+    /// (a type the gateway has not listed yet, a full queue) are retried with the same
+    /// key, as a client would: no task is created twice.
+    pub async fn submit_all(&self, task_type: &str, payloads: Vec<Value>) -> Vec<Uuid> {
+        let mut pending: Vec<(Uuid, Value)> =
+            payloads.into_iter().map(|p| (Uuid::new_v4(), p)).collect();
+        let mut ids = Vec::new();
+        for _round in 0..120 {
+            let mut refused = Vec::new();
+            for chunk in pending.chunks(1000) {
+                let tasks: Vec<Value> = chunk
+                    .iter()
+                    .map(|(key, payload)| json!({"taskType": task_type, "payload": payload, "idempotencyKey": key}))
+                    .collect();
+                let answer: Value = self
+                    .http
+                    .post(format!("{}/v1/tasks:batch", self.gateway))
+                    .bearer_auth(&self.token)
+                    .json(&json!({ "tasks": tasks }))
+                    .send()
+                    .await
+                    .expect("gateway reachable")
+                    .json()
+                    .await
+                    .expect("batch answer is JSON");
+                let results = answer["results"].as_array().cloned().unwrap_or_default();
+                assert_eq!(results.len(), chunk.len(), "one answer per task: {answer}");
+                for (result, task) in results.iter().zip(chunk) {
+                    match result["id"].as_str() {
+                        Some(id) => ids.push(id.parse().expect("task id")),
+                        None => refused.push(task.clone()),
+                    }
+                }
+            }
+            if refused.is_empty() {
+                return ids;
+            }
+            pending = refused;
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        panic!(
+            "the gateway kept refusing {} {task_type} tasks",
+            pending.len()
+        );
+    }
+
+    /// How many tasks of `task_type` are in `state`.
+    pub async fn count(&self, task_type: &str, state: TaskState) -> i64 {
+        testing::count_in_state(&self.db, task_type, state).await
+    }
+
+    pub async fn wait_for_state(
+        &self,
+        task_type: &str,
+        state: TaskState,
+        n: i64,
+        timeout: Duration,
+    ) {
+        testing::wait_for_state(&self.db, task_type, state, n, timeout).await;
+    }
+
+    pub async fn events(&self, id: Uuid) -> Vec<TaskEvent> {
+        self.db.events(id).await.expect("events")
+    }
+
+    /// COMPLETED events per task of `task_type` (exactly-once means all of them are 1).
+    pub async fn completions(&self, task_type: &str) -> BTreeMap<Uuid, i64> {
+        sqlx::query_as::<_, (Uuid, i64)>(
+            "SELECT task_id, count(*) FROM task_events \
+             WHERE task_type = $1 AND to_state = 'COMPLETED' GROUP BY task_id",
+        )
+        .bind(task_type)
+        .fetch_all(self.db.pool())
+        .await
+        .expect("completion counts")
+        .into_iter()
+        .collect()
+    }
+
+    /// A queue as RabbitMQ's management API shows it (None when it does not exist).
+    pub async fn queue(&self, queue: &str) -> Option<Value> {
+        let (base, user, password) = split_credentials(&self.management);
+        let response = self
+            .http
+            .get(format!("{base}/api/queues/%2f/{queue}"))
+            .basic_auth(user, Some(password))
+            .send()
+            .await
+            .expect("management API reachable");
+        if response.status() == reqwest::StatusCode::NOT_FOUND {
+            return None;
+        }
+        Some(response.json().await.expect("queue JSON"))
+    }
+
+    /// Consumers on a queue: one per running worker process.
+    pub async fn consumers(&self, queue: &str) -> u64 {
+        self.queue(queue)
+            .await
+            .and_then(|q| q["consumers"].as_u64())
+            .unwrap_or(0)
+    }
+
+    /// Waits until `n` workers consume `task_type`'s queue.
+    pub async fn wait_for_workers(&self, task_type: &str, n: u64) {
+        let queue = format!("conveyor.{task_type}");
+        wait_until(
+            &format!("{n} workers on {queue}"),
+            Duration::from_secs(60),
+            || async { self.consumers(&queue).await == n },
+        )
+        .await;
+    }
+
+    /// Deletes the namespace (and with it everything the test applied) and the queues.
+    pub async fn finish(self) {
+        let _ = kubectl_with(
+            &["delete", "namespace", &self.namespace, "--wait=false"],
+            None,
+        );
+        for task_type in &self.task_types {
+            testing::delete_queues(task_type).await;
+        }
+    }
+}
+
+/// `http://user:password@host:port` → (`http://host:port`, user, password).
+fn split_credentials(url: &str) -> (String, String, String) {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
+    match rest.split_once('@') {
+        Some((auth, host)) => {
+            let (user, password) = auth.split_once(':').unwrap_or((auth, ""));
+            (
+                format!("{scheme}://{host}"),
+                user.to_owned(),
+                password.to_owned(),
+            )
+        }
+        None => (url.to_owned(), "guest".to_owned(), "guest".to_owned()),
+    }
+}

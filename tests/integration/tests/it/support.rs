@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use conveyor_core::amqp::{Publisher, QueueNames};
 use conveyor_core::db::Db;
@@ -12,6 +12,7 @@ use conveyor_core::metrics::Metrics;
 use conveyor_core::task::TaskEvent;
 use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use conveyor_core::testing::{self, TestDatabase};
+pub use conveyor_core::testing::{assert_valid_chain, states, wait_until};
 use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
@@ -269,21 +270,11 @@ impl Harness {
         n: i64,
         timeout: Duration,
     ) {
-        wait_until(
-            &format!("{n} {task_type} tasks {state}"),
-            timeout,
-            || async { self.count(task_type, state).await == n },
-        )
-        .await;
+        testing::wait_for_state(&self.db, task_type, state, n, timeout).await;
     }
 
     pub async fn count(&self, task_type: &str, state: TaskState) -> i64 {
-        let counts = self.db.state_counts(task_type).await.expect("counts");
-        counts
-            .iter()
-            .find(|(s, _)| *s == state)
-            .map(|(_, n)| *n)
-            .unwrap_or(0)
+        testing::count_in_state(&self.db, task_type, state).await
     }
 
     pub async fn total_tasks(&self, task_type: &str) -> i64 {
@@ -329,42 +320,6 @@ pub fn binary(name: &str) -> PathBuf {
         .and_then(|deps| deps.parent())
         .expect("target dir")
         .join(name)
-}
-
-/// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.
-pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// The states of a chain, in order.
-pub fn states(chain: &[TaskEvent]) -> Vec<TaskState> {
-    chain.iter().map(|e| e.to_state).collect()
-}
-
-/// Asserts that a chain is a valid lifecycle path.
-pub fn assert_valid_chain(chain: &[TaskEvent]) {
-    let steps: Vec<_> = chain.iter().map(|e| (e.from_state, e.to_state)).collect();
-    if let Err(err) = conveyor_core::lifecycle::check_chain(&steps) {
-        panic!("invalid audit chain {:?}: {err}", states(chain));
-    }
-    for pair in chain.windows(2) {
-        assert!(
-            pair[0].at <= pair[1].at,
-            "timestamps go backwards in {:?}",
-            states(chain)
-        );
-    }
 }
 
 pub fn queue(task_type: &str) -> QueueNames {

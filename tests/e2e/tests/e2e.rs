@@ -1,0 +1,336 @@
+//! End to end, against a real kube-apiserver: what users do with kubectl, and what they must
+//! see. Needs the stack `scripts/stack.sh up` runs (make test starts it).
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use conveyor_core::testing::wait_until;
+use conveyor_core::TaskState;
+use conveyor_e2e_tests::{assert_valid_chain, kubectl_with, Stack};
+use k8s_openapi::api::apps::v1::Deployment;
+use serde_json::json;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn task_type_yaml(name: &str, extra: &str) -> String {
+    format!("apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {name}}}\nspec:\n  maxRetries: 2\n{extra}")
+}
+
+/// A pool running the built-in sleep handler (it sleeps `sleepMs` of the payload).
+fn pool_yaml(name: &str, task_type: &str, extra: &str) -> String {
+    format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {name}}}\nspec:\n  \
+         taskTypes: [{task_type}]\n  image: conveyor:dev\n  handler: {{type: sleep}}\n{extra}"
+    )
+}
+
+/// A namespace with a TaskType and a WorkerPool of it, `workers` of them consuming.
+async fn pool_stack(prefix: &str, pool: &str, pool_extra: &str, workers: u64) -> (Stack, String) {
+    let mut stack = Stack::namespace(prefix).await;
+    let t = stack.task_type(&format!("e2e-{prefix}"));
+    stack.apply(&task_type_yaml(&t, ""));
+    stack.apply(&pool_yaml(pool, &t, pool_extra));
+    stack.wait_for_workers(&t, workers).await;
+    (stack, t)
+}
+
+#[tokio::test]
+async fn every_manifest_and_example_is_accepted_by_the_apiserver() {
+    // Namespaced objects are only dry-run in namespaces that exist.
+    for namespace in ["conveyor-system", "video"] {
+        let _ = kubectl_with(&["create", "namespace", namespace], None);
+    }
+    for target in [
+        ["-k", "manifests/base"],
+        ["-k", "manifests/kind"],
+        ["-f", "examples/video-pipeline/"],
+    ] {
+        let path = format!("../../{}", target[1]);
+        kubectl_with(
+            &[
+                "apply",
+                "--dry-run=server",
+                "--server-side",
+                "--field-manager=e2e",
+                target[0],
+                &path,
+            ],
+            None,
+        )
+        .unwrap_or_else(|err| panic!("the apiserver refused {}: {err}", target[1]));
+    }
+}
+
+#[tokio::test]
+async fn invalid_manifests_are_refused_with_a_clear_message() {
+    let stack = Stack::namespace("invalid").await;
+    let cases = [
+        (
+            pool_yaml("p", "t", "  replicas: -1\n"),
+            "replicas must be >= 0",
+        ),
+        (
+            "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {name: p}\nspec:\n  \
+             taskTypes: [t]\n  image: x\n  handler: {type: exec}\n"
+                .to_owned(),
+            "the exec handler needs a command",
+        ),
+        (
+            pool_yaml("p", "t", "  autoscaling: {minReplicas: 5, maxReplicas: 2}\n"),
+            "minReplicas must not exceed maxReplicas",
+        ),
+        (
+            task_type_yaml("t", "  backoff: {initialSeconds: 60, maxSeconds: 5, multiplier: 2}\n"),
+            "initialSeconds must not exceed maxSeconds",
+        ),
+        (
+            "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {name: t}\nspec: {maxRetries: 1000}\n"
+                .to_owned(),
+            "spec.maxRetries",
+        ),
+        (
+            pool_yaml("p", "t", "  concurency: 4\n"),
+            "unknown field \"spec.concurency\"",
+        ),
+    ];
+    for (yaml, message) in cases {
+        let err = kubectl_with(&["apply", "-n", &stack.namespace, "-f", "-"], Some(&yaml))
+            .expect_err(&format!("accepted:\n{yaml}"));
+        assert!(
+            err.contains(message),
+            "refusal of\n{yaml}\nsays {err:?}, not {message:?}"
+        );
+    }
+    let left = stack.kubectl(&["get", "workerpools,tasktypes", "-o", "name"]);
+    assert_eq!(left.trim(), "", "a refused manifest left something behind");
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn an_applied_pool_runs_workers_that_process_tasks() {
+    let (stack, t) = pool_stack("pool", "pool", "  replicas: 2\n  concurrency: 4\n", 2).await;
+    for suffix in ["", ".retry", ".remediation"] {
+        assert!(
+            stack
+                .queue(&format!("conveyor.{t}{suffix}"))
+                .await
+                .is_some(),
+            "queue conveyor.{t}{suffix} declared"
+        );
+    }
+    let deployment = stack.deployments().get("pool-worker").await.unwrap();
+    let owner = &deployment.metadata.owner_references.unwrap()[0];
+    assert_eq!(
+        (owner.kind.as_str(), owner.name.as_str(), owner.controller),
+        ("WorkerPool", "pool", Some(true))
+    );
+
+    let ids = stack.submit_all(&t, vec![json!({"sleepMs": 10}); 20]).await;
+    stack
+        .wait_for_state(&t, TaskState::Completed, 20, MINUTE)
+        .await;
+    for id in ids {
+        assert_valid_chain(&stack.events(id).await);
+    }
+
+    // The printer columns, as users watch them.
+    wait_until("pool columns filled in", MINUTE, || async {
+        let table = stack.kubectl(&["get", "taskpools"]);
+        let row: Vec<&str> = table
+            .lines()
+            .nth(1)
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        // NAME TASK-TYPES READY DESIRED QUEUED IN-FLIGHT DEAD-LETTERED STATUS AGE
+        row.len() == 9 && row[0] == "pool" && row[2] == "2" && row[3] == "2" && row[7] == "Ready"
+    })
+    .await;
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
+    let autoscaling = "  concurrency: 4\n  drainGraceSeconds: 30\n  autoscaling:\n    \
+        minReplicas: 1\n    maxReplicas: 4\n    targetBacklogPerReplica: 100\n    \
+        scaleDownStabilizationSeconds: 5\n";
+    let (stack, t) = pool_stack("autoscale", "scaler", autoscaling, 1).await;
+
+    let ids = stack
+        .submit_all(&t, vec![json!({"sleepMs": 200}); 2000])
+        .await;
+    assert_eq!(ids.len(), 2000);
+    let most = std::cell::Cell::new(0);
+    wait_until("2,000 tasks completed", 5 * MINUTE, || async {
+        let replicas = stack.deployment_replicas("scaler").await.unwrap_or(0);
+        most.set(most.get().max(replicas));
+        stack.count(&t, TaskState::Completed).await == 2000
+    })
+    .await;
+    let most = most.get();
+    assert!(
+        most > 1,
+        "the pool never grew under a backlog of 2,000 (most {most} replicas)"
+    );
+    wait_until(
+        "the pool back at 1 replica and 1 worker",
+        3 * MINUTE,
+        || async {
+            stack.deployment_replicas("scaler").await == Some(1)
+                && stack.running_pods("scaler").await.len() == 1
+                && stack.consumers(&format!("conveyor.{t}")).await == 1
+        },
+    )
+    .await;
+
+    let completions = stack.completions(&t).await;
+    assert_eq!(completions.len(), 2000, "every task completed");
+    let twice: Vec<_> = completions.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "completed more than once: {twice:?}");
+    for state in [
+        TaskState::DeadLetter,
+        TaskState::Failed,
+        TaskState::Processing,
+    ] {
+        assert_eq!(stack.count(&t, state).await, 0, "tasks left {state}");
+    }
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn scaling_a_pool_with_kubectl_gives_three_workers() {
+    let (stack, t) = pool_stack("scale", "manual", "  replicas: 1\n", 1).await;
+    stack.kubectl(&["scale", "workerpool/manual", "--replicas=3"]);
+    wait_until("3 running workers", MINUTE, || async {
+        stack.running_pods("manual").await.len() == 3
+            && stack.consumers(&format!("conveyor.{t}")).await == 3
+    })
+    .await;
+    let replicas = stack.kubectl(&[
+        "get",
+        "workerpool/manual",
+        "-o",
+        "jsonpath={.spec.replicas}",
+    ]);
+    assert_eq!(replicas, "3");
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn deleting_a_worker_pod_mid_task_still_completes_it_once() {
+    // A short drain: the deleted worker gives the task back, another pod runs it.
+    let (stack, t) = pool_stack(
+        "podkill",
+        "victim",
+        "  replicas: 1\n  drainGraceSeconds: 1\n",
+        1,
+    )
+    .await;
+    let id = stack.submit_all(&t, vec![json!({"sleepMs": 5000})]).await[0];
+    stack
+        .wait_for_state(&t, TaskState::Processing, 1, MINUTE)
+        .await;
+    let pod = stack.running_pods("victim").await[0]
+        .metadata
+        .name
+        .clone()
+        .unwrap();
+    stack.kubectl(&["delete", "pod", &pod, "--wait=false"]);
+
+    stack
+        .wait_for_state(&t, TaskState::Completed, 1, 2 * MINUTE)
+        .await;
+    let chain = stack.events(id).await;
+    assert_valid_chain(&chain);
+    let completed_by: Vec<_> = chain
+        .iter()
+        .filter(|e| e.to_state == TaskState::Completed)
+        .map(|e| e.worker_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(completed_by.len(), 1, "completed once: {chain:?}");
+    assert!(
+        !completed_by[0].starts_with(&pod),
+        "the deleted pod's worker completed it: {chain:?}"
+    );
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn task_type_edits_and_deletion_policies_reach_rabbitmq() {
+    let mut stack = Stack::namespace("policy").await;
+    let kept = stack.task_type("e2e-kept");
+    let dropped = stack.task_type("e2e-dropped");
+    stack.apply(&task_type_yaml(&kept, ""));
+    stack.apply(&task_type_yaml(&dropped, "  deletionPolicy: Delete\n"));
+    let delivery_limit =
+        |queue: serde_json::Value| queue["effective_policy_definition"]["delivery-limit"].as_i64();
+    wait_until("the first policy in force", MINUTE, || async {
+        stack
+            .queue(&format!("conveyor.{kept}"))
+            .await
+            .and_then(delivery_limit)
+            .is_some()
+    })
+    .await;
+    let before = stack
+        .queue(&format!("conveyor.{kept}"))
+        .await
+        .and_then(delivery_limit)
+        .unwrap();
+
+    // Editing the retry settings changes the queue's effective policy.
+    stack.kubectl(&[
+        "patch",
+        "tasktype",
+        &kept,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"maxRetries":7}}"#,
+    ]);
+    wait_until("the edited policy in force", MINUTE, || async {
+        stack
+            .queue(&format!("conveyor.{kept}"))
+            .await
+            .and_then(delivery_limit)
+            == Some(before + 5)
+    })
+    .await;
+
+    // Retain keeps the queues (and what is in them); Delete removes them.
+    stack.kubectl(&["delete", "tasktype", &kept, &dropped]);
+    wait_until("the Delete type's queues gone", MINUTE, || async {
+        stack.queue(&format!("conveyor.{dropped}")).await.is_none()
+            && stack
+                .queue(&format!("conveyor.{dropped}.retry"))
+                .await
+                .is_none()
+    })
+    .await;
+    assert!(
+        stack.queue(&format!("conveyor.{kept}")).await.is_some(),
+        "Retain kept the queue"
+    );
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn deleting_a_pool_garbage_collects_its_deployment_and_workers() {
+    let (stack, t) = pool_stack("gc", "doomed", "  replicas: 2\n", 2).await;
+    stack.kubectl(&["delete", "workerpool", "doomed", "--wait=false"]);
+    wait_until(
+        "the Deployment collected and the workers stopped",
+        MINUTE,
+        || async {
+            let gone: bool = stack
+                .deployments()
+                .get_opt("doomed-worker")
+                .await
+                .is_ok_and(|d: Option<Deployment>| d.is_none());
+            gone && stack.running_pods("doomed").await.is_empty()
+                && stack.consumers(&format!("conveyor.{t}")).await == 0
+        },
+    )
+    .await;
+    stack.finish().await;
+}
