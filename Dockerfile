@@ -3,7 +3,7 @@
 FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bins \
+RUN cargo build --release --locked -p conveyor-gateway -p conveyor-worker -p conveyor-operator -p conveyorctl \
  && install -D -t /out target/release/conveyor-gateway target/release/conveyor-worker \
       target/release/conveyor-operator target/release/conveyorctl
 

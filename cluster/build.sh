@@ -12,7 +12,9 @@ KUBERNETES_VERSION=${KUBERNETES_VERSION:-v1.36.3}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 CACHE=${CONVEYOR_CACHE:-$HOME/.cache/conveyor}
-BIN="$CACHE/control-plane/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION/bin"
+# Bumped whenever the way the binaries are built changes, so that old caches are not reused.
+RECIPE=2
+BIN="$CACHE/control-plane/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-r$RECIPE/bin"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod
 K8S_COMMANDS="kube-apiserver kube-controller-manager kube-scheduler kubectl"
 
@@ -51,8 +53,15 @@ GO
   for b in $missing_k8s; do packages="$packages k8s.io/kubernetes/cmd/$b"; done
   # shellcheck disable=SC2086 # one word per package
   go get $(for p in $packages; do echo "$p@$KUBERNETES_VERSION"; done) >&2
+  # Without these the binaries call themselves v0.0.0-master (the release build stamps them).
+  minor=${KUBERNETES_VERSION#v1.}; minor=${minor%%.*}
+  stamp=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    stamp="$stamp -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    stamp="$stamp -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  done
   # shellcheck disable=SC2086
-  go build -trimpath -ldflags=-s -o "$BIN/" $packages >&2
+  go build -trimpath -ldflags="-s $stamp" -o "$BIN/" $packages >&2
 fi
 
 if ! [ -x "$BIN/etcd" ]; then

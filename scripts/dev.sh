@@ -87,8 +87,7 @@ up() {
   cat <<MSG
 
 Conveyor is running on the local cluster (logs in .dev/, worker logs in .dev/pods/):
-  export KUBECONFIG=$KUBECONFIG PATH=$(cluster/build.sh):\$PATH
-  export CONVEYOR_GATEWAY_URL=$CONVEYOR_GATEWAY_URL CONVEYOR_TOKEN=$CONVEYOR_TOKEN
+  eval "\$(scripts/stack.sh env)"   # KUBECONFIG, kubectl on PATH, gateway URL and token
   kubectl get taskpools -n $NS -w
   kubectl scale workerpool/media-light -n $NS --replicas=3
   $BIN/conveyorctl submit --type thumbnail --payload '{"source":"$clip"}'

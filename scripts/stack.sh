@@ -18,7 +18,8 @@ export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:convey
 export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqp://conveyor:conveyor@127.0.0.1:5672/%2f}
 mkdir -p "$DEV"
 # kubectl comes with the control plane (cluster/build.sh builds it once, cached).
-PATH=$(cluster/build.sh):$PATH
+CONTROL_PLANE_BIN=$(cluster/build.sh)
+PATH=$CONTROL_PLANE_BIN:$PATH
 
 log() { printf 'stack: %s\n' "$*" >&2; }
 running() { [ -f "$DEV/$1.pid" ] && kill -0 "$(cat "$DEV/$1.pid")" 2>/dev/null; }
@@ -33,7 +34,8 @@ stop() { # name
 }
 start() { # name, binary, args...
   local name=$1 binary=$2; shift 2
-  local stamp; stamp=$(stat -c %Y "$binary")
+  # Restart when the binary was rebuilt or the command line or kubeconfig changed.
+  local stamp; stamp="$(stat -c %Y "$binary") $* ${KUBECONFIG:-}"
   if running "$name"; then
     [ "$(cat "$DEV/$name.stamp" 2>/dev/null)" = "$stamp" ] && return 0
     log "$name was rebuilt; restarting it"
@@ -43,6 +45,21 @@ start() { # name, binary, args...
   echo $! >"$DEV/$name.pid"
   echo "$stamp" >"$DEV/$name.stamp"
   log "started $name (pid $!, log $DEV/$name.log)"
+}
+# A kubeconfig acting as a ServiceAccount of manifests/base (the admin token impersonates
+# it), so that the operator and the gateway run under their least-privilege RBAC here too.
+kubeconfig_as() { # service account → path
+  local file=$CONVEYOR_CLUSTER_DIR/$1.kubeconfig server
+  server=$(kubectl config view -o jsonpath='{.clusters[0].cluster.server}')
+  cat >"$file" <<KC
+apiVersion: v1
+kind: Config
+clusters: [{name: conveyor-local, cluster: {server: "$server", insecure-skip-tls-verify: true}}]
+users: [{name: $1, user: {token: "$(cat "$CONVEYOR_CLUSTER_DIR/token")", as: "system:serviceaccount:conveyor-system:$1"}}]
+contexts: [{name: $1, context: {cluster: conveyor-local, user: $1}}]
+current-context: $1
+KC
+  echo "$file"
 }
 wait_http() { # name, url
   for _ in $(seq 1 120); do curl -fsS "$2" >/dev/null 2>&1 && return 0; sleep 0.5; done
@@ -54,11 +71,15 @@ up() {
   cluster/up.sh
   [ -x "$BIN/conveyor-operator" ] || { log "build first: cargo build --workspace --bins"; exit 1; }
   kubectl apply --server-side --field-manager=conveyor-dev -k crds >/dev/null
+  kubectl apply --server-side --field-manager=conveyor-dev \
+    -f manifests/base/namespace.yaml -f manifests/base/rbac.yaml >/dev/null
   kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev >/dev/null
 
-  POD_NAMESPACE=default CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \
+  KUBECONFIG=$(kubeconfig_as conveyor-operator) POD_NAMESPACE=conveyor-system \
+    CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \
     start operator "$BIN/conveyor-operator" run
-  start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --task-types-from-cluster \
+  KUBECONFIG=$(kubeconfig_as conveyor-gateway) \
+    start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --task-types-from-cluster \
     --task-types-refresh-seconds 2 --tokens-file examples/dev-tokens.yaml
   start pod-runner "$BIN/conveyor-pod-runner" --bin-dir "$BIN" --state-dir "$DEV/pods" \
     --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers
@@ -77,6 +98,6 @@ case "${1:-up}" in
   up) up ;;
   down) down ;;
   # For `eval "$(scripts/stack.sh env)"`: how to reach the stack.
-  env) echo "export KUBECONFIG=$KUBECONFIG CONVEYOR_GATEWAY_URL=http://$GATEWAY" ;;
+  env) echo "export KUBECONFIG=$KUBECONFIG PATH=$CONTROL_PLANE_BIN:\$PATH CONVEYOR_GATEWAY_URL=http://$GATEWAY CONVEYOR_TOKEN=dev-token-change-me" ;;
   *) echo "usage: $0 [up|down|env]" >&2; exit 2 ;;
 esac

@@ -8,8 +8,8 @@ use crate::rabbitmq::ManagementError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("Kubernetes API call failed")]
-    Kube(#[source] kube::Error),
+    #[error("Kubernetes API call failed: {0}")]
+    Kube(kube::Error),
     #[error(transparent)]
     Management(#[from] ManagementError),
     #[error("declaring queues failed")]

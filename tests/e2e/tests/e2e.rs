@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::cell::Cell;
 use std::time::Duration;
 
 use conveyor_core::testing::wait_until;
@@ -153,7 +154,7 @@ async fn an_applied_pool_runs_workers_that_process_tasks() {
 #[tokio::test]
 async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
     let autoscaling = "  concurrency: 4\n  drainGraceSeconds: 30\n  autoscaling:\n    \
-        minReplicas: 1\n    maxReplicas: 4\n    targetBacklogPerReplica: 100\n    \
+        minReplicas: 1\n    maxReplicas: 4\n    targetBacklogPerReplica: 400\n    \
         scaleDownStabilizationSeconds: 5\n";
     let (stack, t) = pool_stack("autoscale", "scaler", autoscaling, 1).await;
 
@@ -161,18 +162,23 @@ async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
         .submit_all(&t, vec![json!({"sleepMs": 200}); 2000])
         .await;
     assert_eq!(ids.len(), 2000);
-    let most = std::cell::Cell::new(0);
+    // Replicas seen while tasks were still pending: the most, and whether the pool shrank
+    // (workers drained and stopped) before the backlog was done.
+    let (most, last, shrank) = (Cell::new(0), Cell::new(0), Cell::new(false));
     wait_until("2,000 tasks completed", 5 * MINUTE, || async {
         let replicas = stack.deployment_replicas("scaler").await.unwrap_or(0);
+        shrank.set(shrank.get() || replicas < last.get());
+        last.set(replicas);
         most.set(most.get().max(replicas));
         stack.count(&t, TaskState::Completed).await == 2000
     })
     .await;
-    let most = most.get();
     assert!(
-        most > 1,
-        "the pool never grew under a backlog of 2,000 (most {most} replicas)"
+        most.get() > 1,
+        "the pool never grew under a backlog of 2,000 (most {} replicas)",
+        most.get()
     );
+    assert!(shrank.get(), "the pool did not shrink while tasks remained");
     wait_until(
         "the pool back at 1 replica and 1 worker",
         3 * MINUTE,
@@ -188,6 +194,9 @@ async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
     assert_eq!(completions.len(), 2000, "every task completed");
     let twice: Vec<_> = completions.iter().filter(|(_, n)| **n > 1).collect();
     assert!(twice.is_empty(), "completed more than once: {twice:?}");
+    for id in ids {
+        assert_valid_chain(&stack.events(id).await);
+    }
     for state in [
         TaskState::DeadLetter,
         TaskState::Failed,

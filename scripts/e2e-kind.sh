@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# `make e2e-kind`: the e2e suite of `make test`, on a kind cluster instead of the local
+# control plane, for machines with Docker. Creates the cluster (once), builds the image and
+# loads it into kind, applies manifests/kind (Conveyor with RabbitMQ and PostgreSQL), then
+# runs tests/e2e against it through port-forwards. `kind delete cluster --name conveyor-e2e`
+# removes it all.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CLUSTER=${KIND_CLUSTER:-conveyor-e2e}
+for tool in docker kind kubectl cargo; do
+  command -v "$tool" >/dev/null || { echo "e2e-kind: $tool is needed (see README, 'kind')" >&2; exit 1; }
+done
+
+kind get clusters 2>/dev/null | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --wait 180s
+KUBECONFIG=$(mktemp)
+export KUBECONFIG
+kind get kubeconfig --name "$CLUSTER" >"$KUBECONFIG"
+
+docker build -t conveyor:dev .
+kind load docker-image conveyor:dev --name "$CLUSTER"
+kubectl apply --server-side -k manifests/kind
+kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev
+for deployment in postgres rabbitmq conveyor-operator conveyor-gateway; do
+  kubectl -n conveyor-system rollout status "deployment/$deployment" --timeout=300s
+done
+
+# The suite itself runs here and reaches the cluster's services through port-forwards; the
+# workers it starts reach them by their in-cluster names.
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -f "$KUBECONFIG"' EXIT
+forward() { kubectl -n conveyor-system port-forward "svc/$1" "$2" >/dev/null 2>&1 & pids+=($!); }
+forward postgres 25432:5432
+forward rabbitmq 25672:5672
+forward rabbitmq 35672:15672
+forward conveyor-gateway 28080:8080
+sleep 3
+
+export CONVEYOR_DATABASE_URL=postgres://conveyor:conveyor@127.0.0.1:25432/conveyor
+export CONVEYOR_AMQP_URL=amqp://conveyor:conveyor@127.0.0.1:25672/%2f
+export CONVEYOR_TEST_AMQP_URL=$CONVEYOR_AMQP_URL
+export CONVEYOR_TEST_MANAGEMENT_URL=http://conveyor:conveyor@127.0.0.1:35672
+export CONVEYOR_WORKER_DATABASE_URL=postgres://conveyor:conveyor@postgres.conveyor-system.svc:5432/conveyor
+export CONVEYOR_WORKER_AMQP_URL=amqp://conveyor:conveyor@rabbitmq.conveyor-system.svc:5672/%2f
+export CONVEYOR_GATEWAY_URL=http://127.0.0.1:28080 CONVEYOR_TOKEN=dev-token-change-me
+cargo test -p conveyor-e2e-tests -- --test-threads=8
