@@ -312,16 +312,21 @@ impl Db {
     /// The compare-and-set claim: QUEUED (or still INGESTED, when the delivery beat the
     /// gateway's own update) at exactly `attempt` → CLAIMED → PROCESSING, owned by `worker`.
     /// `false` means another delivery or owner has it, or the message is stale.
+    ///
+    /// The row is locked by id alone, and only then compared: a re-queue publishes its
+    /// message before it commits, and a delivery that arrives in between must wait for that
+    /// commit. Had the lock carried `attempt = $2`, PostgreSQL would have tested it against
+    /// the version before the re-queue, skipped the row without waiting, and the claim would
+    /// have dropped the only message of the task (found by the chaos suite's worker-pause).
     pub async fn claim(&self, id: Uuid, attempt: i32, worker: &str) -> DbResult<bool> {
         let path = edges(&[(Ingested, Queued), (Queued, Claimed), (Claimed, Processing)])?;
         let events = sqlx::query(
             "WITH current AS (
-                 SELECT id, state FROM tasks
-                 WHERE id = $1 AND attempt = $2 AND state IN ($6, $7)
-                 FOR UPDATE
+                 SELECT id, state, attempt FROM tasks WHERE id = $1 FOR UPDATE
              ), claimed AS (
                  UPDATE tasks t SET state = $8, owner = $3, heartbeat_at = now(), updated_at = now()
-                 FROM current WHERE t.id = current.id
+                 FROM current
+                 WHERE t.id = current.id AND current.attempt = $2 AND current.state IN ($6, $7)
                  RETURNING t.id, t.task_type, t.attempt, current.state AS prior
              )
              INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id)

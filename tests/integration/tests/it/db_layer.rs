@@ -114,6 +114,41 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
     assert_eq!((record.attempt, record.retries), (1, 1));
 }
 
+/// Regression (chaos suite, worker-pause): the re-queued message can be delivered before the
+/// re-queue commits; its claim must wait for the commit and win, not drop the message.
+#[tokio::test]
+async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let task = new_task(&task_type);
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
+    db.mark_queued(&[task.id]).await.unwrap();
+    assert!(db.claim(task.id, 0, "paused").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let pending = db
+        .begin_reap(&task_type, Duration::from_millis(300), 3, "reaper", 10)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(pending.tasks[0].message.attempt, 1);
+
+    // The attempt-1 message is out; the reaper has not committed yet.
+    let claim = tokio::spawn({
+        let db = db.clone();
+        async move { db.claim(task.id, 1, "fast").await.unwrap() }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !claim.is_finished(),
+        "the claim waits for the re-queue's commit"
+    );
+    pending.commit().await.unwrap();
+    assert!(claim.await.unwrap(), "the claim wins after the commit");
+    let record = db.task(task.id).await.unwrap().unwrap();
+    assert_eq!((record.state, record.attempt), (Processing, 1));
+    assert_eq!(record.owner.as_deref(), Some("fast"));
+}
+
 #[tokio::test]
 async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
     let db = TestDatabase::create().await.db;

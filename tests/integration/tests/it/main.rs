@@ -8,5 +8,4 @@ mod db_layer;
 mod gateway_api;
 mod lifecycle_flows;
 mod outages;
-mod proxy;
 mod worker_faults;

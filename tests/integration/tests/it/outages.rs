@@ -7,8 +7,8 @@ use conveyor_worker::handler::Handler;
 use reqwest::StatusCode;
 use uuid::Uuid;
 
-use crate::proxy::Proxy;
 use crate::support::*;
+use conveyor_core::testing::proxy::Proxy;
 
 fn amqp_url_via(port: u16) -> String {
     format!("amqp://conveyor:conveyor@127.0.0.1:{port}/%2f")

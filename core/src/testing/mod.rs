@@ -1,6 +1,8 @@
 //! Integration-test support: one database per test and unique task types, so tests run in
 //! parallel against the same PostgreSQL and RabbitMQ without seeing each other.
 
+pub mod proxy;
+
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
@@ -127,4 +129,15 @@ pub async fn wait_for_state(db: &Db, task_type: &str, state: TaskState, n: i64, 
         || async { count_in_state(db, task_type, state).await == n },
     )
     .await;
+}
+
+/// Drops a test database and closes its sessions (best effort, at the end of a run).
+pub async fn drop_database(name: &str) {
+    let Ok(admin) = Db::connect(&DbOptions::new(admin_database_url())) else {
+        return;
+    };
+    let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(admin.pool())
+        .await;
+    admin.pool().close().await;
 }

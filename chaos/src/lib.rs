@@ -1,0 +1,10 @@
+//! conveyor-chaos: the fault-injection suite. Every scenario runs the real gateway and
+//! workers against the real RabbitMQ and PostgreSQL, injects one fault while tasks flow,
+//! heals it, and asks the oracle one question: what went in, did it come out, once?
+
+pub mod load;
+pub mod oracle;
+pub mod report;
+pub mod scenarios;
+pub mod sidecar;
+pub mod system;

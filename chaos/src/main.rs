@@ -1,0 +1,90 @@
+//! `make chaos`: runs the scenarios and writes the report.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use conveyor_chaos::report;
+use conveyor_chaos::scenarios::{self, Scale, Scenario};
+
+#[derive(Debug, Parser)]
+#[command(name = "conveyor-chaos", version)]
+struct Args {
+    /// Scenarios to run, comma-separated (all when absent).
+    #[arg(long, value_delimiter = ',')]
+    scenarios: Vec<String>,
+    /// Tasks per scenario.
+    #[arg(long, default_value_t = 1500)]
+    tasks: usize,
+    /// How long PostgreSQL stays down and a link stays silent, in seconds.
+    #[arg(long, default_value_t = 30)]
+    outage_seconds: u64,
+    /// Where the Markdown report goes (a .jsonl with one line per scenario goes beside it).
+    #[arg(long, default_value = "target/chaos/report.md")]
+    report: PathBuf,
+    /// Process logs, per scenario.
+    #[arg(long, default_value = "target/chaos/logs")]
+    logs: PathBuf,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let chosen: Vec<Scenario> = if args.scenarios.is_empty() {
+        scenarios::ALL.to_vec()
+    } else {
+        args.scenarios
+            .iter()
+            .map(|name| {
+                Scenario::parse(name).with_context(|| {
+                    let known: Vec<_> = scenarios::ALL.iter().map(|s| s.name()).collect();
+                    format!("unknown scenario {name:?}; known: {}", known.join(", "))
+                })
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    let scale = Scale {
+        tasks: args.tasks,
+        outage: Duration::from_secs(args.outage_seconds),
+    };
+    let mut rows = Vec::new();
+    for scenario in chosen {
+        eprintln!("chaos: {} ({} tasks)", scenario.name(), scale.tasks);
+        let row = scenarios::run(scenario, &scale, &args.logs).await?;
+        eprintln!("chaos: {} → {:?}", row.scenario, row.failures);
+        rows.push(row);
+    }
+    let header = format!(
+        "# Chaos report\n\n`conveyor-chaos --tasks {} --outage-seconds {}`, {} UTC",
+        args.tasks,
+        args.outage_seconds,
+        chrono_free_now()
+    );
+    let table = report::markdown(&rows, &header);
+    if let Some(dir) = args.report.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&args.report, &table)?;
+    std::fs::write(
+        args.report.with_extension("jsonl"),
+        report::json_lines(&rows),
+    )?;
+    println!("{table}");
+    let failed: Vec<_> = rows
+        .iter()
+        .filter(|r| !r.failures.is_empty())
+        .map(|r| r.scenario)
+        .collect();
+    anyhow::ensure!(failed.is_empty(), "scenarios failed: {}", failed.join(", "));
+    Ok(())
+}
+
+/// `date -u` without a date crate.
+fn chrono_free_now() -> String {
+    std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}

@@ -1,0 +1,236 @@
+//! The oracle every scenario shares: what went in must come out. Once the fault has healed
+//! and the system is quiet, PostgreSQL, the side-effect log and the load generator's answers
+//! must agree. All of the suite's SQL is here.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use conveyor_core::db::Db;
+use conveyor_core::lifecycle::check_chain;
+use conveyor_core::TaskState;
+use uuid::Uuid;
+
+use crate::load::{Answer, Outcome};
+use crate::sidecar::EffectCounts;
+
+/// Per scenario: the figures of the report.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Verdict {
+    pub accepted: usize,
+    pub refused: usize,
+    pub unknown: usize,
+    pub completed: usize,
+    pub dead_lettered: usize,
+    /// Accepted tasks neither COMPLETED nor DEAD_LETTER once quiet.
+    pub lost: usize,
+    /// Tasks with more than one COMPLETED transition.
+    pub duplicate_completions: usize,
+    /// The same attempt of a task performing its side effect twice.
+    pub duplicate_side_effects: usize,
+    /// Handler runs beyond one per task (at-least-once re-runs after a fault).
+    pub reruns: usize,
+    /// Healthy (non-poison) tasks that ended DEAD_LETTER.
+    pub healthy_dead_lettered: usize,
+    /// Audit chains that are not a valid lifecycle path.
+    pub invalid_chains: usize,
+    /// PostgreSQL sessions left idle in a transaction.
+    pub idle_in_transaction: usize,
+    /// From the fault healing to throughput back at half its level before the fault.
+    pub recovery_seconds: f64,
+}
+
+impl Verdict {
+    /// The invariants: nothing lost, nothing done twice, every chain valid.
+    pub fn failures(&self) -> Vec<String> {
+        let checks = [
+            (self.lost, "lost"),
+            (self.duplicate_completions, "duplicate completions"),
+            (self.duplicate_side_effects, "duplicate side effects"),
+            (self.healthy_dead_lettered, "healthy tasks dead-lettered"),
+            (self.invalid_chains, "invalid audit chains"),
+            (self.idle_in_transaction, "sessions idle in transaction"),
+        ];
+        let mut failures: Vec<String> = checks
+            .iter()
+            .filter(|(n, _)| *n > 0)
+            .map(|(n, what)| format!("{n} {what}"))
+            .collect();
+        if self.accepted == 0 {
+            failures.push("no task was accepted".to_owned());
+        }
+        if self.recovery_seconds > 60.0 {
+            failures.push(format!("recovery took {:.1}s", self.recovery_seconds));
+        }
+        failures
+    }
+}
+
+/// Accepted tasks not yet COMPLETED or DEAD_LETTER (None while the database cannot say).
+pub async fn open_tasks(db: &Db, task_type: &str, load: &Outcome) -> Option<usize> {
+    let states = states_by_key(db, task_type).await.ok()?;
+    let accepted = accepted_keys(load);
+    Some(
+        accepted
+            .iter()
+            .filter(|k| !is_terminal(states.get(*k)))
+            .count(),
+    )
+}
+
+fn accepted_keys(load: &Outcome) -> Vec<Uuid> {
+    load.tasks
+        .iter()
+        .filter(|t| t.answer == Answer::Accepted)
+        .map(|t| t.key)
+        .collect()
+}
+
+fn is_terminal(state: Option<&(Uuid, TaskState)>) -> bool {
+    matches!(
+        state,
+        Some((_, TaskState::Completed | TaskState::DeadLetter))
+    )
+}
+
+/// Judges a quiet system.
+pub async fn judge(
+    db: &Db,
+    database: &str,
+    task_type: &str,
+    load: &Outcome,
+    effects: EffectCounts,
+) -> anyhow::Result<Verdict> {
+    let states = states_by_key(db, task_type).await?;
+    let mut verdict = Verdict {
+        accepted: load.count(Answer::Accepted),
+        unknown: load.count(Answer::Unknown),
+        refused: load.tasks.len() - load.count(Answer::Accepted) - load.count(Answer::Unknown),
+        duplicate_side_effects: effects.duplicates,
+        reruns: effects.reruns,
+        ..Verdict::default()
+    };
+    for task in &load.tasks {
+        let state = states.get(&task.key);
+        if task.answer == Answer::Accepted && !is_terminal(state) {
+            verdict.lost += 1;
+        }
+        if let Some((_, TaskState::DeadLetter)) = state {
+            if !task.poison {
+                verdict.healthy_dead_lettered += 1;
+            }
+        }
+    }
+    for (_, state) in states.values() {
+        match state {
+            TaskState::Completed => verdict.completed += 1,
+            TaskState::DeadLetter => verdict.dead_lettered += 1,
+            _ => {}
+        }
+    }
+    let completions: Vec<(Uuid, i64)> = sqlx::query_as(
+        "SELECT task_id, count(*) FROM task_events
+         WHERE task_type = $1 AND to_state = 'COMPLETED' GROUP BY task_id HAVING count(*) > 1",
+    )
+    .bind(task_type)
+    .fetch_all(db.pool())
+    .await?;
+    verdict.duplicate_completions = completions.len();
+    for (id, _) in states.values() {
+        let chain = db.events(*id).await?;
+        let steps: Vec<_> = chain.iter().map(|e| (e.from_state, e.to_state)).collect();
+        if check_chain(&steps).is_err() {
+            verdict.invalid_chains += 1;
+        }
+    }
+    let idle: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = $1 AND state LIKE 'idle in transaction%'",
+    )
+    .bind(database)
+    .fetch_one(db.pool())
+    .await?;
+    verdict.idle_in_transaction = usize::try_from(idle).unwrap_or(0);
+    Ok(verdict)
+}
+
+/// Every task of the type: idempotency key → (id, state).
+async fn states_by_key(
+    db: &Db,
+    task_type: &str,
+) -> anyhow::Result<HashMap<Uuid, (Uuid, TaskState)>> {
+    let rows: Vec<(Uuid, Uuid, String)> =
+        sqlx::query_as("SELECT idempotency_key, id, state FROM tasks WHERE task_type = $1")
+            .bind(task_type)
+            .fetch_all(db.pool())
+            .await?;
+    rows.into_iter()
+        .map(|(key, id, state)| Ok((key, (id, state.parse().map_err(anyhow::Error::msg)?))))
+        .collect()
+}
+
+/// Terminates every session of `database` but the suite's own (a crashing pooler, an
+/// administrator's `pg_terminate_backend`).
+pub async fn terminate_sessions(db: &Db, database: &str) -> anyhow::Result<u64> {
+    let terminated: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+         WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name <> 'conveyor-chaos'",
+    )
+    .bind(database)
+    .fetch_all(db.pool())
+    .await?;
+    Ok(terminated.into_iter().filter(|t| *t).count() as u64)
+}
+
+/// The owner (worker name) of a task now.
+pub async fn owner(db: &Db, task: Uuid) -> anyhow::Result<Option<String>> {
+    Ok(db.task(task).await?.and_then(|t| t.owner))
+}
+
+/// Completed-count samples over time, for the recovery time.
+#[derive(Debug, Default)]
+pub struct Throughput {
+    samples: Vec<(Instant, i64)>,
+}
+
+impl Throughput {
+    pub async fn sample(&mut self, db: &Db, task_type: &str) {
+        if let Ok(counts) = db.state_counts(task_type).await {
+            let done = counts
+                .iter()
+                .filter(|(s, _)| matches!(s, TaskState::Completed | TaskState::DeadLetter))
+                .map(|(_, n)| n)
+                .sum();
+            self.samples.push((Instant::now(), done));
+        }
+    }
+
+    fn at(&self, t: Instant) -> i64 {
+        self.samples
+            .iter()
+            .take_while(|(at, _)| *at <= t)
+            .last()
+            .map_or(0, |(_, n)| *n)
+    }
+
+    /// Seconds from `healed` until the rate over 2 s is back at half the rate over the 3 s
+    /// before `fault` (or until the last task finished, when the work ran out first).
+    pub fn recovery(&self, fault: Instant, healed: Instant) -> f64 {
+        let before = (self.at(fault) - self.at(fault - Duration::from_secs(3))) as f64 / 3.0;
+        let last_change = self
+            .samples
+            .windows(2)
+            .rev()
+            .find(|w| w[1].1 > w[0].1)
+            .map(|w| w[1].0);
+        for &(t, n) in self.samples.iter().filter(|(t, _)| *t >= healed) {
+            let Some(window_start) = t.checked_sub(Duration::from_secs(2)) else {
+                continue;
+            };
+            let rate = (n - self.at(window_start)) as f64 / 2.0;
+            if rate > 0.0 && rate >= before * 0.5 {
+                return t.saturating_duration_since(healed).as_secs_f64();
+            }
+        }
+        last_change.map_or(0.0, |t| t.saturating_duration_since(healed).as_secs_f64())
+    }
+}

@@ -1,0 +1,75 @@
+//! The report: one Markdown table (for people and for docs/) and one JSON line per scenario
+//! (for comparing runs). Columns and field names are stable; add new ones at the end.
+
+use std::fmt::Write as _;
+
+use crate::scenarios::Row;
+
+const COLUMNS: [&str; 11] = [
+    "scenario",
+    "accepted",
+    "completed",
+    "dead-lettered",
+    "lost",
+    "duplicate completions",
+    "duplicate side effects",
+    "re-runs",
+    "invalid chains",
+    "recovery (s)",
+    "verdict",
+];
+
+pub fn markdown(rows: &[Row], header: &str) -> String {
+    let mut out = format!(
+        "{header}\n\n| {} |\n|{}\n",
+        COLUMNS.join(" | "),
+        "---|".repeat(COLUMNS.len())
+    );
+    let mut totals = [0usize; 6];
+    for row in rows {
+        let v = &row.verdict;
+        let verdict = if row.failures.is_empty() {
+            "pass".to_owned()
+        } else {
+            format!("FAIL: {}", row.failures.join("; "))
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} |",
+            row.scenario,
+            v.accepted,
+            v.completed,
+            v.dead_lettered,
+            v.lost,
+            v.duplicate_completions,
+            v.duplicate_side_effects,
+            v.reruns,
+            v.invalid_chains,
+            v.recovery_seconds,
+            verdict
+        );
+        for (total, n) in totals.iter_mut().zip([
+            v.accepted,
+            v.completed,
+            v.dead_lettered,
+            v.lost,
+            v.duplicate_completions,
+            v.duplicate_side_effects,
+        ]) {
+            *total += n;
+        }
+    }
+    let _ = writeln!(
+        out,
+        "| **total** | {} | {} | {} | {} | {} | {} | | | | |",
+        totals[0], totals[1], totals[2], totals[3], totals[4], totals[5]
+    );
+    out
+}
+
+pub fn json_lines(rows: &[Row]) -> String {
+    rows.iter()
+        .filter_map(|row| serde_json::to_string(row).ok())
+        .map(|line| line + "\n")
+        .collect()
+}

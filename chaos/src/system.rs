@@ -1,0 +1,274 @@
+//! The system under test for one scenario: a database and a task type of its own, the real
+//! `conveyor-gateway` and `conveyor-worker` binaries as processes, and proxies on the links
+//! a scenario breaks. Workers are restarted the way a Deployment would replace them.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::Context as _;
+use conveyor_core::db::{Db, DbOptions};
+use conveyor_core::testing::{self, proxy::Proxy, TestDatabase};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::process::{Child, Command};
+
+pub const TOKEN: &str = "chaos-token";
+
+/// How a scenario wants its system.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub workers: usize,
+    pub concurrency: u16,
+    /// Worker 0 reaches the broker through a proxy (`System::worker_broker`).
+    pub worker_broker_proxy: bool,
+    /// The gateway reaches the broker through a proxy (`System::gateway_broker`).
+    pub gateway_broker_proxy: bool,
+    pub max_queue_depth: u64,
+    pub heartbeat_timeout_seconds: f64,
+    pub max_retries: i32,
+    /// Workers start with the system (else `start_workers` later).
+    pub start_workers: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            workers: 3,
+            concurrency: 8,
+            worker_broker_proxy: false,
+            gateway_broker_proxy: false,
+            max_queue_depth: 100_000,
+            heartbeat_timeout_seconds: 3.0,
+            max_retries: 3,
+            start_workers: true,
+        }
+    }
+}
+
+pub struct System {
+    pub task_type: String,
+    pub gateway_url: String,
+    /// The suite's own connection (application_name conveyor-chaos, spared by faults).
+    pub db: Db,
+    pub database: String,
+    db_url: String,
+    types_file: PathBuf,
+    logs: PathBuf,
+    handler_url: String,
+    options: Options,
+    gateway: Child,
+    workers: Vec<Option<Child>>,
+    pub worker_broker: Option<Proxy>,
+    pub gateway_broker: Option<Proxy>,
+}
+
+const BROKER: &str = "127.0.0.1:5672";
+
+impl System {
+    pub async fn start(
+        scenario: &str,
+        options: Options,
+        handler_url: &str,
+        logs: &Path,
+    ) -> anyhow::Result<System> {
+        let test_db = TestDatabase::create().await;
+        let database = test_db.name.clone();
+        test_db.db.pool().close().await;
+        let db_url = test_db.url.clone();
+        let own_url = format!("{db_url}?application_name=conveyor-chaos");
+        let db = Db::connect(&DbOptions::new(&own_url))?;
+        let task_type = testing::unique_type(&format!("chaos-{scenario}"));
+        let logs = logs.join(scenario);
+        std::fs::create_dir_all(&logs)?;
+        let types_file = logs.join("task-types.yaml");
+        std::fs::write(
+            &types_file,
+            format!(
+                "taskTypes:\n  - name: {task_type}\n    maxRetries: {}\n    \
+                 backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n    \
+                 timeoutSeconds: 30\n    heartbeatTimeoutSeconds: {}\n    maxQueueDepth: {}\n",
+                options.max_retries, options.heartbeat_timeout_seconds, options.max_queue_depth
+            ),
+        )?;
+        let proxy = |wanted: bool| async move {
+            match wanted {
+                true => Some(Proxy::start(BROKER.parse().expect("address")).await),
+                false => None,
+            }
+        };
+        let worker_broker = proxy(options.worker_broker_proxy).await;
+        let gateway_broker = proxy(options.gateway_broker_proxy).await;
+
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let gateway_url = format!("http://127.0.0.1:{port}");
+        let gateway = Command::new(binary("conveyor-gateway"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--task-types")
+            .arg(&types_file)
+            .args(["--tokens", &format!("chaos={TOKEN}")])
+            .env("CONVEYOR_DATABASE_URL", &db_url)
+            .env("CONVEYOR_AMQP_URL", amqp_url(gateway_broker.as_ref()))
+            .env("CONVEYOR_DEPTH_INTERVAL_MS", "200")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log_file(&logs, "gateway")?)
+            .stderr(log_file(&logs, "gateway")?)
+            .kill_on_drop(true)
+            .spawn()
+            .context("start conveyor-gateway (run `cargo build --bins` first)")?;
+
+        let mut system = System {
+            task_type,
+            gateway_url,
+            db,
+            database,
+            db_url,
+            types_file,
+            logs,
+            handler_url: handler_url.to_owned(),
+            workers: (0..options.workers).map(|_| None).collect(),
+            options,
+            gateway,
+            worker_broker,
+            gateway_broker,
+        };
+        system.wait_gateway_ready().await?;
+        if system.options.start_workers {
+            system.start_workers()?;
+        }
+        Ok(system)
+    }
+
+    async fn wait_gateway_ready(&self) -> anyhow::Result<()> {
+        let http = reqwest::Client::new();
+        for _ in 0..200 {
+            let ready = http
+                .get(format!("{}/readyz", self.gateway_url))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ready {
+                return Ok(());
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        anyhow::bail!(
+            "the gateway did not become ready; see {}",
+            self.logs.display()
+        )
+    }
+
+    pub fn start_workers(&mut self) -> anyhow::Result<()> {
+        for i in 0..self.workers.len() {
+            if self.workers[i].is_none() {
+                self.restart_worker(i)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts worker `i` (again).
+    pub fn restart_worker(&mut self, i: usize) -> anyhow::Result<()> {
+        let name = format!("chaos-w{i}");
+        let broker = if i == 0 {
+            self.worker_broker.as_ref()
+        } else {
+            None
+        };
+        let child = Command::new(binary("conveyor-worker"))
+            .arg("--task-types")
+            .arg(&self.types_file)
+            .args(["--consume", &self.task_type, "--handler", "http"])
+            .args(["--http-url", &self.handler_url, "--worker-name", &name])
+            .args(["--concurrency", &self.options.concurrency.to_string()])
+            .env("CONVEYOR_DATABASE_URL", &self.db_url)
+            .env("CONVEYOR_AMQP_URL", amqp_url(broker))
+            // Short, so that a silent broker link is noticed within seconds.
+            .env("CONVEYOR_AMQP_HEARTBEAT_SECONDS", "2")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log_file(&self.logs, &name)?)
+            .stderr(log_file(&self.logs, &name)?)
+            .kill_on_drop(true)
+            .spawn()
+            .context("start conveyor-worker")?;
+        self.workers[i] = Some(child);
+        Ok(())
+    }
+
+    /// Sends `signal` to worker `i`; SIGKILL also reaps it.
+    pub async fn signal_worker(&mut self, i: usize, signal: Signal) {
+        let Some(child) = self.workers[i].as_mut() else {
+            return;
+        };
+        if let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok()) {
+            let _ = kill(Pid::from_raw(pid), signal);
+        }
+        if signal == Signal::SIGKILL {
+            let _ = child.wait().await;
+            self.workers[i] = None;
+        }
+    }
+
+    /// The worker index of an audit-log owner (`chaos-w3-1a2b…` → 3).
+    pub fn worker_of(owner: &str) -> Option<usize> {
+        owner
+            .strip_prefix("chaos-w")?
+            .split('-')
+            .next()?
+            .parse()
+            .ok()
+    }
+
+    pub fn worker_count(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Stops everything (SIGTERM, so workers drain) and drops the queues, and the database
+    /// unless `keep_database` (a failed scenario keeps it for inspection).
+    pub async fn stop(mut self, keep_database: bool) {
+        for i in 0..self.workers.len() {
+            self.signal_worker(i, Signal::SIGCONT).await;
+            self.signal_worker(i, Signal::SIGTERM).await;
+        }
+        for child in self.workers.iter_mut().flatten() {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await;
+        }
+        let _ = self.gateway.kill().await;
+        self.db.pool().close().await;
+        testing::delete_queues(&self.task_type).await;
+        if keep_database {
+            eprintln!("chaos: kept database {} for inspection", self.database);
+        } else {
+            testing::drop_database(&self.database).await;
+        }
+    }
+}
+
+fn amqp_url(proxy: Option<&Proxy>) -> String {
+    match proxy {
+        Some(proxy) => format!("amqp://conveyor:conveyor@127.0.0.1:{}/%2f", proxy.port),
+        None => testing::amqp_url(),
+    }
+}
+
+fn log_file(dir: &Path, name: &str) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))
+}
+
+/// A workspace binary: next to this executable (target/debug/conveyor-chaos) or one level
+/// up (target/debug/deps/<test>).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    let here = dir.join(name);
+    if here.is_file() {
+        return here;
+    }
+    dir.parent().map(|d| d.join(name)).unwrap_or(here)
+}
