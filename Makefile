@@ -11,7 +11,7 @@ export CONVEYOR_AMQP_URL ?= amqp://conveyor:conveyor@127.0.0.1:5672/%2f
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all build services services-down stack lint test unit integration e2e e2e-kind dev down
+.PHONY: all build services services-down stack lint test unit integration e2e e2e-kind chaos dev down
 
 all: build
 
@@ -46,6 +46,11 @@ integration: services build
 
 e2e: stack
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
+
+# Every fault-injection scenario at full size (it kills and restarts the local RabbitMQ and
+# PostgreSQL); writes docs/chaos-report.md (+ .jsonl). `make test` runs a short variant.
+chaos: services build
+	$(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
 e2e-kind:

@@ -204,33 +204,48 @@ impl Throughput {
         }
     }
 
-    fn at(&self, t: Instant) -> i64 {
-        self.samples
-            .iter()
-            .take_while(|(at, _)| *at <= t)
-            .last()
-            .map_or(0, |(_, n)| *n)
+    /// Completions per second between the samples nearest `from` and `to`.
+    fn rate(&self, from: Instant, to: Instant) -> f64 {
+        let nearest = |t: Instant| {
+            self.samples
+                .iter()
+                .min_by_key(|(at, _)| if *at > t { *at - t } else { t - *at })
+                .copied()
+        };
+        match (nearest(from), nearest(to)) {
+            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => {
+                (n1 - n0) as f64 / (t1 - t0).as_secs_f64()
+            }
+            _ => 0.0,
+        }
     }
 
-    /// Seconds from `healed` until the rate over 2 s is back at half the rate over the 3 s
-    /// before `fault` (or until the last task finished, when the work ran out first).
+    /// Seconds from `healed` until throughput, over any 2 s of samples taken after healing,
+    /// is back at half its rate over the 3 s before `fault` (when the work ran out first:
+    /// until the last completion).
     pub fn recovery(&self, fault: Instant, healed: Instant) -> f64 {
-        let before = (self.at(fault) - self.at(fault - Duration::from_secs(3))) as f64 / 3.0;
-        let last_change = self
+        let before = self.rate(fault - Duration::from_secs(3), fault);
+        let after: Vec<(Instant, i64)> = self
             .samples
+            .iter()
+            .copied()
+            .filter(|(t, _)| *t >= healed)
+            .collect();
+        for (j, &(t1, n1)) in after.iter().enumerate() {
+            let window = after[..j]
+                .iter()
+                .find(|(t0, _)| t1.duration_since(*t0) <= Duration::from_secs(2));
+            let Some(&(t0, n0)) = window else { continue };
+            let span = t1.duration_since(t0).as_secs_f64();
+            if span >= 1.0 && n1 > n0 && (n1 - n0) as f64 / span >= before * 0.5 {
+                return t0.saturating_duration_since(healed).as_secs_f64();
+            }
+        }
+        let last_change = after
             .windows(2)
             .rev()
             .find(|w| w[1].1 > w[0].1)
             .map(|w| w[1].0);
-        for &(t, n) in self.samples.iter().filter(|(t, _)| *t >= healed) {
-            let Some(window_start) = t.checked_sub(Duration::from_secs(2)) else {
-                continue;
-            };
-            let rate = (n - self.at(window_start)) as f64 / 2.0;
-            if rate > 0.0 && rate >= before * 0.5 {
-                return t.saturating_duration_since(healed).as_secs_f64();
-            }
-        }
         last_change.map_or(0.0, |t| t.saturating_duration_since(healed).as_secs_f64())
     }
 }

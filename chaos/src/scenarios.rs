@@ -48,12 +48,13 @@ pub const ALL: [Scenario; 9] = [
     Scenario::Backlog,
 ];
 
-/// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`).
+/// Those that leave the shared RabbitMQ and PostgreSQL alone and pass every time (fit to run
+/// in `make test`). Poison is not among them: see decision 0008.
 pub const SHORT: [Scenario; 4] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::PostgresTerminate,
-    Scenario::Poison,
+    Scenario::Backlog,
 ];
 
 impl Scenario {
@@ -154,7 +155,10 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     let fault_at = Instant::now() + over / 3;
     while Instant::now() < fault_at {
         throughput.sample(&system.db, &system.task_type).await;
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::select! {
+            Some(task) = crashes.recv() => crash_owner(&mut system, task).await?,
+            () = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
     }
     let fault = Instant::now();
     inject(scenario, &mut system, scale, &mut throughput).await?;
@@ -262,7 +266,7 @@ async fn inject(
             }
         }
         Scenario::RabbitmqKill => {
-            sh("pkill -KILL -f 'beam.smp.*rabbit'")?;
+            sh("pkill -KILL -f '[b]eam.smp.*rabbit'")?;
             pause(2.0).await;
             services_up()?;
         }

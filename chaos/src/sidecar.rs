@@ -114,8 +114,8 @@ async fn effect(
         }
         _ => {}
     }
-    let ms = payload["sleepMs"].as_u64().unwrap_or(20);
-    tokio::time::sleep(Duration::from_millis(ms)).await;
+    // The effect happens as the request arrives: a worker killed mid-task has already
+    // caused it (as an output file half-written would), and a re-run causes it again.
     shared
         .effects
         .lock()
@@ -124,5 +124,7 @@ async fn effect(
         .entry(key)
         .or_default()
         .push(attempt);
+    let ms = payload["sleepMs"].as_u64().unwrap_or(20);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
     StatusCode::OK
 }

@@ -504,8 +504,10 @@ impl Db {
                 last_beat.map(|t| t.to_rfc3339()).unwrap_or_default(),
                 timeout.as_secs_f64()
             );
+            // Through the retry queue, after the type's backoff: a task that crashes every
+            // worker it lands on does not crash-loop the pool at full speed.
             let route = if task.retries < max_retries {
-                Requeue::Main
+                Requeue::Retry
             } else {
                 Requeue::Remediation
             };

@@ -99,7 +99,7 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
         .unwrap()
         .is_none());
     assert_eq!(pending.tasks.len(), 1);
-    assert_eq!(pending.tasks[0].route, Requeue::Main);
+    assert_eq!(pending.tasks[0].route, Requeue::Retry);
     assert_eq!(pending.tasks[0].message.attempt, 1);
     pending.commit().await.unwrap();
 
