@@ -140,7 +140,7 @@ struct EventRow {
 }
 
 const TASK_COLUMNS: &str = "id, idempotency_key, task_type, state, attempt, retries, owner, \
-                            payload, result, error, created_at, updated_at";
+                            payload, result, error, created_at, updated_at, suspect";
 
 /// Connection settings for [`Db::connect`].
 #[derive(Debug, Clone)]
@@ -467,6 +467,11 @@ impl Db {
     /// Finds up to `limit` tasks of `task_type` whose owner stopped heartbeating for
     /// `timeout` and re-queues them (RETRY_CLAIMED → QUEUED, or DEAD_LETTER when retries are
     /// exhausted). Rows another reaper holds are skipped, so every worker can run this.
+    ///
+    /// Blame (decision 0008): a task its owner ran alone consumes a retry; one that died
+    /// beside others does not, because any of them may have crashed the worker. Each comes
+    /// back as a suspect, which runs alone next time: a task that crashes every worker then
+    /// runs out of retries, and its healthy neighbours do not.
     pub async fn begin_reap(
         &self,
         task_type: &str,
@@ -477,7 +482,10 @@ impl Db {
     ) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(&format!(
-            "SELECT {TASK_COLUMNS}, heartbeat_at FROM tasks
+            "SELECT {TASK_COLUMNS}, heartbeat_at,
+                 (SELECT count(*) FROM tasks o
+                  WHERE o.owner = tasks.owner AND o.state IN ($2, $3)) AS in_flight_beside
+             FROM tasks
              WHERE task_type = $1 AND state IN ($2, $3)
                AND heartbeat_at < now() - make_interval(secs => $4)
              ORDER BY heartbeat_at
@@ -498,33 +506,32 @@ impl Db {
         for row in &rows {
             let task = task_from_row(row)?;
             let last_beat: Option<DateTime<Utc>> = row.try_get("heartbeat_at")?;
+            let alone = row.try_get::<i64, _>("in_flight_beside")? <= 1;
             let detail = format!(
-                "heartbeat timeout: owner {} last heartbeat {}, timeout {:.1}s, detected by {reaper}",
+                "heartbeat timeout: owner {} last heartbeat {}, timeout {:.1}s, {}, detected by {reaper}",
                 task.owner.as_deref().unwrap_or("?"),
                 last_beat.map(|t| t.to_rfc3339()).unwrap_or_default(),
-                timeout.as_secs_f64()
+                timeout.as_secs_f64(),
+                if alone { "ran alone" } else { "ran beside others: suspect, no retry used" },
             );
             // Through the retry queue, after the type's backoff: a task that crashes every
             // worker it lands on does not crash-loop the pool at full speed.
-            let route = if task.retries < max_retries {
-                Requeue::Retry
-            } else {
-                Requeue::Remediation
+            let (route, budget) = match (alone, task.retries < max_retries) {
+                (false, _) => (Requeue::Retry, RetryBudget::Keep),
+                (true, true) => (Requeue::Retry, RetryBudget::Consume),
+                (true, false) => (Requeue::Remediation, RetryBudget::Consume),
             };
             let edge = (task.state, RetryClaimed);
-            tasks.push(
-                requeue(
-                    &mut tx,
-                    &task,
-                    edge,
-                    Some(reaper),
-                    &detail,
-                    route,
-                    RetryBudget::Consume,
-                )
-                .await?,
-            );
+            let mut requeued =
+                requeue(&mut tx, &task, edge, Some(reaper), &detail, route, budget).await?;
+            requeued.message.suspect = true;
+            tasks.push(requeued);
         }
+        let ids: Vec<Uuid> = tasks.iter().map(|t| t.message.id).collect();
+        sqlx::query("UPDATE tasks SET suspect = true WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
         Ok(Some(PendingRequeue { tx, tasks }))
     }
 
@@ -807,6 +814,7 @@ fn task_from_row(row: &PgRow) -> DbResult<TaskRecord> {
         error: row.try_get("error")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
+        suspect: row.try_get("suspect")?,
     })
 }
 

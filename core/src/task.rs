@@ -18,6 +18,9 @@ pub struct TaskMessage {
     pub payload: serde_json::Value,
     /// When the gateway accepted the task; the worker measures end-to-end latency from it.
     pub submitted_at: DateTime<Utc>,
+    /// Reaped from a dead worker beside other tasks: the next try runs alone on its worker.
+    #[serde(default)]
+    pub suspect: bool,
 }
 
 /// A new task, as the gateway records it.
@@ -45,6 +48,8 @@ pub struct TaskRecord {
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
+    /// Reaped beside other tasks from a dead worker: runs alone next time (decision 0008).
+    pub suspect: bool,
 }
 
 impl TaskRecord {
@@ -57,6 +62,7 @@ impl TaskRecord {
             idempotency_key: self.idempotency_key,
             payload: self.payload.clone(),
             submitted_at: self.created_at,
+            suspect: self.suspect,
         }
     }
 }

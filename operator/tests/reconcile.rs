@@ -503,6 +503,7 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
                 idempotency_key: uuid::Uuid::new_v4(),
                 payload: json!({}),
                 submitted_at: chrono::Utc::now(),
+                suspect: false,
             },
             route: conveyor_core::task::Requeue::Main,
             delay: None,

@@ -180,6 +180,7 @@ mod tests {
             idempotency_key: Uuid::new_v4(),
             payload,
             submitted_at: Utc::now(),
+            suspect: false,
         }
     }
 

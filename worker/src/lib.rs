@@ -125,6 +125,7 @@ pub async fn run(
         publisher,
         in_flight: in_flight.clone(),
         metrics,
+        alone: Arc::default(),
     });
     tracing::info!(worker = config.worker_id, types = ?processor.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");

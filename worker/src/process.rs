@@ -31,6 +31,9 @@ pub struct Processor {
     pub publisher: Arc<Publisher>,
     pub in_flight: InFlight,
     pub metrics: Metrics,
+    /// Every task runs under the read side; a suspect takes the write side and so runs
+    /// alone: if it crashes the worker, nothing healthy dies with it (decision 0008).
+    pub alone: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// What happened to the message once the task's fate is recorded.
@@ -57,8 +60,14 @@ impl Processor {
             }
         };
         let span = tracing::info_span!("task", id = %task.id, task_type = task.task_type,
-            attempt = task.attempt);
-        let settle = self.process(&task).instrument(span).await;
+            attempt = task.attempt, suspect = task.suspect);
+        let settle = if task.suspect {
+            let _alone = self.alone.write().await;
+            self.process(&task).instrument(span).await
+        } else {
+            let _beside_others = self.alone.read().await;
+            self.process(&task).instrument(span).await
+        };
         let acked = match settle {
             Settle::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
             Settle::Requeue => {

@@ -149,6 +149,34 @@ async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
     assert_eq!(record.owner.as_deref(), Some("fast"));
 }
 
+/// Regression (chaos suite, poison): tasks that die beside others on a crashed worker keep
+/// their retries and come back as suspects (to run alone); a task that died alone uses one.
+#[tokio::test]
+async fn reaped_tasks_use_a_retry_only_when_they_ran_alone() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let tasks: Vec<NewTask> = (0..3).map(|_| new_task(&task_type)).collect();
+    db.record_tasks(&tasks).await.unwrap();
+    let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+    db.mark_queued(&ids).await.unwrap();
+    for (id, owner) in ids.iter().zip(["crowded", "crowded", "lonely"]) {
+        assert!(db.claim(*id, 0, owner).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let pending = db
+        .begin_reap(&task_type, Duration::from_millis(300), 3, "reaper", 10)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(pending.tasks.len(), 3);
+    assert!(pending.tasks.iter().all(|t| t.message.suspect));
+    pending.commit().await.unwrap();
+    for (id, used) in ids.iter().zip([0, 0, 1]) {
+        let record = db.task(*id).await.unwrap().unwrap();
+        assert_eq!((record.retries, record.suspect), (used, true), "{id}");
+    }
+}
+
 #[tokio::test]
 async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
     let db = TestDatabase::create().await.db;
