@@ -343,3 +343,122 @@ async fn deleting_a_pool_garbage_collects_its_deployment_and_workers() {
     .await;
     stack.finish().await;
 }
+
+#[tokio::test]
+async fn a_rolling_update_under_load_loses_and_repeats_nothing() {
+    let pool = "  replicas: 2\n  concurrency: 4\n  drainGraceSeconds: 30\n";
+    let (stack, t) = pool_stack("rollout", "rolling", pool, 2).await;
+    let before: Vec<String> = stack
+        .running_pods("rolling")
+        .await
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    let ids = stack
+        .submit_all(&t, vec![json!({"sleepMs": 100}); 600])
+        .await;
+    // A new pod template mid-load: new pods come up, the old ones drain and go.
+    stack.kubectl(&[
+        "patch",
+        "workerpool",
+        "rolling",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"concurrency":5}}"#,
+    ]);
+    stack
+        .wait_for_state(&t, TaskState::Completed, 600, 3 * MINUTE)
+        .await;
+    wait_until("the old pods gone", MINUTE, || async {
+        let now = stack.running_pods("rolling").await;
+        now.len() == 2
+            && now
+                .iter()
+                .all(|p| !before.contains(p.metadata.name.as_ref().unwrap()))
+    })
+    .await;
+
+    let completions = stack.completions(&t).await;
+    assert_eq!(completions.len(), 600);
+    assert!(completions.values().all(|n| *n == 1), "completed twice");
+    let mut by_old = 0;
+    for id in ids {
+        let chain = stack.events(id).await;
+        assert_valid_chain(&chain);
+        let done = chain.iter().find(|e| e.to_state == TaskState::Completed);
+        let worker = done.and_then(|e| e.worker_id.clone()).unwrap_or_default();
+        by_old += usize::from(before.iter().any(|pod| worker.starts_with(pod.as_str())));
+    }
+    assert!(
+        by_old > 0 && by_old < 600,
+        "the rollout happened under load ({by_old} of 600 done by the old pods)"
+    );
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn an_operator_restarted_during_a_scale_up_finishes_it() {
+    let (stack, t) = pool_stack("oprestart", "growing", "  replicas: 1\n", 1).await;
+    stack.kubectl(&["scale", "workerpool/growing", "--replicas=3"]);
+    restart_operator();
+    wait_until(
+        "3 running workers after the restart",
+        2 * MINUTE,
+        || async {
+            stack.running_pods("growing").await.len() == 3
+                && stack.consumers(&format!("conveyor.{t}")).await == 3
+        },
+    )
+    .await;
+    stack.finish().await;
+}
+
+/// Kills the operator at once (kill -9 of the local process; on kind, its pod) and has it
+/// started again (scripts/stack.sh here, the Deployment on kind).
+fn restart_operator() {
+    let pid_file = std::path::Path::new("../../.dev/operator.pid");
+    match std::fs::read_to_string(pid_file) {
+        Ok(pid) => {
+            let killed = std::process::Command::new("kill")
+                .args(["-KILL", pid.trim()])
+                .status()
+                .expect("kill runs");
+            assert!(killed.success(), "kill -9 of the operator");
+            // Gone (and reaped) before the stack looks for it.
+            for _ in 0..100 {
+                let alive = std::process::Command::new("kill")
+                    .args(["-0", pid.trim()])
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success());
+                if !alive {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let started = std::process::Command::new("../../scripts/stack.sh")
+                .arg("up")
+                .status()
+                .expect("stack.sh runs");
+            assert!(
+                started.success(),
+                "scripts/stack.sh up restarts the operator"
+            );
+        }
+        Err(_) => {
+            kubectl_with(
+                &[
+                    "-n",
+                    "conveyor-system",
+                    "delete",
+                    "pod",
+                    "-l",
+                    "app.kubernetes.io/name=conveyor-operator",
+                    "--wait=false",
+                ],
+                None,
+            )
+            .expect("delete the operator pod");
+        }
+    }
+}

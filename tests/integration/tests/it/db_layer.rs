@@ -18,6 +18,17 @@ fn new_task(task_type: &str) -> NewTask {
     }
 }
 
+/// A fresh database with three QUEUED tasks of a new type.
+async fn three_queued_tasks() -> (conveyor_core::db::Db, String, Vec<Uuid>) {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let tasks: Vec<NewTask> = (0..3).map(|_| new_task(&task_type)).collect();
+    db.record_tasks(&tasks).await.unwrap();
+    let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+    db.mark_queued(&ids).await.unwrap();
+    (db, task_type, ids)
+}
+
 #[tokio::test]
 async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
     let db = TestDatabase::create().await.db;
@@ -153,12 +164,7 @@ async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
 /// their retries and come back as suspects (to run alone); a task that died alone uses one.
 #[tokio::test]
 async fn reaped_tasks_use_a_retry_only_when_they_ran_alone() {
-    let db = TestDatabase::create().await.db;
-    let task_type = unique_type("db");
-    let tasks: Vec<NewTask> = (0..3).map(|_| new_task(&task_type)).collect();
-    db.record_tasks(&tasks).await.unwrap();
-    let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
-    db.mark_queued(&ids).await.unwrap();
+    let (db, task_type, ids) = three_queued_tasks().await;
     for (id, owner) in ids.iter().zip(["crowded", "crowded", "lonely"]) {
         assert!(db.claim(*id, 0, owner).await.unwrap());
     }
@@ -202,12 +208,7 @@ async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
 
 #[tokio::test]
 async fn point_in_time_state_comes_from_the_audit_log() {
-    let db = TestDatabase::create().await.db;
-    let task_type = unique_type("db");
-    let tasks: Vec<NewTask> = (0..3).map(|_| new_task(&task_type)).collect();
-    db.record_tasks(&tasks).await.unwrap();
-    let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
-    db.mark_queued(&ids).await.unwrap();
+    let (db, task_type, ids) = three_queued_tasks().await;
     tokio::time::sleep(Duration::from_millis(20)).await;
     let queued_at = chrono::Utc::now();
     tokio::time::sleep(Duration::from_millis(20)).await;
