@@ -34,9 +34,11 @@ pub enum Scenario {
     Poison,
     /// 11. A backlog past maxQueueDepth with no workers: 429 + Retry-After, then drained.
     Backlog,
+    /// 11. A RabbitMQ memory alarm: publishers blocked for the outage, then released.
+    BrokerAlarm,
 }
 
-pub const ALL: [Scenario; 9] = [
+pub const ALL: [Scenario; 10] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
@@ -46,6 +48,7 @@ pub const ALL: [Scenario; 9] = [
     Scenario::PostgresTerminate,
     Scenario::Poison,
     Scenario::Backlog,
+    Scenario::BrokerAlarm,
 ];
 
 /// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`).
@@ -69,6 +72,7 @@ impl Scenario {
             Scenario::PostgresTerminate => "postgres-terminate",
             Scenario::Poison => "poison",
             Scenario::Backlog => "backlog",
+            Scenario::BrokerAlarm => "broker-alarm",
         }
     }
 
@@ -286,6 +290,19 @@ async fn inject(
             }
         }
         Scenario::Poison => {}
+        Scenario::BrokerAlarm => {
+            // A watermark below what the broker uses raises the memory alarm: it blocks
+            // every publishing connection until the alarm clears.
+            let watermark =
+                |w: &str| sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {w}"));
+            watermark("0.000001")?;
+            let until = Instant::now() + scale.outage.min(Duration::from_secs(15));
+            while Instant::now() < until {
+                throughput.sample(&system.db, &system.task_type).await;
+                pause(0.5).await;
+            }
+            watermark("0.4")?;
+        }
         Scenario::Backlog => {
             // No workers yet: the queue fills past maxQueueDepth and the gateway refuses.
             pause(3.0).await;
