@@ -33,31 +33,29 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
         } else {
             format!("FAIL: {}", row.failures.join("; "))
         };
-        let _ = writeln!(
-            out,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} |",
-            row.scenario,
+        // The columns that add up across scenarios, in table order.
+        let counts = [
             v.accepted,
             v.completed,
             v.dead_lettered,
             v.lost,
             v.duplicate_completions,
             v.duplicate_side_effects,
+        ];
+        for (total, n) in totals.iter_mut().zip(counts) {
+            *total += n;
+        }
+        let counts: Vec<String> = counts.iter().map(ToString::to_string).collect();
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {:.1} | {} |",
+            row.scenario,
+            counts.join(" | "),
             v.reruns,
             v.invalid_chains,
             v.recovery_seconds,
             verdict
         );
-        for (total, n) in totals.iter_mut().zip([
-            v.accepted,
-            v.completed,
-            v.dead_lettered,
-            v.lost,
-            v.duplicate_completions,
-            v.duplicate_side_effects,
-        ]) {
-            *total += n;
-        }
     }
     let _ = writeln!(
         out,

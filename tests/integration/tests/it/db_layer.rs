@@ -18,6 +18,17 @@ fn new_task(task_type: &str) -> NewTask {
     }
 }
 
+/// A fresh database with one task of a new type, QUEUED and claimed by `owner`.
+async fn one_claimed_task(owner: &str) -> (conveyor_core::db::Db, String, NewTask) {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let task = new_task(&task_type);
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
+    db.mark_queued(&[task.id]).await.unwrap();
+    assert!(db.claim(task.id, 0, owner).await.unwrap());
+    (db, task_type, task)
+}
+
 /// A fresh database with three QUEUED tasks of a new type.
 async fn three_queued_tasks() -> (conveyor_core::db::Db, String, Vec<Uuid>) {
     let db = TestDatabase::create().await.db;
@@ -82,12 +93,7 @@ async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
 
 #[tokio::test]
 async fn silent_owners_are_reaped_once_and_then_fenced() {
-    let db = TestDatabase::create().await.db;
-    let task_type = unique_type("db");
-    let task = new_task(&task_type);
-    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
-    db.mark_queued(&[task.id]).await.unwrap();
-    assert!(db.claim(task.id, 0, "silent").await.unwrap());
+    let (db, task_type, task) = one_claimed_task("silent").await;
     let timeout = Duration::from_millis(300);
     assert!(
         db.begin_reap(&task_type, timeout, 3, "r", 10)
@@ -129,12 +135,7 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
 /// re-queue commits; its claim must wait for the commit and win, not drop the message.
 #[tokio::test]
 async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
-    let db = TestDatabase::create().await.db;
-    let task_type = unique_type("db");
-    let task = new_task(&task_type);
-    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
-    db.mark_queued(&[task.id]).await.unwrap();
-    assert!(db.claim(task.id, 0, "paused").await.unwrap());
+    let (db, task_type, task) = one_claimed_task("paused").await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let pending = db
         .begin_reap(&task_type, Duration::from_millis(300), 3, "reaper", 10)
