@@ -8,3 +8,4 @@ pub mod report;
 pub mod scenarios;
 pub mod sidecar;
 pub mod system;
+pub mod telemetry;

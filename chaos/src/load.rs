@@ -23,6 +23,9 @@ pub struct Plan {
     pub poison_error_every: Option<usize>,
     /// This many tasks crash their worker on every try (`"poison": "crash"`).
     pub poison_crash: usize,
+    /// Every n-th task fails its first try only (`"failFirst": true`): healthy, but its
+    /// retry goes through a re-queue transaction.
+    pub flaky_every: Option<usize>,
     /// Retries stop this long after the last first submission.
     pub give_up_after: Duration,
 }
@@ -74,9 +77,10 @@ pub async fn run(gateway: String, task_type: String, plan: Plan) -> Outcome {
             } else {
                 None
             };
+            let flaky = plan.flaky_every.is_some_and(|n| i % n == n - 1);
             let payload = match poison {
                 Some(kind) => json!({"poison": kind}),
-                None => json!({"sleepMs": plan.sleep_ms}),
+                None => json!({"sleepMs": plan.sleep_ms, "failFirst": flaky}),
             };
             (Uuid::new_v4(), payload, poison.is_some())
         })

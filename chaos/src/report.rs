@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 
 use crate::scenarios::Row;
 
-const COLUMNS: [&str; 11] = [
+const COLUMNS: [&str; 15] = [
     "scenario",
     "accepted",
     "completed",
@@ -17,6 +17,10 @@ const COLUMNS: [&str; 11] = [
     "invalid chains",
     "recovery (s)",
     "verdict",
+    "buffered (max)",
+    "replayed",
+    "breaker opens",
+    "worker RSS max (MiB)",
 ];
 
 pub fn markdown(rows: &[Row], header: &str) -> String {
@@ -46,20 +50,25 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
             *total += n;
         }
         let counts: Vec<String> = counts.iter().map(ToString::to_string).collect();
+        let t = &row.telemetry;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {:.0} |",
             row.scenario,
             counts.join(" | "),
             v.reruns,
             v.invalid_chains,
             v.recovery_seconds,
-            verdict
+            verdict,
+            t.buffered_max,
+            t.replayed,
+            t.breaker_opens,
+            t.worker_rss_max_mib,
         );
     }
     let _ = writeln!(
         out,
-        "| **total** | {} | {} | {} | {} | {} | {} | | | | |",
+        "| **total** | {} | {} | {} | {} | {} | {} | | | | | | | | |",
         totals[0], totals[1], totals[2], totals[3], totals[4], totals[5]
     );
     out

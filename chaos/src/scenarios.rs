@@ -12,6 +12,8 @@ use crate::load::{self, Plan};
 use crate::oracle::{self, Throughput, Verdict};
 use crate::sidecar::Sidecar;
 use crate::system::{Options, System};
+use crate::telemetry::{self, Telemetry};
+use conveyor_core::testing::proxy::Proxy;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scenario {
@@ -26,10 +28,18 @@ pub enum Scenario {
     GatewayBrokerReset,
     /// 5. RabbitMQ `kill -9`ed and restarted.
     RabbitmqKill,
-    /// 6. PostgreSQL crashed (`stop -m immediate`) and down for the outage.
+    /// 6. PostgreSQL crashed (`stop -m immediate`) and down for the outage: workers go
+    ///    degraded (breaker open, outcomes buffered) and replay when it returns.
     PostgresCrash,
+    /// 7. The workers' PostgreSQL link slow (latency), then silent (packets dropped): the
+    ///    breaker opens and half-opens, buffers and memory stay bounded.
+    PostgresSlow,
+    /// 8. A worker killed while its buffer holds outcomes, restarted on the same buffer.
+    WorkerKillDegraded,
     /// 9. `pg_terminate_backend` of every gateway and worker session, five times.
     PostgresTerminate,
+    /// 9. Worker connections reset right after they send COMMIT, again and again.
+    CommitReset,
     /// 10. Poison: tasks that fail every try and tasks that crash their worker every try.
     Poison,
     /// 11. A backlog past maxQueueDepth with no workers: 429 + Retry-After, then drained.
@@ -38,24 +48,29 @@ pub enum Scenario {
     BrokerAlarm,
 }
 
-pub const ALL: [Scenario; 10] = [
+pub const ALL: [Scenario; 13] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
     Scenario::GatewayBrokerReset,
     Scenario::RabbitmqKill,
     Scenario::PostgresCrash,
+    Scenario::PostgresSlow,
+    Scenario::WorkerKillDegraded,
     Scenario::PostgresTerminate,
+    Scenario::CommitReset,
     Scenario::Poison,
     Scenario::Backlog,
     Scenario::BrokerAlarm,
 ];
 
 /// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`).
-pub const SHORT: [Scenario; 5] = [
+pub const SHORT: [Scenario; 7] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
+    Scenario::WorkerKillDegraded,
     Scenario::PostgresTerminate,
+    Scenario::CommitReset,
     Scenario::Poison,
     Scenario::Backlog,
 ];
@@ -69,7 +84,10 @@ impl Scenario {
             Scenario::GatewayBrokerReset => "gateway-broker-reset",
             Scenario::RabbitmqKill => "rabbitmq-kill",
             Scenario::PostgresCrash => "postgres-crash",
+            Scenario::PostgresSlow => "postgres-slow",
+            Scenario::WorkerKillDegraded => "worker-kill-degraded",
             Scenario::PostgresTerminate => "postgres-terminate",
+            Scenario::CommitReset => "commit-reset",
             Scenario::Poison => "poison",
             Scenario::Backlog => "backlog",
             Scenario::BrokerAlarm => "broker-alarm",
@@ -91,6 +109,12 @@ impl Scenario {
                 gateway_broker_proxy: true,
                 ..defaults
             },
+            Scenario::PostgresSlow | Scenario::WorkerKillDegraded | Scenario::CommitReset => {
+                Options {
+                    worker_database_proxy: true,
+                    ..defaults
+                }
+            }
             Scenario::Poison => Options {
                 workers: 2,
                 ..defaults
@@ -111,12 +135,23 @@ impl Scenario {
             sleep_ms: 100,
             poison_error_every: None,
             poison_crash: 0,
+            flaky_every: None,
             give_up_after: Duration::from_secs(90) + scale.outage,
         };
         match self {
             Scenario::Poison => Plan {
                 poison_error_every: Some(50),
                 poison_crash: 2,
+                ..plan
+            },
+            // Failures go through re-queue transactions: COMMITs to reset.
+            Scenario::CommitReset => Plan {
+                flaky_every: Some(3),
+                ..plan
+            },
+            // Longer tasks: more of them in flight when the link goes.
+            Scenario::PostgresSlow | Scenario::WorkerKillDegraded => Plan {
+                sleep_ms: 400,
                 ..plan
             },
             _ => plan,
@@ -140,6 +175,23 @@ pub struct Row {
     #[serde(flatten)]
     pub verdict: Verdict,
     pub failures: Vec<String>,
+    #[serde(flatten)]
+    pub telemetry: Telemetry,
+}
+
+/// Samples taken all through a scenario: throughput (for the recovery time) and what the
+/// workers report.
+struct Observer {
+    throughput: Throughput,
+    telemetry: Telemetry,
+    http: reqwest::Client,
+}
+
+impl Observer {
+    async fn sample(&mut self, system: &System) {
+        self.throughput.sample(&system.db, &system.task_type).await;
+        self.telemetry.sample(system, &self.http).await;
+    }
 }
 
 /// Runs one scenario end to end.
@@ -154,24 +206,29 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         plan,
     ));
 
-    // Throughput is sampled throughout; the fault comes a third of the way in.
-    let mut throughput = Throughput::default();
+    // Sampled throughout; the fault comes a third of the way in.
+    let mut observer = Observer {
+        throughput: Throughput::default(),
+        telemetry: Telemetry::default(),
+        http: reqwest::Client::new(),
+    };
     let fault_at = Instant::now() + over / 3;
     while Instant::now() < fault_at {
-        throughput.sample(&system.db, &system.task_type).await;
+        observer.sample(&system).await;
         tokio::select! {
             Some(task) = crashes.recv() => crash_owner(&mut system, task).await?,
             () = tokio::time::sleep(Duration::from_millis(250)) => {}
         }
     }
     let fault = Instant::now();
-    inject(scenario, &mut system, scale, &mut throughput).await?;
+    observer.telemetry.fault_starts();
+    let fault_failures = inject(scenario, &mut system, scale, &mut observer).await?;
     let healed = Instant::now();
 
     // Poison crashes: the worker running such a task is killed and replaced, every time.
     let mut load = load;
     let outcome = loop {
-        throughput.sample(&system.db, &system.task_type).await;
+        observer.sample(&system).await;
         tokio::select! {
             done = &mut load => break done?,
             Some(task) = crashes.recv() => crash_owner(&mut system, task).await?,
@@ -181,7 +238,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     // Quiet: every accepted task COMPLETED or DEAD_LETTER (or two minutes passed).
     let quiet_by = Instant::now() + Duration::from_secs(120);
     while Instant::now() < quiet_by {
-        throughput.sample(&system.db, &system.task_type).await;
+        observer.sample(&system).await;
         if oracle::open_tasks(&system.db, &system.task_type, &outcome).await == Some(0) {
             break;
         }
@@ -190,7 +247,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
             () = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
     }
-    throughput.sample(&system.db, &system.task_type).await;
+    observer.sample(&system).await;
     // Let late acks and releases settle before sessions are counted.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut verdict = oracle::judge(
@@ -201,8 +258,11 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         sidecar.counts(),
     )
     .await?;
-    verdict.recovery_seconds = throughput.recovery(fault, healed);
+    verdict.recovery_seconds = observer.throughput.recovery(fault, healed);
+    let telemetry = observer.telemetry;
     let mut failures = verdict.failures();
+    failures.extend(fault_failures);
+    failures.extend(degraded_failures(scenario, &system, &telemetry));
     if scenario == Scenario::Backlog && outcome.refusals.get(&429).copied().unwrap_or(0) == 0 {
         failures.push("the gateway never answered 429 past maxQueueDepth".to_owned());
     }
@@ -217,6 +277,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         scenario: scenario.name(),
         verdict,
         failures,
+        telemetry,
     })
 }
 
@@ -229,14 +290,16 @@ async fn crash_owner(system: &mut System, task: uuid::Uuid) -> anyhow::Result<()
     Ok(())
 }
 
-/// Injects the fault and returns once it has healed.
+/// Injects the fault and returns once it has healed, with what went wrong injecting it.
 async fn inject(
     scenario: Scenario,
     system: &mut System,
     scale: &Scale,
-    throughput: &mut Throughput,
-) -> anyhow::Result<()> {
+    observer: &mut Observer,
+) -> anyhow::Result<Vec<String>> {
     let pause = |seconds: f64| tokio::time::sleep(Duration::from_secs_f64(seconds));
+    let heartbeat_timeout = Options::default().heartbeat_timeout_seconds;
+    let mut failures = Vec::new();
     match scenario {
         Scenario::WorkerKill => {
             for round in 0..3 {
@@ -249,7 +312,7 @@ async fn inject(
         }
         Scenario::WorkerPause => {
             system.signal_worker(0, Signal::SIGSTOP).await;
-            pause(Options::default().heartbeat_timeout_seconds + 4.0).await;
+            pause(heartbeat_timeout + 4.0).await;
             system.signal_worker(0, Signal::SIGCONT).await;
         }
         Scenario::WorkerBrokerSilent => {
@@ -276,17 +339,49 @@ async fn inject(
         }
         Scenario::PostgresCrash => {
             sh("pg_ctlcluster $(ls /etc/postgresql | sort -V | tail -1) main stop -m immediate")?;
-            let until = Instant::now() + scale.outage;
-            while Instant::now() < until {
-                throughput.sample(&system.db, &system.task_type).await;
-                pause(0.5).await;
-            }
+            observe_for(observer, system, scale.outage).await;
             services_up()?;
+        }
+        Scenario::PostgresSlow => {
+            database_link(system)?.delay(Duration::from_millis(300));
+            observe_for(observer, system, Duration::from_secs(10)).await;
+            database_link(system)?.black_hole();
+            observe_for(observer, system, scale.outage.min(Duration::from_secs(20))).await;
+            database_link(system)?.restore();
+        }
+        Scenario::WorkerKillDegraded => {
+            database_link(system)?.cut();
+            match buffering_worker(observer, system, Duration::from_secs(20)).await {
+                Some(i) => {
+                    system.signal_worker(i, Signal::SIGKILL).await;
+                    pause(1.0).await;
+                    system.restart_worker(i)?;
+                    // Down past the heartbeat timeout: only the heartbeats of the restarted
+                    // worker, for its buffered tasks, keep reapers off them.
+                    let hold = Duration::from_secs_f64(heartbeat_timeout + 2.0);
+                    observe_for(observer, system, hold).await;
+                }
+                None => failures.push("no worker buffered an outcome to kill".to_owned()),
+            }
+            database_link(system)?.restore();
         }
         Scenario::PostgresTerminate => {
             for _ in 0..5 {
                 oracle::terminate_sessions(&system.db, &system.database).await?;
                 pause(1.0).await;
+            }
+        }
+        Scenario::CommitReset => {
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until {
+                database_link(system)?.reset_after(b"COMMIT");
+                observer.sample(system).await;
+                pause(0.2).await;
+            }
+            let resets = database_link(system)?.resets();
+            eprintln!("chaos: commit-reset reset {resets} connections right after COMMIT");
+            if resets == 0 {
+                failures.push("no connection was reset at COMMIT".to_owned());
             }
         }
         Scenario::Poison => {}
@@ -296,11 +391,7 @@ async fn inject(
             let watermark =
                 |w: &str| sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {w}"));
             watermark("0.000001")?;
-            let until = Instant::now() + scale.outage.min(Duration::from_secs(15));
-            while Instant::now() < until {
-                throughput.sample(&system.db, &system.task_type).await;
-                pause(0.5).await;
-            }
+            observe_for(observer, system, scale.outage.min(Duration::from_secs(15))).await;
             watermark("0.4")?;
         }
         Scenario::Backlog => {
@@ -309,7 +400,85 @@ async fn inject(
             system.start_workers()?;
         }
     }
-    Ok(())
+    Ok(failures)
+}
+
+/// Samples every half second for `how_long`.
+async fn observe_for(observer: &mut Observer, system: &System, how_long: Duration) {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        observer.sample(system).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The first worker seen holding buffered outcomes, within `within`.
+async fn buffering_worker(
+    observer: &mut Observer,
+    system: &System,
+    within: Duration,
+) -> Option<usize> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        observer.sample(system).await;
+        for (i, _, listen) in system.running_workers() {
+            if telemetry::buffered(&observer.http, listen).await > 0.0 {
+                return Some(i);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+fn database_link(system: &System) -> anyhow::Result<&Proxy> {
+    system
+        .worker_database
+        .as_ref()
+        .context("this scenario's workers reach PostgreSQL through a proxy")
+}
+
+/// Degraded mode must have been at work where a scenario takes the database away, and
+/// must have stayed within its bounds.
+fn degraded_failures(scenario: Scenario, system: &System, t: &Telemetry) -> Vec<String> {
+    let mut failures = Vec::new();
+    let takes_database = matches!(
+        scenario,
+        Scenario::PostgresCrash | Scenario::PostgresSlow | Scenario::WorkerKillDegraded
+    );
+    if takes_database && t.breaker_opens == 0 {
+        failures.push("no worker's breaker opened".to_owned());
+    }
+    if matches!(
+        scenario,
+        Scenario::PostgresCrash | Scenario::WorkerKillDegraded
+    ) && (t.buffered_max == 0 || t.replayed == 0)
+    {
+        failures.push(format!(
+            "degraded mode unused: {} buffered, {} replayed",
+            t.buffered_max, t.replayed
+        ));
+    }
+    if scenario == Scenario::PostgresSlow {
+        if t.breaker_half_opens == 0 {
+            failures.push("no worker's breaker half-opened".to_owned());
+        }
+        // A degraded worker takes no new work, so it buffers at most what it was running.
+        let bound = system.worker_count() as u64 * u64::from(Options::default().concurrency);
+        if t.buffered_max > bound {
+            failures.push(format!(
+                "{} outcomes buffered, past {bound}",
+                t.buffered_max
+            ));
+        }
+        let growth = t.worker_rss_max_mib - t.rss_before_fault_mib;
+        if growth > 64.0 {
+            failures.push(format!(
+                "worker memory grew {growth:.0} MiB during the fault"
+            ));
+        }
+    }
+    failures
 }
 
 fn sh(command: &str) -> anyhow::Result<()> {

@@ -2,7 +2,7 @@
 //! effect" and records it by idempotency key and attempt, so the oracle can count re-runs
 //! and duplicate side effects. A payload may ask it to misbehave: `"poison": "error"` fails
 //! every try, `"poison": "crash"` has the calling worker killed (the whole process, as a
-//! segfaulting codec would).
+//! segfaulting codec would), and `"failFirst": true` fails the first attempt only.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -111,6 +111,9 @@ async fn effect(
             // The caller is killed before this answers.
             tokio::time::sleep(Duration::from_secs(30)).await;
             return StatusCode::INTERNAL_SERVER_ERROR;
+        }
+        _ if attempt == 0 && payload["failFirst"] == true => {
+            return StatusCode::SERVICE_UNAVAILABLE;
         }
         _ => {}
     }

@@ -23,6 +23,8 @@ pub struct Options {
     pub worker_broker_proxy: bool,
     /// The gateway reaches the broker through a proxy (`System::gateway_broker`).
     pub gateway_broker_proxy: bool,
+    /// Every worker reaches PostgreSQL through one proxy (`System::worker_database`).
+    pub worker_database_proxy: bool,
     pub max_queue_depth: u64,
     pub heartbeat_timeout_seconds: f64,
     pub max_retries: i32,
@@ -37,6 +39,7 @@ impl Default for Options {
             concurrency: 8,
             worker_broker_proxy: false,
             gateway_broker_proxy: false,
+            worker_database_proxy: false,
             max_queue_depth: 100_000,
             heartbeat_timeout_seconds: 3.0,
             max_retries: 3,
@@ -58,11 +61,15 @@ pub struct System {
     options: Options,
     gateway: Child,
     workers: Vec<Option<Child>>,
+    /// Each worker's /metrics address, kept across its restarts.
+    metrics_listen: Vec<String>,
     pub worker_broker: Option<Proxy>,
     pub gateway_broker: Option<Proxy>,
+    pub worker_database: Option<Proxy>,
 }
 
 const BROKER: &str = "127.0.0.1:5672";
+const DATABASE: &str = "127.0.0.1:5432";
 
 impl System {
     pub async fn start(
@@ -80,6 +87,8 @@ impl System {
         let task_type = testing::unique_type(&format!("chaos-{scenario}"));
         let logs = logs.join(scenario);
         std::fs::create_dir_all(&logs)?;
+        // Buffers of an earlier run belong to its database, long dropped.
+        let _ = std::fs::remove_dir_all(logs.join("buffers"));
         let types_file = logs.join("task-types.yaml");
         std::fs::write(
             &types_file,
@@ -90,18 +99,17 @@ impl System {
                 options.max_retries, options.heartbeat_timeout_seconds, options.max_queue_depth
             ),
         )?;
-        let proxy = |wanted: bool| async move {
+        let proxy = |wanted: bool, to: &'static str| async move {
             match wanted {
-                true => Some(Proxy::start(BROKER.parse().expect("address")).await),
+                true => Some(Proxy::start(to.parse().expect("address")).await),
                 false => None,
             }
         };
-        let worker_broker = proxy(options.worker_broker_proxy).await;
-        let gateway_broker = proxy(options.gateway_broker_proxy).await;
+        let worker_broker = proxy(options.worker_broker_proxy, BROKER).await;
+        let gateway_broker = proxy(options.gateway_broker_proxy, BROKER).await;
+        let worker_database = proxy(options.worker_database_proxy, DATABASE).await;
 
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
+        let port = free_port()?;
         let gateway_url = format!("http://127.0.0.1:{port}");
         let gateway = Command::new(binary("conveyor-gateway"))
             .args(["--listen", &format!("127.0.0.1:{port}")])
@@ -129,10 +137,14 @@ impl System {
             logs,
             handler_url: handler_url.to_owned(),
             workers: (0..options.workers).map(|_| None).collect(),
+            metrics_listen: (0..options.workers)
+                .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
+                .collect::<std::io::Result<_>>()?,
             options,
             gateway,
             worker_broker,
             gateway_broker,
+            worker_database,
         };
         system.wait_gateway_ready().await?;
         if system.options.start_workers {
@@ -169,7 +181,8 @@ impl System {
         Ok(())
     }
 
-    /// Starts worker `i` (again).
+    /// Starts worker `i` (again: same name, so same degraded-mode buffer, like the next
+    /// container of a pod).
     pub fn restart_worker(&mut self, i: usize) -> anyhow::Result<()> {
         let name = format!("chaos-w{i}");
         let broker = if i == 0 {
@@ -177,13 +190,23 @@ impl System {
         } else {
             None
         };
+        let database_url = match &self.worker_database {
+            Some(proxy) => self
+                .db_url
+                .replacen(":5432/", &format!(":{}/", proxy.port), 1),
+            None => self.db_url.clone(),
+        };
         let child = Command::new(binary("conveyor-worker"))
             .arg("--task-types")
             .arg(&self.types_file)
             .args(["--consume", &self.task_type, "--handler", "http"])
             .args(["--http-url", &self.handler_url, "--worker-name", &name])
             .args(["--concurrency", &self.options.concurrency.to_string()])
-            .env("CONVEYOR_DATABASE_URL", &self.db_url)
+            .args(["--metrics-listen", &self.metrics_listen[i]])
+            .arg("--buffer-dir")
+            .arg(self.logs.join("buffers"))
+            .args(["--database-timeout-seconds", "2"])
+            .env("CONVEYOR_DATABASE_URL", database_url)
             .env("CONVEYOR_AMQP_URL", amqp_url(broker))
             // Short, so that a silent broker link is noticed within seconds.
             .env("CONVEYOR_AMQP_HEARTBEAT_SECONDS", "2")
@@ -226,6 +249,18 @@ impl System {
         self.workers.len()
     }
 
+    /// The running workers: index, process id and /metrics address.
+    pub fn running_workers(&self) -> Vec<(usize, u32, &str)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, child)| {
+                let pid = child.as_ref()?.id()?;
+                Some((i, pid, self.metrics_listen[i].as_str()))
+            })
+            .collect()
+    }
+
     /// Stops everything (SIGTERM, so workers drain) and drops the queues, and the database
     /// unless `keep_database` (a failed scenario keeps it for inspection).
     pub async fn stop(mut self, keep_database: bool) {
@@ -252,6 +287,12 @@ fn amqp_url(proxy: Option<&Proxy>) -> String {
         Some(proxy) => format!("amqp://conveyor:conveyor@127.0.0.1:{}/%2f", proxy.port),
         None => testing::amqp_url(),
     }
+}
+
+fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn log_file(dir: &Path, name: &str) -> std::io::Result<std::fs::File> {

@@ -39,6 +39,9 @@ pub enum DbError {
     Lifecycle(#[from] InvalidTransition),
     #[error("unexpected row in the database: {0}")]
     Corrupt(String),
+    /// The call got no answer in time (a slow or silent link); it may still have committed.
+    #[error("database call timed out after {0:?}")]
+    TimedOut(Duration),
 }
 
 impl DbError {
@@ -51,12 +54,13 @@ impl DbError {
             DbError::Migrate(_) => "migrate",
             DbError::Lifecycle(_) => "lifecycle",
             DbError::Corrupt(_) => "corrupt",
+            DbError::TimedOut(_) => "timeout",
         }
     }
 
     /// The database could not be reached or dropped the connection: worth retrying later.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, DbError::Unavailable(_))
+        matches!(self, DbError::Unavailable(_) | DbError::TimedOut(_))
     }
 }
 
@@ -352,17 +356,20 @@ impl Db {
         Ok(events > 0)
     }
 
-    /// Keeps the claims of `worker` on these tasks alive. Returns how many it still owns.
-    pub async fn heartbeat(&self, worker: &str, ids: &[Uuid]) -> DbResult<u64> {
+    /// Keeps claims alive: task `ids[i]` owned by `owners[i]` (a worker heartbeats its own
+    /// tasks and those its previous process left in the degraded-mode buffer). Returns how
+    /// many are still owned.
+    pub async fn heartbeat(&self, ids: &[Uuid], owners: &[String]) -> DbResult<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         Ok(sqlx::query(
-            "UPDATE tasks SET heartbeat_at = now()
-             WHERE id = ANY($1) AND owner = $2 AND state IN ($3, $4)",
+            "UPDATE tasks t SET heartbeat_at = now()
+             FROM unnest($1::uuid[], $2::text[]) AS c(id, owner)
+             WHERE t.id = c.id AND t.owner = c.owner AND t.state IN ($3, $4)",
         )
         .bind(ids)
-        .bind(worker)
+        .bind(owners)
         .bind(Claimed.as_str())
         .bind(Processing.as_str())
         .execute(&self.pool)

@@ -35,12 +35,31 @@ pub struct Metrics {
     /// Tasks this worker is processing now; the operator reads it to pick idle pods to
     /// remove on scale-down.
     pub in_flight: IntGauge,
+    /// Worker: the database circuit breaker, 0 closed, 1 half-open, 2 open.
+    pub breaker_state: IntGauge,
+    /// Worker: breaker state changes, by the state entered.
+    pub breaker_transitions: IntCounterVec,
+    /// Worker: outcomes waiting in the degraded-mode buffer, and their size on disk.
+    pub buffered: IntGauge,
+    pub buffer_bytes: IntGauge,
+    /// Worker: buffered outcomes replayed, by task type and what the database made of them.
+    pub replayed: IntCounterVec,
 }
 
 /// Registers a labelled counter named `conveyor_<name>`.
 pub fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let metric = IntCounterVec::new(Opts::new(format!("conveyor_{name}"), help), labels)
         .expect("metric definition is valid");
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric registered once");
+    metric
+}
+
+/// Registers a gauge named `conveyor_<name>`.
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let metric =
+        IntGauge::new(format!("conveyor_{name}"), help).expect("metric definition is valid");
     registry
         .register(Box::new(metric.clone()))
         .expect("metric registered once");
@@ -76,16 +95,31 @@ impl Metrics {
         registry
             .register(Box::new(queue_depth.clone()))
             .expect("metric registered once");
-        let in_flight = IntGauge::new(
-            "conveyor_in_flight_tasks",
-            "Tasks this worker is processing",
-        )
-        .expect("metric definition is valid");
-        registry
-            .register(Box::new(in_flight.clone()))
-            .expect("metric registered once");
         Metrics {
-            in_flight,
+            in_flight: gauge(r, "in_flight_tasks", "Tasks this worker is processing"),
+            breaker_state: gauge(
+                r,
+                "database_breaker_state",
+                "Database circuit breaker: 0 closed, 1 half-open, 2 open",
+            ),
+            breaker_transitions: counter(
+                r,
+                "database_breaker_transitions_total",
+                "Database circuit breaker state changes, by the state entered",
+                &["to"],
+            ),
+            buffered: gauge(
+                r,
+                "buffered_transitions",
+                "Outcomes waiting in the degraded-mode buffer",
+            ),
+            buffer_bytes: gauge(r, "buffer_bytes", "Size of the degraded-mode buffer file"),
+            replayed: counter(
+                r,
+                "replayed_transitions_total",
+                "Buffered outcomes replayed, by what the database made of them",
+                &["task_type", "outcome"],
+            ),
             submissions: counter(
                 r,
                 "submissions_total",

@@ -21,6 +21,19 @@ pub async fn publish_and_commit(
     pending: PendingRequeue,
     backoff: &Backoff,
 ) -> Result<(), RequeueError> {
+    publish(publisher, &pending, backoff)
+        .await
+        .map_err(RequeueError::Publish)?;
+    pending.commit().await.map_err(RequeueError::Commit)
+}
+
+/// The publishing half of [`publish_and_commit`], for callers that time the commit
+/// themselves.
+pub async fn publish(
+    publisher: &Publisher,
+    pending: &PendingRequeue,
+    backoff: &Backoff,
+) -> Result<(), AmqpError> {
     let outgoing: Vec<Outgoing> = pending
         .tasks
         .iter()
@@ -32,7 +45,7 @@ pub async fn publish_and_commit(
         })
         .collect();
     for result in publisher.publish(&outgoing).await {
-        result.map_err(RequeueError::Publish)?;
+        result?;
     }
-    pending.commit().await.map_err(RequeueError::Commit)
+    Ok(())
 }

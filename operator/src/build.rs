@@ -20,6 +20,9 @@ pub const POOL_LABEL: &str = "conveyor.dev/pool";
 pub const CONFIG_HASH_ANNOTATION: &str = "conveyor.dev/config-hash";
 pub const METRICS_PORT: i32 = 9090;
 const CONFIG_DIR: &str = "/etc/conveyor";
+/// The worker's degraded-mode buffer: an emptyDir, so it survives a container restart (a
+/// crashed worker replays what it buffered) but not the pod.
+const BUFFER_DIR: &str = "/var/lib/conveyor";
 const TASK_TYPES_FILE: &str = "task-types.yaml";
 
 #[derive(Debug, thiserror::Error)]
@@ -186,6 +189,7 @@ fn worker_args(pool: &WorkerPool) -> Vec<String> {
         format!("--concurrency={}", spec.concurrency),
         format!("--drain-grace-seconds={}", spec.drain_grace_seconds),
         format!("--metrics-listen=0.0.0.0:{METRICS_PORT}"),
+        format!("--buffer-dir={BUFFER_DIR}"),
         "--log-json".to_owned(),
     ];
     if let (HandlerKind::Http, Some(url)) = (spec.handler.kind, &spec.handler.url) {
@@ -270,12 +274,14 @@ fn deployment(
                         },
                         "volumeMounts": [
                             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": true},
-                            {"name": "tmp", "mountPath": "/tmp"}
+                            {"name": "tmp", "mountPath": "/tmp"},
+                            {"name": "buffer", "mountPath": BUFFER_DIR}
                         ]
                     }],
                     "volumes": [
                         {"name": "config", "configMap": {"name": format!("{name}-worker")}},
-                        {"name": "tmp", "emptyDir": {}}
+                        {"name": "tmp", "emptyDir": {}},
+                        {"name": "buffer", "emptyDir": {}}
                     ]
                 }
             }

@@ -4,10 +4,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use conveyor_core::db::Db;
-use conveyor_core::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::outcome::Recorder;
 
 /// Owned tasks by id, each with the token that stops its handler when the drain runs out.
 #[derive(Clone, Default)]
@@ -50,13 +50,14 @@ impl InFlight {
     }
 }
 
-/// Heartbeats every owned task each `interval`, in one statement, until `stop`.
+/// Heartbeats every owned task each `interval`, in one statement, until `stop`: the tasks
+/// running here and those whose outcome waits in the degraded-mode buffer (possibly left by
+/// a previous process of this pod), so that no reaper re-runs a task whose outcome is safe.
 pub async fn heartbeat_loop(
-    db: Db,
+    recorder: Recorder,
     worker_id: String,
     in_flight: InFlight,
     interval: Duration,
-    metrics: Metrics,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(interval);
@@ -66,9 +67,16 @@ pub async fn heartbeat_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let ids = in_flight.ids();
-        if let Err(err) = db.heartbeat(&worker_id, &ids).await {
-            metrics
+        let mut ids = in_flight.ids();
+        let mut owners = vec![worker_id.clone(); ids.len()];
+        for buffered in recorder.buffer.entries() {
+            ids.push(buffered.id);
+            owners.push(buffered.owner);
+        }
+        let beat = recorder.db.heartbeat(&ids, &owners);
+        if let Err(err) = recorder.breaker.call(beat).await {
+            recorder
+                .metrics
                 .errors
                 .with_label_values(&["database", err.category()])
                 .inc();

@@ -2,12 +2,16 @@
 //! heartbeats while its handler runs, records the outcome, and only then acks.
 #![forbid(unsafe_code)]
 
+pub mod breaker;
+pub mod buffer;
 pub mod handler;
 pub mod inflight;
+pub mod outcome;
 pub mod process;
 pub mod reaper;
+pub mod recovery;
 
-use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,8 +27,11 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::breaker::Breaker;
+use crate::buffer::Buffer;
 use crate::handler::Handler;
 use crate::inflight::InFlight;
+use crate::outcome::Recorder;
 use crate::process::Processor;
 
 /// Everything a worker needs, already parsed.
@@ -41,6 +48,12 @@ pub struct WorkerConfig {
     pub confirm_timeout: Duration,
     /// After SIGTERM, how long in-flight tasks may run before they are released.
     pub drain_grace: Duration,
+    /// The degraded-mode buffer file; keep it where the next process of this worker (same
+    /// pod) finds it.
+    pub buffer_path: PathBuf,
+    pub buffer_max_bytes: u64,
+    /// Longest a database call may take before the database counts as unavailable.
+    pub db_call_timeout: Duration,
 }
 
 impl WorkerConfig {
@@ -73,15 +86,54 @@ pub async fn run(
         format!("{}/publish", config.worker_id),
         config.confirm_timeout,
     ));
+    let buffer = Buffer::open(&config.buffer_path, config.buffer_max_bytes)?;
+    buffer.report(&metrics);
+    if !buffer.is_empty() {
+        tracing::warn!(buffered = buffer.len(), path = %config.buffer_path.display(),
+            "outcomes buffered by a previous process: replaying them before taking work");
+    }
+    // Open from the start while anything is buffered: nothing new until it is replayed.
+    let breaker = Arc::new(Breaker::new(
+        !buffer.is_empty(),
+        config.db_call_timeout,
+        metrics.clone(),
+    ));
+    let recorder = Recorder {
+        db: db.clone(),
+        publisher: publisher.clone(),
+        breaker: breaker.clone(),
+        buffer,
+        types: config
+            .task_types
+            .iter()
+            .map(|s| (s.name.clone(), s.clone()))
+            .collect(),
+        metrics: metrics.clone(),
+    };
     let in_flight = InFlight::default();
     // Background loops outlive the consumer: they stop after the drain.
     let background = CancellationToken::new();
 
     if let Some(listener) = admin_listener {
-        let db = db.clone();
+        let recorder = recorder.clone();
         let ready: admin::ReadinessCheck = Arc::new(move || {
-            let db = db.clone();
-            Box::pin(async move { db.ping().await.map_err(|e| format!("database: {e}")) })
+            let recorder = recorder.clone();
+            Box::pin(async move {
+                match recorder.breaker.state() {
+                    breaker::State::Closed { .. } => {}
+                    _ => {
+                        return Err(format!(
+                            "database circuit breaker open, {} outcomes buffered",
+                            recorder.buffer.len()
+                        ))
+                    }
+                }
+                recorder
+                    .db
+                    .ping()
+                    .await
+                    .map_err(|e| format!("database: {e}"))
+            })
         });
         let app = admin::router(metrics.registry.clone(), ready);
         let stop = background.clone();
@@ -94,18 +146,22 @@ pub async fn run(
             }
         });
     }
+    tokio::spawn(recovery::recovery_loop(
+        recorder.clone(),
+        background.clone(),
+    ));
     tokio::spawn(inflight::heartbeat_loop(
-        db.clone(),
+        recorder.clone(),
         config.worker_id.clone(),
         in_flight.clone(),
         config.heartbeat_interval(),
-        metrics.clone(),
         background.clone(),
     ));
     for spec in &config.task_types {
         tokio::spawn(reaper::reap_loop(
             db.clone(),
             publisher.clone(),
+            breaker.clone(),
             spec.clone(),
             config.worker_id.clone(),
             metrics.clone(),
@@ -115,19 +171,13 @@ pub async fn run(
 
     let processor = Arc::new(Processor {
         worker_id: config.worker_id.clone(),
-        types: config
-            .task_types
-            .iter()
-            .map(|s| (s.name.clone(), s.clone()))
-            .collect::<BTreeMap<_, _>>(),
         handler: config.handler.clone(),
-        db,
-        publisher,
+        recorder,
         in_flight: in_flight.clone(),
         metrics,
         alone: Arc::default(),
     });
-    tracing::info!(worker = config.worker_id, types = ?processor.types.keys().collect::<Vec<_>>(),
+    tracing::info!(worker = config.worker_id, types = ?processor.recorder.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");
     let result = consume(&config, processor, in_flight, shutdown).await;
     background.cancel();
@@ -184,6 +234,11 @@ async fn consume(
                 _ = shutdown.cancelled() => break,
                 permit = permits.clone().acquire_owned() => permit?,
             };
+            // Degraded (breaker open): take nothing new; deliveries wait in the broker.
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                _ = processor.recorder.breaker.wait_closed() => {}
+            }
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break,
                 next = deliveries.next() => next,

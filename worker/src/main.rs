@@ -45,6 +45,17 @@ struct Args {
     /// Seconds in-flight tasks may run after SIGTERM before they are released.
     #[arg(long, env = "CONVEYOR_DRAIN_GRACE_SECONDS", default_value_t = 25.0)]
     drain_grace_seconds: f64,
+    /// Directory of the degraded-mode buffer (`<worker-name>.jsonl`): outcomes the database
+    /// could not take, kept until they are replayed. Keep it across restarts of the worker.
+    #[arg(long, env = "CONVEYOR_BUFFER_DIR", default_value = ".conveyor/buffer")]
+    buffer_dir: std::path::PathBuf,
+    /// Most bytes the buffer may hold; past it, outcomes are not buffered and their tasks
+    /// re-run after their heartbeat timeout.
+    #[arg(long, env = "CONVEYOR_BUFFER_MAX_BYTES", default_value_t = 16 << 20)]
+    buffer_max_bytes: u64,
+    /// Seconds a database call may take before the database counts as unavailable.
+    #[arg(long, env = "CONVEYOR_DATABASE_TIMEOUT_SECONDS", default_value_t = 5.0)]
+    database_timeout_seconds: f64,
     /// Address for /metrics, /healthz and /readyz (none when absent).
     #[arg(long, env = "CONVEYOR_METRICS_LISTEN")]
     metrics_listen: Option<String>,
@@ -87,8 +98,10 @@ async fn main() -> anyhow::Result<()> {
         database: args.database.options(),
         amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
-        drain_grace: Duration::try_from_secs_f64(args.drain_grace_seconds.clamp(0.0, 86_400.0))
-            .unwrap_or_default(),
+        drain_grace: seconds(args.drain_grace_seconds),
+        buffer_path: args.buffer_dir.join(format!("{}.jsonl", args.worker_name)),
+        buffer_max_bytes: args.buffer_max_bytes,
+        db_call_timeout: seconds(args.database_timeout_seconds).max(Duration::from_millis(100)),
     };
     let admin = match &args.metrics_listen {
         Some(addr) => Some(
@@ -101,4 +114,9 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
     conveyor_worker::run(config, admin, Metrics::new(), shutdown).await
+}
+
+/// A duration from a command-line number of seconds (clamped to [0, one day]).
+fn seconds(value: f64) -> Duration {
+    Duration::try_from_secs_f64(value.clamp(0.0, 86_400.0)).unwrap_or_default()
 }

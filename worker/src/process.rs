@@ -1,34 +1,32 @@
 //! One delivery, start to finish: claim, run, record, ack.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use conveyor_core::amqp::Publisher;
-use conveyor_core::db::{Db, DbError, DbResult};
+use conveyor_core::db::DbError;
 use conveyor_core::metrics::Metrics;
-use conveyor_core::task::{Requeue, TaskMessage};
+use conveyor_core::requeue;
+use conveyor_core::task::TaskMessage;
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState::{self, *};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tracing::Instrument;
 
+use crate::buffer::{Outcome, Transition};
 use crate::handler::Handler;
 use crate::inflight::InFlight;
-use conveyor_core::requeue::publish_and_commit;
+use crate::outcome::{Applied, Recorder};
 
-/// Database calls on the path of a claimed task are retried this long before the task is
-/// left to the heartbeat reaper.
-const DB_RETRY_FOR: Duration = Duration::from_secs(10);
+/// Tries at writing an outcome before it goes to the degraded-mode buffer: enough to ride
+/// out one dropped connection (a terminated session, a reset at COMMIT).
+const RECORD_TRIES: u32 = 3;
 
 pub struct Processor {
     pub worker_id: String,
-    pub types: BTreeMap<String, NamedTaskType>,
     pub handler: Handler,
-    pub db: Db,
-    pub publisher: Arc<Publisher>,
+    pub recorder: Recorder,
     pub in_flight: InFlight,
     pub metrics: Metrics,
     /// Every task runs under the read side; a suspect takes the write side and so runs
@@ -87,12 +85,20 @@ impl Processor {
     }
 
     async fn process(&self, task: &TaskMessage) -> Settle {
-        let Some(spec) = self.types.get(&task.task_type) else {
+        let Some(spec) = self.recorder.types.get(&task.task_type) else {
             tracing::error!("message for a task type this worker does not consume");
             return Settle::Requeue;
         };
         let name = spec.name.as_str();
-        match self.db.claim(task.id, task.attempt, &self.worker_id).await {
+        let (db, breaker) = (&self.recorder.db, &self.recorder.breaker);
+        if !breaker.is_closed() {
+            // Degraded: take no new work; the task waits in the queue.
+            return Settle::Requeue;
+        }
+        match breaker
+            .call(db.claim(task.id, task.attempt, &self.worker_id))
+            .await
+        {
             Ok(true) => {}
             Ok(false) => {
                 // Done, owned by someone else, or an older attempt: this copy is redundant.
@@ -121,8 +127,11 @@ impl Processor {
             .with_label_values(&[name])
             .observe(started.elapsed().as_secs_f64());
         let settle = match outcome {
-            Some(Ok(result)) => self.complete(spec, task, &result).await,
-            Some(Err(failure)) => self.fail(spec, task, &failure).await,
+            Some(Ok(result)) => self.record(spec, task, Outcome::Completed { result }).await,
+            Some(Err(error)) => {
+                tracing::info!(failure = error, "attempt failed");
+                self.record(spec, task, Outcome::Failed { error }).await
+            }
             None => self.release(spec, task).await,
         };
         self.in_flight.remove(task.id);
@@ -130,26 +139,54 @@ impl Processor {
         settle
     }
 
-    async fn complete(
-        &self,
-        spec: &NamedTaskType,
-        task: &TaskMessage,
-        result: &serde_json::Value,
-    ) -> Settle {
+    /// Writes the outcome, or buffers it when the database is unavailable; either way it
+    /// is durable before the delivery is acked.
+    async fn record(&self, spec: &NamedTaskType, task: &TaskMessage, outcome: Outcome) -> Settle {
         let name = spec.name.as_str();
-        let completed = self
-            .with_db_retry(|| {
-                self.db
-                    .complete(task.id, task.attempt, &self.worker_id, result)
-            })
-            .await;
-        match completed {
-            Ok(true) => {
-                self.metrics
-                    .tasks
-                    .with_label_values(&[name, "completed"])
-                    .inc();
-                self.metrics.record_path(name, &[Processing, Completed]);
+        let transition = Transition {
+            id: task.id,
+            attempt: task.attempt,
+            owner: self.worker_id.clone(),
+            task_type: spec.name.clone(),
+            outcome,
+        };
+        let mut delay = Duration::from_millis(100);
+        for _ in 0..RECORD_TRIES {
+            if !self.recorder.breaker.is_closed() {
+                break;
+            }
+            match self.recorder.apply(spec, &transition).await {
+                Ok(applied) => return self.applied(name, task, applied),
+                Err(err) if err.is_unavailable() => {
+                    tracing::debug!(error = %err, "cannot record the outcome yet");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err,
+                        "cannot record the outcome; the task re-runs after its heartbeat timeout");
+                    return Settle::Requeue;
+                }
+            }
+        }
+        match self.recorder.buffer(transition).await {
+            Ok(()) => {
+                tracing::info!("database unavailable: outcome buffered for replay");
+                Settle::Ack
+            }
+            Err(err) => {
+                tracing::error!(error = %err,
+                    "cannot buffer the outcome; the task re-runs after its heartbeat timeout");
+                Settle::Requeue
+            }
+        }
+    }
+
+    fn applied(&self, name: &str, task: &TaskMessage, applied: Applied) -> Settle {
+        applied.count(&self.metrics, name);
+        match applied {
+            Applied::NotOwned => return self.fenced(name),
+            Applied::Completed => {
                 let latency = (Utc::now() - task.submitted_at)
                     .to_std()
                     .unwrap_or_default();
@@ -157,58 +194,18 @@ impl Processor {
                     .end_to_end_seconds
                     .with_label_values(&[name])
                     .observe(latency.as_secs_f64());
-                Settle::Ack
             }
-            Ok(false) => self.fenced(name),
-            // The task stays PROCESSING; once heartbeats stop the reaper re-runs it.
-            Err(_) => Settle::Requeue,
+            Applied::Retried | Applied::DeadLettered => {}
         }
-    }
-
-    async fn fail(&self, spec: &NamedTaskType, task: &TaskMessage, failure: &str) -> Settle {
-        let name = spec.name.as_str();
-        tracing::info!(failure, "attempt failed");
-        let pending = self
-            .with_db_retry(|| {
-                self.db.begin_failure(
-                    task.id,
-                    task.attempt,
-                    &self.worker_id,
-                    failure,
-                    spec.max_retries as i32,
-                )
-            })
-            .await;
-        let pending = match pending {
-            Ok(Some(pending)) => pending,
-            Ok(None) => return self.fenced(name),
-            Err(_) => return Settle::Requeue,
-        };
-        let route = pending.tasks.first().map(|t| t.route);
-        if let Err(err) = publish_and_commit(&self.publisher, pending, &spec.backoff).await {
-            tracing::warn!(error = %err, "cannot re-queue failed task; the reaper will");
-            return Settle::Requeue;
-        }
-        let (outcome, end) = if route == Some(Requeue::Remediation) {
-            self.metrics.dead_letters.with_label_values(&[name]).inc();
-            ("dead_lettered", DeadLetter)
-        } else {
-            self.metrics.retries.with_label_values(&[name]).inc();
-            ("retried", Queued)
-        };
-        self.metrics.tasks.with_label_values(&[name, outcome]).inc();
-        self.metrics.record_path(name, &[Processing, Failed, end]);
         Settle::Ack
     }
 
     /// The drain ran out of time: hand the task back without using a retry.
     async fn release(&self, spec: &NamedTaskType, task: &TaskMessage) -> Settle {
         let name = spec.name.as_str();
-        let pending = match self
-            .db
-            .begin_release(task.id, task.attempt, &self.worker_id)
-            .await
-        {
+        let (db, breaker) = (&self.recorder.db, &self.recorder.breaker);
+        let release = db.begin_release(task.id, task.attempt, &self.worker_id);
+        let pending = match breaker.call(release).await {
             Ok(Some(pending)) => pending,
             Ok(None) => return self.fenced(name),
             Err(err) => {
@@ -216,7 +213,15 @@ impl Processor {
                 return Settle::Requeue;
             }
         };
-        match publish_and_commit(&self.publisher, pending, &spec.backoff).await {
+        let published = requeue::publish(&self.recorder.publisher, &pending, &spec.backoff).await;
+        let released = match published {
+            Ok(()) => breaker
+                .call(pending.commit())
+                .await
+                .map_err(|e| e.to_string()),
+            Err(err) => Err(err.to_string()),
+        };
+        match released {
             Ok(()) => {
                 tracing::info!("released unfinished task on shutdown");
                 self.metrics
@@ -230,10 +235,12 @@ impl Processor {
         }
     }
 
-    /// The task was re-queued while this worker held it: its outcome does not count.
+    /// The task is no longer this worker's at this attempt: it was re-queued after a
+    /// heartbeat timeout (its outcome does not count), or an earlier try of this very write
+    /// landed although its answer was lost.
     fn fenced(&self, name: &str) -> Settle {
         self.metrics.fenced.with_label_values(&[name]).inc();
-        tracing::warn!("lost ownership (heartbeat timeout); result discarded");
+        tracing::warn!("task no longer owned at this attempt (fenced); result discarded");
         Settle::Ack
     }
 
@@ -242,31 +249,5 @@ impl Processor {
             .errors
             .with_label_values(&["database", err.category()])
             .inc();
-    }
-
-    /// Retries a database call while the database is unreachable, for up to
-    /// [`DB_RETRY_FOR`]: a short outage must not cost a finished task its result.
-    async fn with_db_retry<T, F, Fut>(&self, mut call: F) -> DbResult<T>
-    where
-        F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = DbResult<T>>,
-    {
-        let deadline = Instant::now() + DB_RETRY_FOR;
-        let mut delay = Duration::from_millis(100);
-        loop {
-            match call().await {
-                Err(err) if err.is_unavailable() && Instant::now() < deadline => {
-                    self.count_db_error(&err);
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(2));
-                }
-                Err(err) => {
-                    self.count_db_error(&err);
-                    tracing::warn!(error = %err, "database call failed");
-                    return Err(err);
-                }
-                ok => return ok,
-            }
-        }
     }
 }

@@ -17,12 +17,19 @@ use tokio_util::sync::CancellationToken;
 
 use conveyor_core::requeue::publish_and_commit;
 
+use crate::breaker::Breaker;
+
 const BATCH: i64 = 100;
 
 /// Checks `spec`'s tasks every half heartbeat timeout until `stop`.
+///
+/// Only once the database breaker has been closed for a whole heartbeat timeout: after an
+/// outage every owner's heartbeat is stale, and the owners (which were cut off too) must get
+/// to heartbeat and replay their buffered outcomes before their tasks count as abandoned.
 pub async fn reap_loop(
     db: Db,
     publisher: Arc<Publisher>,
+    breaker: Arc<Breaker>,
     spec: NamedTaskType,
     worker_id: String,
     metrics: Metrics,
@@ -37,9 +44,18 @@ pub async fn reap_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
+        if breaker
+            .closed_for()
+            .is_none_or(|closed| closed < spec.heartbeat_timeout())
+        {
+            continue;
+        }
         // Drain everything stale now, a batch at a time.
         loop {
-            match reap_once(&db, &publisher, &spec, &worker_id, &metrics).await {
+            // Timed like every database call here: a silent link must not stall the loop.
+            let pass = reap_once(&db, &publisher, &spec, &worker_id, &metrics);
+            let pass = tokio::time::timeout(breaker.call_timeout * 2, pass).await;
+            match pass.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
                 Ok(n) if n as i64 == BATCH => continue,
                 Ok(_) => break,
                 Err(err) => {

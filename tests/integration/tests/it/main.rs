@@ -5,6 +5,7 @@ mod support;
 
 mod cluster_task_types;
 mod db_layer;
+mod degraded_mode;
 mod gateway_api;
 mod lifecycle_flows;
 mod outages;

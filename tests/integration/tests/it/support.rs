@@ -181,17 +181,40 @@ impl Harness {
         concurrency: u16,
         amqp_url: &str,
     ) -> String {
-        let id = format!("inproc-{}", &Uuid::new_v4().simple().to_string()[..8]);
         let config = WorkerConfig {
-            worker_id: id.clone(),
+            amqp_url: amqp_url.to_owned(),
+            ..self.worker_config(types, handler, concurrency)
+        };
+        self.start_configured(config)
+    }
+
+    /// The settings `start_worker` uses, for a test to change before `start_configured`.
+    pub fn worker_config(
+        &self,
+        types: &[&str],
+        handler: Handler,
+        concurrency: u16,
+    ) -> WorkerConfig {
+        let id = format!("inproc-{}", &Uuid::new_v4().simple().to_string()[..8]);
+        WorkerConfig {
+            buffer_path: std::env::temp_dir()
+                .join("conveyor-it-buffers")
+                .join(format!("{id}.jsonl")),
+            worker_id: id,
             task_types: types.iter().map(|t| self.spec(t).clone()).collect(),
             handler,
             concurrency,
             database: conveyor_core::db::DbOptions::new(&self.db_url),
-            amqp_url: amqp_url.to_owned(),
+            amqp_url: testing::amqp_url(),
             confirm_timeout: Duration::from_secs(5),
             drain_grace: Duration::from_secs(10),
-        };
+            buffer_max_bytes: 1 << 20,
+            db_call_timeout: Duration::from_secs(2),
+        }
+    }
+
+    pub fn start_configured(&mut self, config: WorkerConfig) -> String {
+        let id = config.worker_id.clone();
         let metrics = Metrics::new();
         let stop = CancellationToken::new();
         let handle = tokio::spawn(conveyor_worker::run(
@@ -241,6 +264,10 @@ impl Harness {
             .env("CONVEYOR_AMQP_URL", testing::amqp_url())
             // Short, so that the broker notices a SIGSTOPped worker quickly.
             .env("CONVEYOR_AMQP_HEARTBEAT_SECONDS", "2")
+            .env(
+                "CONVEYOR_BUFFER_DIR",
+                std::env::temp_dir().join("conveyor-it-buffers"),
+            )
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .spawn()
@@ -320,6 +347,28 @@ pub fn binary(name: &str) -> PathBuf {
         .and_then(|deps| deps.parent())
         .expect("target dir")
         .join(name)
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// The value of the sample `line` (metric name and labels) on a worker's /metrics page, or
+/// `None` while the worker does not answer or has no such sample.
+pub async fn scrape(http: &reqwest::Client, listen: &str, line: &str) -> Option<f64> {
+    let text = http
+        .get(format!("http://{listen}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.strip_prefix(' ')?.parse().ok())
 }
 
 pub fn queue(task_type: &str) -> QueueNames {

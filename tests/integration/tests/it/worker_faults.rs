@@ -163,10 +163,3 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
     );
     harness.shutdown().await;
 }
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
