@@ -179,9 +179,28 @@ pub async fn run(
     });
     tracing::info!(worker = config.worker_id, types = ?processor.recorder.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");
+    let recorder = processor.recorder.clone();
     let result = consume(&config, processor, in_flight, shutdown).await;
     background.cancel();
+    last_replay(&recorder).await;
     result
+}
+
+/// On the way out, one more try at what is still buffered: a pod scaled away takes its
+/// buffer with it, and those tasks would then run again after their heartbeat timeout.
+async fn last_replay(recorder: &Recorder) {
+    if recorder.buffer.is_empty() {
+        return;
+    }
+    match recorder.replay().await {
+        Ok(replayed) => tracing::info!(replayed, "buffered outcomes replayed before exit"),
+        Err(err) => tracing::warn!(
+            error = format!("{err:#}"),
+            buffered = recorder.buffer.len(),
+            "outcomes stay buffered: the next worker of this pod replays them, or, if the pod \
+             is gone, their tasks re-run after their heartbeat timeout"
+        ),
+    }
 }
 
 /// Consumes until `shutdown`, reconnecting after connection loss, then drains.
