@@ -220,9 +220,11 @@ impl Throughput {
         }
     }
 
-    /// Seconds from `healed` until throughput, over any 2 s of samples taken after healing,
-    /// is back at half its rate over the 3 s before `fault` (when the work ran out first:
-    /// until the last completion).
+    /// Seconds from `healed` until completions flow again at half the rate of the 3 s
+    /// before `fault`: the first 2 s window of samples after healing at that rate, measured
+    /// to the first sample in it that saw a completion (so a burst at a window's end does not
+    /// count from the window's start). When the work ran out first: until the last
+    /// completion.
     pub fn recovery(&self, fault: Instant, healed: Instant) -> f64 {
         let before = self.rate(fault - Duration::from_secs(3), fault);
         let after: Vec<(Instant, i64)> = self
@@ -232,13 +234,20 @@ impl Throughput {
             .filter(|(t, _)| *t >= healed)
             .collect();
         for (j, &(t1, n1)) in after.iter().enumerate() {
-            let window = after[..j]
+            let Some(i) = after[..j]
                 .iter()
-                .find(|(t0, _)| t1.duration_since(*t0) <= Duration::from_secs(2));
-            let Some(&(t0, n0)) = window else { continue };
+                .position(|(t0, _)| t1.duration_since(*t0) <= Duration::from_secs(2))
+            else {
+                continue;
+            };
+            let (t0, n0) = after[i];
             let span = t1.duration_since(t0).as_secs_f64();
             if span >= 1.0 && n1 > n0 && (n1 - n0) as f64 / span >= before * 0.5 {
-                return t0.saturating_duration_since(healed).as_secs_f64();
+                let resumed = after[i..=j]
+                    .windows(2)
+                    .find(|w| w[1].1 > w[0].1)
+                    .map_or(t1, |w| w[1].0);
+                return resumed.saturating_duration_since(healed).as_secs_f64();
             }
         }
         let last_change = after
@@ -247,5 +256,43 @@ impl Throughput {
             .find(|w| w[1].1 > w[0].1)
             .map(|w| w[1].0);
         last_change.map_or(0.0, |t| t.saturating_duration_since(healed).as_secs_f64())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Samples every 250 ms: `rate` completions per second, none in `stalled`, then a burst.
+    fn samples(start: Instant, stalled: std::ops::Range<f64>, burst: i64) -> Throughput {
+        let mut done = 0;
+        let mut samples = Vec::new();
+        for k in 0..80 {
+            let t = k as f64 * 0.25;
+            if !stalled.contains(&t) {
+                done += if t == stalled.end { burst } else { 2 };
+            }
+            samples.push((start + Duration::from_secs_f64(t), done));
+        }
+        Throughput { samples }
+    }
+
+    #[test]
+    fn recovery_counts_to_when_completions_resume_not_to_the_window_start() {
+        let start = Instant::now();
+        let at = |s: f64| start + Duration::from_secs_f64(s);
+        // Fault at 4 s, healed at 6 s, nothing completes until 11 s, then a burst.
+        let throughput = samples(start, 4.0..11.0, 100);
+        let recovery = throughput.recovery(at(4.0), at(6.0));
+        assert!((recovery - 5.0).abs() < 0.01, "{recovery}");
+    }
+
+    #[test]
+    fn no_dip_means_no_recovery_time() {
+        let start = Instant::now();
+        let at = |s: f64| start + Duration::from_secs_f64(s);
+        let throughput = samples(start, 0.0..0.0, 0);
+        let recovery = throughput.recovery(at(4.0), at(6.0));
+        assert!(recovery <= 0.25, "{recovery}");
     }
 }

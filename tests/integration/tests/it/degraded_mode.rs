@@ -3,10 +3,14 @@
 //! returns, by the same process or by the next one after a `kill -9`.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use conveyor_core::testing::proxy::Proxy;
 use conveyor_core::TaskState::*;
+use conveyor_worker::breaker::Breaker;
+use conveyor_worker::buffer::{Buffer, Outcome, Transition};
+use conveyor_worker::outcome::Recorder;
 use uuid::Uuid;
 
 use crate::support::*;
@@ -122,6 +126,87 @@ async fn outcomes_buffered_through_an_outage_survive_a_kill_and_are_replayed_onc
         .wait_for_state(&name, Completed, 5, Duration::from_secs(20))
         .await;
     drop(second);
+    let _ = std::fs::remove_dir_all(&dir);
+    harness.shutdown().await;
+}
+
+/// A replay that repeats itself (a crash between writing an outcome and forgetting it, or a
+/// reset at COMMIT) changes nothing: the write is fenced by owner and attempt.
+#[tokio::test]
+async fn replaying_an_outcome_twice_writes_and_publishes_it_once() {
+    let spec = test_type("replay");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec.clone()]).await;
+    let completed = harness.submit_ok(&name, serde_json::json!({})).await;
+    let failed = harness.submit_ok(&name, serde_json::json!({})).await;
+    for id in [completed, failed] {
+        assert!(harness.db.claim(id, 0, "replayer").await.unwrap());
+    }
+    let metrics = conveyor_core::metrics::Metrics::new();
+    let dir = std::env::temp_dir().join(format!("conveyor-replay-{}", Uuid::new_v4()));
+    let recorder = Recorder {
+        db: harness.db.clone(),
+        publisher: Arc::new(harness.publisher()),
+        breaker: Arc::new(Breaker::new(false, Duration::from_secs(2), metrics.clone())),
+        buffer: Buffer::open(&dir.join("replayer.jsonl"), 1 << 20).unwrap(),
+        types: [(name.clone(), spec.clone())].into(),
+        metrics: metrics.clone(),
+    };
+    let outcome = |id, outcome| Transition {
+        id,
+        attempt: 0,
+        owner: "replayer".into(),
+        task_type: name.clone(),
+        outcome,
+    };
+    let done = outcome(
+        completed,
+        Outcome::Completed {
+            result: serde_json::json!({"ok": true}),
+        },
+    );
+    let broke = outcome(
+        failed,
+        Outcome::Failed {
+            error: "boom".into(),
+        },
+    );
+
+    // Buffered (the breaker opens), replayed, then buffered again as if never forgotten.
+    for _ in 0..2 {
+        recorder.buffer(done.clone()).await.unwrap();
+        recorder.buffer(broke.clone()).await.unwrap();
+        assert!(!recorder.breaker.is_closed());
+        assert_eq!(recorder.replay().await.unwrap(), 2);
+        assert!(recorder.buffer.is_empty());
+    }
+    let replayed = |outcome: &str| metrics.replayed.with_label_values(&[&name, outcome]).get();
+    assert_eq!(
+        (
+            replayed("completed"),
+            replayed("retried"),
+            replayed("not_owned")
+        ),
+        (1, 1, 2)
+    );
+    for id in [completed, failed] {
+        let events = harness.events(id).await;
+        assert_valid_chain(&events);
+        let written = events
+            .iter()
+            .filter(|e| matches!(e.to_state, Completed | Failed))
+            .count();
+        assert_eq!(written, 1, "{:?}", states(&events));
+    }
+    // One retry message: after its backoff the work queue holds the two original messages
+    // (nobody consumes here) and that one, no more.
+    let main = queue(&name).main;
+    wait_until("the retry comes back", Duration::from_secs(10), || async {
+        harness.ready_count(&main).await == 3
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(harness.ready_count(&main).await, 3);
     let _ = std::fs::remove_dir_all(&dir);
     harness.shutdown().await;
 }
