@@ -49,8 +49,8 @@ e2e: stack
 
 # Every fault-injection scenario at full size (it kills and restarts the local RabbitMQ and
 # PostgreSQL); writes docs/chaos-report.md (+ .jsonl). `make test` runs a short variant.
-chaos: services build
-	$(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md
+chaos: stack
+	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
 e2e-kind:

@@ -2,6 +2,7 @@
 //! workers against the real RabbitMQ and PostgreSQL, injects one fault while tasks flow,
 //! heals it, and asks the oracle one question: what went in, did it come out, once?
 
+pub mod cluster;
 pub mod load;
 pub mod oracle;
 pub mod report;

@@ -9,8 +9,6 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::system::TOKEN;
-
 /// What to submit.
 #[derive(Debug, Clone)]
 pub struct Plan {
@@ -63,7 +61,7 @@ impl Outcome {
 const BATCH: usize = 10;
 
 /// Runs `plan` against the gateway; returns when every task was accepted or given up on.
-pub async fn run(gateway: String, task_type: String, plan: Plan) -> Outcome {
+pub async fn run(gateway: String, token: String, task_type: String, plan: Plan) -> Outcome {
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()
@@ -120,7 +118,7 @@ pub async fn run(gateway: String, task_type: String, plan: Plan) -> Outcome {
             .collect();
         let sent = http
             .post(format!("{gateway}/v1/tasks:batch"))
-            .bearer_auth(TOKEN)
+            .bearer_auth(&token)
             .json(&json!({ "tasks": tasks }))
             .send()
             .await;

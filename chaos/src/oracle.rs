@@ -92,6 +92,19 @@ fn is_terminal(state: Option<&(Uuid, TaskState)>) -> bool {
     )
 }
 
+/// The owners of the tasks of `task_type` that are PROCESSING now.
+pub async fn processing_owners(db: &Db, task_type: &str) -> Vec<String> {
+    sqlx::query_scalar::<_, String>(
+        "SELECT owner FROM tasks WHERE task_type = $1 AND state = $2 AND owner IS NOT NULL
+         LIMIT 50",
+    )
+    .bind(task_type)
+    .bind(TaskState::Processing.as_str())
+    .fetch_all(db.pool())
+    .await
+    .unwrap_or_default()
+}
+
 /// Judges a quiet system.
 pub async fn judge(
     db: &Db,

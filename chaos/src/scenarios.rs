@@ -46,9 +46,15 @@ pub enum Scenario {
     Backlog,
     /// 11. A RabbitMQ memory alarm: publishers blocked for the outage, then released.
     BrokerAlarm,
+    /// 12. In the local cluster: worker pods deleted mid-task (drained, then forced).
+    PodDelete,
+    /// 12. In the local cluster: the operator killed right after a scale-up was asked for.
+    OperatorRestart,
+    /// 12. In the local cluster: a rolling update of the WorkerPool.
+    RollingUpdate,
 }
 
-pub const ALL: [Scenario; 13] = [
+pub const ALL: [Scenario; 16] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
@@ -62,6 +68,9 @@ pub const ALL: [Scenario; 13] = [
     Scenario::Poison,
     Scenario::Backlog,
     Scenario::BrokerAlarm,
+    Scenario::PodDelete,
+    Scenario::OperatorRestart,
+    Scenario::RollingUpdate,
 ];
 
 /// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`).
@@ -91,6 +100,9 @@ impl Scenario {
             Scenario::Poison => "poison",
             Scenario::Backlog => "backlog",
             Scenario::BrokerAlarm => "broker-alarm",
+            Scenario::PodDelete => "pod-delete",
+            Scenario::OperatorRestart => "operator-restart",
+            Scenario::RollingUpdate => "rolling-update",
         }
     }
 
@@ -149,8 +161,8 @@ impl Scenario {
                 flaky_every: Some(3),
                 ..plan
             },
-            // Longer tasks: more of them in flight when the link goes.
-            Scenario::PostgresSlow | Scenario::WorkerKillDegraded => Plan {
+            // Longer tasks: more of them in flight when the link goes or the pod dies.
+            Scenario::PostgresSlow | Scenario::WorkerKillDegraded | Scenario::PodDelete => Plan {
                 sleep_ms: 400,
                 ..plan
             },
@@ -194,14 +206,28 @@ impl Observer {
     }
 }
 
+impl Scenario {
+    /// Goes through Kubernetes (the stack of `scripts/stack.sh up`): `cluster.rs`.
+    pub fn in_cluster(self) -> bool {
+        matches!(
+            self,
+            Scenario::PodDelete | Scenario::OperatorRestart | Scenario::RollingUpdate
+        )
+    }
+}
+
 /// Runs one scenario end to end.
 pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Result<Row> {
+    if scenario.in_cluster() {
+        return crate::cluster::run(scenario, scenario.plan(scale)).await;
+    }
     let (sidecar, mut crashes) = Sidecar::start().await?;
     let mut system = System::start(scenario.name(), scenario.options(), &sidecar.url, logs).await?;
     let plan = scenario.plan(scale);
     let over = plan.over;
     let load = tokio::spawn(load::run(
         system.gateway_url.clone(),
+        crate::system::TOKEN.to_owned(),
         system.task_type.clone(),
         plan,
     ));
@@ -398,6 +424,9 @@ async fn inject(
             // No workers yet: the queue fills past maxQueueDepth and the gateway refuses.
             pause(3.0).await;
             system.start_workers()?;
+        }
+        Scenario::PodDelete | Scenario::OperatorRestart | Scenario::RollingUpdate => {
+            anyhow::bail!("{} runs in the cluster (cluster.rs)", scenario.name())
         }
     }
     Ok(failures)

@@ -61,8 +61,9 @@ pub struct Stack {
     pub client: kube::Client,
     pub db: Db,
     http: reqwest::Client,
-    gateway: String,
-    token: String,
+    /// The gateway's URL and a token it accepts.
+    pub gateway: String,
+    pub token: String,
     management: String,
     task_types: Vec<String>,
 }
@@ -282,6 +283,57 @@ impl Stack {
         );
         for task_type in &self.task_types {
             testing::delete_queues(task_type).await;
+        }
+    }
+}
+
+/// Kills the operator at once (kill -9 of the local process; on kind, its pod) and has it
+/// started again (scripts/stack.sh here, the Deployment on kind).
+pub fn restart_operator() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let pid_file = root.join(".dev/operator.pid");
+    match std::fs::read_to_string(&pid_file) {
+        Ok(pid) => {
+            let killed = std::process::Command::new("kill")
+                .args(["-KILL", pid.trim()])
+                .status()
+                .expect("kill runs");
+            assert!(killed.success(), "kill -9 of the operator");
+            // Gone (and reaped) before the stack looks for it.
+            for _ in 0..100 {
+                let alive = std::process::Command::new("kill")
+                    .args(["-0", pid.trim()])
+                    .stderr(std::process::Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success());
+                if !alive {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let started = std::process::Command::new(root.join("scripts/stack.sh"))
+                .arg("up")
+                .status()
+                .expect("stack.sh runs");
+            assert!(
+                started.success(),
+                "scripts/stack.sh up restarts the operator"
+            );
+        }
+        Err(_) => {
+            kubectl_with(
+                &[
+                    "-n",
+                    "conveyor-system",
+                    "delete",
+                    "pod",
+                    "-l",
+                    "app.kubernetes.io/name=conveyor-operator",
+                    "--wait=false",
+                ],
+                None,
+            )
+            .expect("delete the operator pod");
         }
     }
 }

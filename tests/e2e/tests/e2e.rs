@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use conveyor_core::testing::wait_until;
 use conveyor_core::TaskState;
-use conveyor_e2e_tests::{assert_valid_chain, kubectl_with, Stack};
+use conveyor_e2e_tests::{assert_valid_chain, kubectl_with, restart_operator, Stack};
 use k8s_openapi::api::apps::v1::Deployment;
 use serde_json::json;
 
@@ -411,54 +411,4 @@ async fn an_operator_restarted_during_a_scale_up_finishes_it() {
     )
     .await;
     stack.finish().await;
-}
-
-/// Kills the operator at once (kill -9 of the local process; on kind, its pod) and has it
-/// started again (scripts/stack.sh here, the Deployment on kind).
-fn restart_operator() {
-    let pid_file = std::path::Path::new("../../.dev/operator.pid");
-    match std::fs::read_to_string(pid_file) {
-        Ok(pid) => {
-            let killed = std::process::Command::new("kill")
-                .args(["-KILL", pid.trim()])
-                .status()
-                .expect("kill runs");
-            assert!(killed.success(), "kill -9 of the operator");
-            // Gone (and reaped) before the stack looks for it.
-            for _ in 0..100 {
-                let alive = std::process::Command::new("kill")
-                    .args(["-0", pid.trim()])
-                    .stderr(std::process::Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if !alive {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            let started = std::process::Command::new("../../scripts/stack.sh")
-                .arg("up")
-                .status()
-                .expect("stack.sh runs");
-            assert!(
-                started.success(),
-                "scripts/stack.sh up restarts the operator"
-            );
-        }
-        Err(_) => {
-            kubectl_with(
-                &[
-                    "-n",
-                    "conveyor-system",
-                    "delete",
-                    "pod",
-                    "-l",
-                    "app.kubernetes.io/name=conveyor-operator",
-                    "--wait=false",
-                ],
-                None,
-            )
-            .expect("delete the operator pod");
-        }
-    }
 }

@@ -1,0 +1,215 @@
+//! Scenario 12, through Kubernetes: the stack `scripts/stack.sh up` runs (operator, gateway,
+//! pod runner) hosts a WorkerPool whose pods call the suite's sidecar, and the faults are a
+//! pod deleted mid-task, the operator killed during a scale-up, and a rolling update, each
+//! under load. The load generator and the oracle are the other scenarios' own.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use conveyor_core::testing::wait_until;
+use conveyor_e2e_tests::{kubectl_with, restart_operator, Stack};
+use serde_json::json;
+
+use crate::load::{self, Plan};
+use crate::oracle::{self, Throughput};
+use crate::scenarios::{Row, Scenario};
+use crate::sidecar::Sidecar;
+use crate::telemetry::Telemetry;
+
+const POOL: &str = "chaos";
+const REPLICAS: usize = 2;
+const MINUTE: Duration = Duration::from_secs(60);
+
+pub async fn run(scenario: Scenario, plan: Plan) -> anyhow::Result<Row> {
+    let reachable = Command::new("kubectl")
+        .args(["get", "--raw", "/readyz"])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    anyhow::ensure!(
+        reachable,
+        "{} needs the local cluster: `make chaos` starts it (or `scripts/stack.sh up`, with \
+         KUBECONFIG and kubectl from `scripts/stack.sh env`)",
+        scenario.name()
+    );
+    let (sidecar, _crashes) = Sidecar::start().await?;
+    let mut stack = Stack::namespace(&format!("chaos-{}", scenario.name())).await;
+    let task_type = stack.task_type("chaos-cluster");
+    stack.apply(&format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {task_type}}}\n\
+         spec:\n  maxRetries: 3\n  heartbeatTimeoutSeconds: 3\n  \
+         backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n  \
+         schema: {{type: object, properties: {{sleepMs: {{type: integer}}}}}}\n"
+    ));
+    stack.apply(&format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {POOL}}}\n\
+         spec:\n  taskTypes: [{task_type}]\n  image: conveyor:dev\n  \
+         handler: {{type: http, url: \"{}\"}}\n  replicas: {REPLICAS}\n  concurrency: 8\n  \
+         drainGraceSeconds: 20\n",
+        sidecar.url
+    ));
+    stack.wait_for_workers(&task_type, REPLICAS as u64).await;
+    wait_for_gateway(&stack, &task_type).await;
+
+    let over = plan.over;
+    let mut load = tokio::spawn(load::run(
+        stack.gateway.clone(),
+        stack.token.clone(),
+        task_type.clone(),
+        plan,
+    ));
+    let mut throughput = Throughput::default();
+    let fault_at = Instant::now() + over / 3;
+    while Instant::now() < fault_at {
+        throughput.sample(&stack.db, &task_type).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let fault = Instant::now();
+    let mut failures = inject(scenario, &stack, &task_type).await;
+    let healed = Instant::now();
+    let outcome = loop {
+        throughput.sample(&stack.db, &task_type).await;
+        tokio::select! {
+            done = &mut load => break done?,
+            () = tokio::time::sleep(Duration::from_millis(250)) => {}
+        }
+    };
+    let quiet_by = Instant::now() + 2 * MINUTE;
+    while Instant::now() < quiet_by
+        && oracle::open_tasks(&stack.db, &task_type, &outcome).await != Some(0)
+    {
+        throughput.sample(&stack.db, &task_type).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    throughput.sample(&stack.db, &task_type).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut verdict = oracle::judge(
+        &stack.db,
+        "conveyor",
+        &task_type,
+        &outcome,
+        sidecar.counts(),
+    )
+    .await?;
+    verdict.recovery_seconds = throughput.recovery(fault, healed);
+    failures.splice(0..0, verdict.failures());
+    stack.finish().await;
+    Ok(Row {
+        scenario: scenario.name(),
+        verdict,
+        failures,
+        telemetry: Telemetry::default(),
+    })
+}
+
+/// The gateway lists new TaskTypes every few seconds: wait until it validates against this
+/// one's schema (400) rather than not knowing it (404).
+async fn wait_for_gateway(stack: &Stack, task_type: &str) {
+    let http = reqwest::Client::new();
+    wait_until("the gateway knows the task type", MINUTE, || async {
+        let answer = http
+            .post(format!("{}/v1/tasks", stack.gateway))
+            .bearer_auth(&stack.token)
+            .json(&json!({"taskType": task_type, "payload": {"sleepMs": "soon"}}))
+            .send()
+            .await;
+        answer.is_ok_and(|a| a.status() == reqwest::StatusCode::BAD_REQUEST)
+    })
+    .await;
+}
+
+/// Injects the fault through Kubernetes; returns once it has healed, with what went wrong.
+async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> Vec<String> {
+    let mut failures = Vec::new();
+    match scenario {
+        Scenario::PodDelete => {
+            // A pod running a task, deleted as an eviction would (its worker drains); then
+            // twice as if its node died: the worker killed at once, the pod deleted.
+            for node_dies in [false, true, true] {
+                let Some(pod) = busy_pod(stack, task_type).await else {
+                    failures.push("no pod was running a task to delete".to_owned());
+                    continue;
+                };
+                if node_dies {
+                    // The pod runner starts each pod's worker with its own volume paths.
+                    let pattern = format!("/pods/{}/{pod}/", stack.namespace);
+                    let _ = Command::new("pkill")
+                        .args(["-KILL", "-f", &pattern])
+                        .status();
+                }
+                let ns = stack.namespace.as_str();
+                let deleted =
+                    kubectl_with(&["-n", ns, "delete", "pod", &pod, "--wait=false"], None);
+                if let Err(err) = deleted {
+                    failures.push(format!("kubectl delete pod {pod}: {}", err.trim()));
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        Scenario::OperatorRestart => {
+            stack.kubectl(&["scale", &format!("workerpool/{POOL}"), "--replicas=4"]);
+            restart_operator();
+            let grown = tokio::time::timeout(2 * MINUTE, async {
+                while stack.running_pods(POOL).await.len() != 4 {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            })
+            .await;
+            if grown.is_err() {
+                failures.push("the restarted operator did not finish the scale-up".to_owned());
+            }
+        }
+        Scenario::RollingUpdate => {
+            let before: Vec<String> = pod_names(stack).await;
+            stack.kubectl(&[
+                "patch",
+                "workerpool",
+                POOL,
+                "--type=merge",
+                "-p",
+                r#"{"spec":{"concurrency":6}}"#,
+            ]);
+            let rolled = tokio::time::timeout(2 * MINUTE, async {
+                loop {
+                    let now = pod_names(stack).await;
+                    if now.len() == REPLICAS && now.iter().all(|p| !before.contains(p)) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+            })
+            .await;
+            if rolled.is_err() {
+                failures.push("the rollout did not finish".to_owned());
+            }
+        }
+        _ => failures.push(format!("{} is not a cluster scenario", scenario.name())),
+    }
+    failures
+}
+
+async fn pod_names(stack: &Stack) -> Vec<String> {
+    stack
+        .running_pods(POOL)
+        .await
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect()
+}
+
+/// The pod whose worker owns a PROCESSING task (worker ids are `<pod>-<suffix>`).
+async fn busy_pod(stack: &Stack, task_type: &str) -> Option<String> {
+    let pods = pod_names(stack).await;
+    for _ in 0..40 {
+        let owners = oracle::processing_owners(&stack.db, task_type).await;
+        let busy = owners.into_iter().find_map(|owner| {
+            pods.iter()
+                .find(|pod| owner.starts_with(&format!("{pod}-")))
+                .cloned()
+        });
+        if busy.is_some() {
+            return busy;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
