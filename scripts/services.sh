@@ -34,6 +34,10 @@ NODENAME=rabbit@localhost
 NODE_IP_ADDRESS=127.0.0.1
 export ERL_EPMD_ADDRESS=127.0.0.1
 SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+# Sourced by the server's start script, as the rabbitmq user. Every quorum queue keeps files
+# open; at the usual 1024 descriptors a few hundred queues starve new connections (accepted,
+# never answered), so take the hard limit.
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 CONF
   as_root tee /etc/rabbitmq/rabbitmq.conf >/dev/null <<'CONF'
 listeners.tcp.default = 127.0.0.1:5672
