@@ -135,6 +135,16 @@ impl Buffer {
         self.lock().entries.iter().map(|(e, _)| e.clone()).collect()
     }
 
+    /// The (task, owner) pairs buffered, for the heartbeat: no results copied.
+    pub fn claims(&self) -> Vec<(Uuid, String)> {
+        let inner = self.lock();
+        inner
+            .entries
+            .iter()
+            .map(|(e, _)| (e.id, e.owner.clone()))
+            .collect()
+    }
+
     /// Drops the entries `done` says are settled and rewrites the file durably. Blocking.
     pub fn remove(&self, done: impl Fn(&Transition) -> bool) -> Result<(), BufferError> {
         let mut inner = self.lock();

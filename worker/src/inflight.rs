@@ -69,9 +69,9 @@ pub async fn heartbeat_loop(
         }
         let mut ids = in_flight.ids();
         let mut owners = vec![worker_id.clone(); ids.len()];
-        for buffered in recorder.buffer.entries() {
-            ids.push(buffered.id);
-            owners.push(buffered.owner);
+        for (id, owner) in recorder.buffer.claims() {
+            ids.push(id);
+            owners.push(owner);
         }
         let beat = recorder.db.heartbeat(&ids, &owners);
         if let Err(err) = recorder.breaker.call(beat).await {
