@@ -152,8 +152,8 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             )
             .await?;
             println!(
-                "redriven: {}  stale messages dropped: {}",
-                report.redriven, report.stale
+                "redriven: {}  returned (still waiting): {}  stale messages dropped: {}  kept parked: {}",
+                report.redriven, report.returned, report.stale, report.kept
             );
         }
         Command::StateAt {

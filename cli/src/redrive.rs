@@ -4,22 +4,53 @@ use anyhow::Context;
 use conveyor_core::amqp::{self, Publisher, QueueNames};
 use conveyor_core::db::Db;
 use conveyor_core::requeue::publish_and_commit;
-use conveyor_core::task::TaskMessage;
+use conveyor_core::task::{TaskMessage, TaskRecord};
 use conveyor_core::task_type::Backoff;
+use conveyor_core::TaskState;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
 /// How a redrive went.
 #[derive(Debug, Default)]
 pub struct RedriveReport {
+    /// Dead-lettered tasks sent back to the work queue (DEAD_LETTER → QUEUED).
     pub redriven: usize,
-    /// Messages whose task was not dead-lettered at that attempt (already redriven, or a
-    /// stale copy); acked and dropped.
+    /// Tasks still waiting for a worker whose only message had been parked here (the
+    /// broker's delivery limit dead-letters redeliveries that were no task failure): sent
+    /// back to the work queue with attempt + 1 (QUEUED → QUEUED).
+    pub returned: usize,
+    /// Superseded copies (the task has moved on to a later attempt or is COMPLETED) and
+    /// probes: acked and dropped.
     pub stale: usize,
+    /// Messages of tasks that are owned right now, or unknown to this database: left
+    /// parked, never dropped.
+    pub kept: usize,
 }
 
-/// Moves up to `limit` tasks from `task_type`'s remediation queue back to its work queue.
+/// What to do with one remediation message, from the task's row.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Drop,
+    Keep,
+}
+
+fn verdict(message: &TaskMessage, task: Option<&TaskRecord>) -> Verdict {
+    match task {
+        // Perhaps the wrong database: nothing here says the message is dispensable.
+        None => Verdict::Keep,
+        Some(task) if task.state == TaskState::Completed => Verdict::Drop,
+        // A later attempt has its own message (or is done); this copy is fenced anyway.
+        Some(task) if task.attempt > message.attempt => Verdict::Drop,
+        // Owned at this attempt (its fate is in the database and the reaper's hands), or
+        // a state this redrive cannot explain: keep it.
+        Some(_) => Verdict::Keep,
+    }
+}
+
+/// Moves up to `limit` messages from `task_type`'s remediation queue back to its work queue.
 /// Each task is re-queued in the database and published before its remediation message is
-/// acked, so an interrupted redrive loses nothing and can simply be run again.
+/// acked, so an interrupted redrive loses nothing and can simply be run again. A message is
+/// dropped only when its task is COMPLETED or has moved on to a later attempt; the message
+/// of a task that is still waiting goes back to the work queue.
 pub async fn redrive(
     db: &Db,
     amqp_url: &str,
@@ -32,40 +63,127 @@ pub async fn redrive(
     let channel = conn.create_channel().await.context("opening a channel")?;
     let queue = QueueNames::of(task_type).remediation;
     let mut report = RedriveReport::default();
-    while report.redriven + report.stale < limit {
-        let Some(delivery) = amqp::get_one(&channel, &queue).await? else {
-            break;
-        };
-        let task: TaskMessage = match serde_json::from_slice(&delivery.data) {
-            Ok(task) => task,
-            Err(err) => {
-                // Leave unreadable messages parked for a human; stop so we do not spin on them.
-                let _ = delivery
+    // Kept messages stay unacked until the end, so that `basic.get` moves on past them.
+    let mut kept = Vec::new();
+    let result = async {
+        while report.redriven + report.returned + report.stale + report.kept < limit {
+            let Some(delivery) = amqp::get_one(&channel, &queue).await? else {
+                break;
+            };
+            if amqp::probe_id(&delivery).is_some() {
+                report.stale += 1;
+                delivery
                     .acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await;
-                anyhow::bail!("unreadable message in {queue}: {err}");
+                    .ack(BasicAckOptions::default())
+                    .await
+                    .context("acking")?;
+                continue;
             }
-        };
-        match db.begin_redrive(task.id, task.attempt, by).await? {
-            Some(pending) => {
+            let task: TaskMessage = match serde_json::from_slice(&delivery.data) {
+                Ok(task) => task,
+                Err(err) => {
+                    // Unreadable: leave it parked for a human and say so.
+                    eprintln!("unreadable message in {queue} ({err}); kept parked");
+                    report.kept += 1;
+                    kept.push(delivery);
+                    continue;
+                }
+            };
+            if let Some(pending) = db.begin_redrive(task.id, task.attempt, by).await? {
                 // Redriven tasks go to the work queue at once; no backoff applies.
                 publish_and_commit(publisher, pending, &Backoff::default())
                     .await
                     .with_context(|| format!("redriving task {}", task.id))?;
                 report.redriven += 1;
+            } else if let Some(pending) = db
+                .begin_return(
+                    task.id,
+                    task.attempt,
+                    &format!("its message was parked in {queue} while it waited; returned by {by}"),
+                )
+                .await?
+            {
+                publish_and_commit(publisher, pending, &Backoff::default())
+                    .await
+                    .with_context(|| format!("returning task {}", task.id))?;
+                report.returned += 1;
+            } else if verdict(&task, db.task(task.id).await?.as_ref()) == Verdict::Keep {
+                report.kept += 1;
+                kept.push(delivery);
+                continue;
+            } else {
+                report.stale += 1;
             }
-            None => report.stale += 1,
+            delivery
+                .acker
+                .ack(BasicAckOptions::default())
+                .await
+                .context("acking")?;
         }
-        delivery
-            .acker
-            .ack(BasicAckOptions::default())
-            .await
-            .context("acking")?;
+        anyhow::Ok(())
+    }
+    .await;
+    for delivery in kept {
+        let requeue = BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        };
+        let _ = delivery.acker.nack(requeue).await;
     }
     let _ = conn.close(200, "redrive done").await;
-    Ok(report)
+    result.map(|()| report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: TaskState, attempt: i32) -> TaskRecord {
+        let message = message(attempt);
+        TaskRecord {
+            id: message.id,
+            idempotency_key: message.idempotency_key,
+            task_type: message.task_type,
+            state,
+            attempt,
+            retries: 0,
+            owner: None,
+            payload: message.payload,
+            result: None,
+            error: None,
+            created_at: message.submitted_at,
+            updated_at: message.submitted_at,
+            suspect: false,
+        }
+    }
+
+    fn message(attempt: i32) -> TaskMessage {
+        TaskMessage {
+            id: uuid::Uuid::nil(),
+            task_type: "t".into(),
+            attempt,
+            idempotency_key: uuid::Uuid::nil(),
+            payload: serde_json::json!({}),
+            submitted_at: chrono::DateTime::UNIX_EPOCH,
+            suspect: false,
+        }
+    }
+
+    #[test]
+    fn only_completed_or_superseded_messages_are_dropped() {
+        use TaskState::*;
+        let m = message(2);
+        assert_eq!(verdict(&m, Some(&record(Completed, 2))), Verdict::Drop);
+        assert_eq!(verdict(&m, Some(&record(Queued, 3))), Verdict::Drop);
+        assert_eq!(verdict(&m, Some(&record(DeadLetter, 3))), Verdict::Drop);
+        for state in [Processing, Claimed, Failed, RetryClaimed] {
+            assert_eq!(
+                verdict(&m, Some(&record(state, 2))),
+                Verdict::Keep,
+                "{state}"
+            );
+        }
+        assert_eq!(verdict(&m, Some(&record(Queued, 1))), Verdict::Keep);
+        assert_eq!(verdict(&m, None), Verdict::Keep);
+    }
 }

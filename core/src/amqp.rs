@@ -16,7 +16,9 @@ use lapin::options::{
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::Mutex;
+use uuid::Uuid;
 
 use crate::task::{Requeue, TaskMessage};
 
@@ -183,69 +185,125 @@ pub struct Outgoing {
     pub delay: Option<Duration>,
 }
 
-/// A confirmed publisher over one lazily (re)opened connection.
-pub struct Publisher {
+/// One lazily (re)opened connection and channel, counted so that tests and metrics can
+/// tell a reconnect from a reused link.
+struct Link {
     url: String,
     name: String,
+    confirms: bool,
+    slot: Mutex<Option<(Connection, Channel)>>,
+    connects: AtomicU64,
+}
+
+impl Link {
+    fn new(url: String, name: String, confirms: bool) -> Self {
+        Link {
+            url,
+            name,
+            confirms,
+            slot: Mutex::new(None),
+            connects: AtomicU64::new(0),
+        }
+    }
+
+    /// The channel, reconnecting when the connection was lost, and opening a new channel
+    /// on the same connection when only the channel was closed (a 404 or 406 closes it).
+    async fn channel(&self) -> AmqpResult<Channel> {
+        let mut slot = self.slot.lock().await;
+        if let Some((conn, channel)) = slot.as_mut() {
+            if conn.status().connected() {
+                if channel.status().connected() {
+                    return Ok(channel.clone());
+                }
+                let fresh = self.open_channel(conn).await?;
+                *channel = fresh.clone();
+                return Ok(fresh);
+            }
+        }
+        *slot = None;
+        let conn = connect(&self.url, &self.name).await?;
+        self.connects.fetch_add(1, Ordering::Relaxed);
+        let channel = self.open_channel(&conn).await?;
+        *slot = Some((conn, channel.clone()));
+        Ok(channel)
+    }
+
+    async fn open_channel(&self, conn: &Connection) -> AmqpResult<Channel> {
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::Unavailable)?;
+        if self.confirms {
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(AmqpError::Unavailable)?;
+        }
+        Ok(channel)
+    }
+
+    /// Drops the connection so that the next call starts afresh.
+    async fn reset(&self) {
+        if let Some((conn, _)) = self.slot.lock().await.take() {
+            let _ = conn.close(0, "resetting the link").await;
+        }
+    }
+}
+
+/// A confirmed publisher over one lazily (re)opened connection.
+pub struct Publisher {
+    link: Link,
     confirm_timeout: Duration,
-    channel: Mutex<Option<(Connection, Channel)>>,
 }
 
 impl Publisher {
     /// `name` is the connection name the broker shows.
     pub fn new(url: impl Into<String>, name: impl Into<String>, confirm_timeout: Duration) -> Self {
         Publisher {
-            url: url.into(),
-            name: name.into(),
+            link: Link::new(url.into(), name.into(), true),
             confirm_timeout,
-            channel: Mutex::new(None),
         }
     }
 
-    /// A channel in confirm mode, reconnecting when the last one was lost.
+    /// Connections opened so far (1 for a publisher that never lost its link).
+    pub fn connections_opened(&self) -> u64 {
+        self.link.connects.load(Ordering::Relaxed)
+    }
+
     async fn channel(&self) -> AmqpResult<Channel> {
-        let mut slot = self.channel.lock().await;
-        if let Some((conn, channel)) = slot.as_ref() {
-            if conn.status().connected() && channel.status().connected() {
-                return Ok(channel.clone());
-            }
-        }
-        *slot = None;
-        let conn = connect(&self.url, &self.name).await?;
-        let channel = conn
-            .create_channel()
-            .await
-            .map_err(AmqpError::Unavailable)?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(AmqpError::Unavailable)?;
-        *slot = Some((conn, channel.clone()));
-        Ok(channel)
+        self.link.channel().await
     }
 
-    /// Drops the channel so that the next publish starts afresh.
     async fn reset(&self) {
-        if let Some((conn, _)) = self.channel.lock().await.take() {
-            let _ = conn.close(0, "resetting publisher").await;
-        }
+        self.link.reset().await
     }
 
     /// Declares a task type's queues on the publisher's connection.
     pub async fn declare_task_type(&self, task_type: &str) -> AmqpResult<()> {
         let channel = self.channel().await?;
         let result = declare_task_type(&channel, task_type).await;
-        if result.is_err() {
+        if matches!(result, Err(AmqpError::Unavailable(_))) {
             self.reset().await;
         }
         result
     }
 
-    /// Ready messages in a queue.
-    pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
+    /// Publishes a probe (decision 0011) to `task_type`'s work queue and waits for its
+    /// confirm. A worker that takes it off the queue reports it seen.
+    pub async fn publish_probe(&self, task_type: &str, id: Uuid) -> AmqpResult<()> {
         let channel = self.channel().await?;
-        let result = ready_count(&channel, queue).await;
-        if result.is_err() {
+        let queue = QueueNames::of(task_type).main;
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "probe": id })).map_err(AmqpError::Encode)?;
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_type(ShortString::from(PROBE_KIND))
+            .with_message_id(ShortString::from(id.to_string()));
+        let result = self.confirmed(&channel, &queue, &body, properties).await;
+        if matches!(
+            result,
+            Err(AmqpError::Unavailable(_) | AmqpError::ConfirmTimeout(_))
+        ) {
             self.reset().await;
         }
         result
@@ -284,13 +342,24 @@ impl Publisher {
             properties =
                 properties.with_expiration(ShortString::from(delay.as_millis().to_string()));
         }
+        self.confirmed(channel, queue, &body, properties).await
+    }
+
+    /// One mandatory publish, confirmed within the confirm timeout.
+    async fn confirmed(
+        &self,
+        channel: &Channel,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> AmqpResult<()> {
         let options = BasicPublishOptions {
             mandatory: true,
             ..BasicPublishOptions::default()
         };
         let confirm = async {
             channel
-                .basic_publish("", queue, options, &body, properties)
+                .basic_publish("", queue, options, body, properties)
                 .await?
                 .await
         };
@@ -305,6 +374,49 @@ impl Publisher {
             Ok(Ok(Confirmation::NotRequested)) => Err(AmqpError::Nacked),
         }
     }
+}
+
+/// Reads queue depths on a connection of its own, never the publisher's: a depth poll or
+/// readiness probe on a queue that does not exist (a TaskType being created or deleted)
+/// closes only this channel, which is reopened on the same connection.
+pub struct QueueObserver {
+    link: Link,
+}
+
+impl QueueObserver {
+    pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
+        QueueObserver {
+            link: Link::new(url.into(), name.into(), false),
+        }
+    }
+
+    /// Ready messages in a queue; a missing queue is [`AmqpError::NoQueue`].
+    pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
+        let channel = self.link.channel().await?;
+        let result = ready_count(&channel, queue).await;
+        if matches!(result, Err(AmqpError::Unavailable(_))) {
+            self.link.reset().await;
+        }
+        result
+    }
+}
+
+/// The message type of a probe (decision 0011); task messages carry none.
+pub const PROBE_KIND: &str = "conveyor.probe";
+
+/// The probe id, if `delivery` is a probe rather than a task.
+pub fn probe_id(delivery: &lapin::message::Delivery) -> Option<Uuid> {
+    let kind = delivery.properties.kind().as_ref()?;
+    if kind.as_str() != PROBE_KIND {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        probe: Uuid,
+    }
+    serde_json::from_slice::<Probe>(&delivery.data)
+        .ok()
+        .map(|p| p.probe)
 }
 
 /// lapin's errors are not `Clone`; a failed connect is reported once per message.

@@ -57,12 +57,23 @@ pub struct DatabaseArgs {
         default_value_t = 16
     )]
     pub max_connections: u32,
+    /// The server cancels any statement that runs longer (PostgreSQL `statement_timeout`),
+    /// so a call its caller gave up on cannot commit later; 0 turns it off. Workers use the
+    /// smaller of this and their database call timeout.
+    #[arg(
+        long = "database-statement-timeout-ms",
+        env = "CONVEYOR_DATABASE_STATEMENT_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub statement_timeout_ms: u64,
 }
 
 impl DatabaseArgs {
     pub fn options(&self) -> DbOptions {
         DbOptions {
             max_connections: self.max_connections,
+            statement_timeout: (self.statement_timeout_ms > 0)
+                .then(|| Duration::from_millis(self.statement_timeout_ms)),
             ..DbOptions::new(self.url.expose().clone())
         }
     }

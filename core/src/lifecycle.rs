@@ -85,8 +85,17 @@ impl FromStr for TaskState {
 }
 
 /// Every allowed transition, and why it happens.
-pub const TRANSITIONS: [(TaskState, TaskState, &str); 12] = [
-    (Ingested, Queued, "the broker confirmed the publish"),
+pub const TRANSITIONS: [(TaskState, TaskState, &str); 13] = [
+    (
+        Ingested,
+        Queued,
+        "the broker confirmed the publish, or the sweeper re-published it",
+    ),
+    (
+        Queued,
+        Queued,
+        "its message was lost: re-published with attempt + 1 (decision 0011)",
+    ),
     (Queued, Claimed, "a worker won the compare-and-set"),
     (Claimed, Processing, "the handler started"),
     (Processing, Completed, "the handler succeeded"),
@@ -161,6 +170,7 @@ mod tests {
     fn exactly_the_table_is_allowed() {
         let expected: &[(TaskState, TaskState)] = &[
             (Ingested, Queued),
+            (Queued, Queued),
             (Queued, Claimed),
             (Claimed, Processing),
             (Processing, Completed),

@@ -44,6 +44,12 @@ pub struct Metrics {
     pub buffer_bytes: IntGauge,
     /// Worker: buffered outcomes replayed, by task type and what the database made of them.
     pub replayed: IntCounterVec,
+    /// Upkeep: tasks re-published because their message was lost (decision 0011).
+    pub republished: IntCounterVec,
+    /// Upkeep: probes sent through the work queues.
+    pub probes: IntCounterVec,
+    /// Worker: buffered outcomes the database refused for good, set aside for a human.
+    pub quarantined: IntCounterVec,
 }
 
 /// Registers a labelled counter named `conveyor_<name>`.
@@ -119,6 +125,24 @@ impl Metrics {
                 "replayed_transitions_total",
                 "Buffered outcomes replayed, by what the database made of them",
                 &["task_type", "outcome"],
+            ),
+            republished: counter(
+                r,
+                "tasks_republished_total",
+                "Waiting tasks re-published because a probe showed their message was lost",
+                &["task_type"],
+            ),
+            probes: counter(
+                r,
+                "probes_total",
+                "Probes published through the work queues",
+                &["task_type"],
+            ),
+            quarantined: counter(
+                r,
+                "quarantined_transitions_total",
+                "Buffered outcomes the database refused for good, moved out of the buffer",
+                &["task_type"],
             ),
             submissions: counter(
                 r,

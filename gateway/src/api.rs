@@ -76,6 +76,28 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<Uuid>, ApiError> {
         })
 }
 
+/// Runs a submission to its end even if the client hangs up: hyper drops a handler's future
+/// when its connection goes away, and a task recorded but never published (or published
+/// but never marked QUEUED) must not depend on the client staying to hear the answer.
+async fn submit_detached(
+    state: &Arc<ApiState>,
+    client: &str,
+    submissions: Vec<Submission>,
+) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
+    let state = state.clone();
+    let client = client.to_owned();
+    tokio::spawn(async move { state.ingestor.submit(&client, submissions).await })
+        .await
+        .unwrap_or_else(|join| {
+            tracing::error!(error = %join, "submission task failed");
+            Err(ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "the submission failed inside the gateway",
+            ))
+        })
+}
+
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct SingleRequest {
@@ -97,7 +119,7 @@ async fn submit_one(
         payload: request.payload,
         idempotency_key: key,
     };
-    let mut answers = state.ingestor.submit(client, vec![submission]).await?;
+    let mut answers = submit_detached(&state, client, vec![submission]).await?;
     let accepted = answers
         .pop()
         .unwrap_or_else(|| Err(ApiError::bad_request("empty", "no task")))?;
@@ -138,7 +160,7 @@ async fn submit_batch(
             format!("a batch holds 1 to {} tasks", state.max_batch_tasks),
         ));
     }
-    let answers = state.ingestor.submit(client, request.tasks).await?;
+    let answers = submit_detached(&state, client, request.tasks).await?;
     let results: Vec<BatchAnswer> = answers
         .into_iter()
         .map(|answer| match answer {

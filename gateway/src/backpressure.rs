@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use conveyor_core::amqp::{Publisher, QueueNames};
+use conveyor_core::amqp::{QueueNames, QueueObserver};
 use conveyor_core::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
@@ -81,7 +81,7 @@ impl DepthMonitor {
     /// Polls every task type's work queue until `shutdown`.
     pub async fn run(
         self: Arc<Self>,
-        publisher: Arc<Publisher>,
+        observer: Arc<QueueObserver>,
         task_types: Arc<Registry>,
         interval: Duration,
         metrics: Metrics,
@@ -95,7 +95,7 @@ impl DepthMonitor {
                 _ = tick.tick() => {}
             }
             for task_type in &task_types.names() {
-                match publisher.ready_count(&QueueNames::of(task_type).main).await {
+                match observer.ready_count(&QueueNames::of(task_type).main).await {
                     Ok(depth) => {
                         self.record(task_type, u64::from(depth));
                         metrics

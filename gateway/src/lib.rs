@@ -9,6 +9,7 @@ pub mod error;
 pub mod ingest;
 pub mod rate_limit;
 pub mod registry;
+pub mod upkeep;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use std::time::Duration;
 use crate::registry::Registry;
 use anyhow::Context;
 use conveyor_core::admin;
-use conveyor_core::amqp::Publisher;
+use conveyor_core::amqp::{Publisher, QueueObserver};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::TaskTypes;
@@ -60,6 +61,9 @@ pub struct GatewayConfig {
     pub depth_interval: Duration,
     /// Run migrations at start.
     pub migrate: bool,
+    /// The upkeep loop (reaper, orphan sweeper, audit partitions); `None` runs none, for a
+    /// gateway beside others that do.
+    pub upkeep: Option<upkeep::UpkeepConfig>,
 }
 
 /// Serves the gateway on `listener` until `shutdown`, then drains in-flight requests.
@@ -108,14 +112,31 @@ pub async fn run(
             registry
         }
     };
+    // Depth polls and readiness probes get a connection of their own: a missing queue
+    // must not close the publishing connection.
+    let observer = Arc::new(QueueObserver::new(
+        &config.amqp_url,
+        "conveyor-gateway/depths",
+    ));
     let depths = Arc::new(DepthMonitor::default());
     tokio::spawn(depths.clone().run(
-        publisher.clone(),
+        observer.clone(),
         types.clone(),
         config.depth_interval,
         metrics.clone(),
         shutdown.clone(),
     ));
+
+    if let Some(upkeep) = config.upkeep.clone() {
+        tokio::spawn(upkeep::run(
+            db.clone(),
+            publisher.clone(),
+            types.clone(),
+            upkeep,
+            metrics.clone(),
+            shutdown.clone(),
+        ));
+    }
 
     let state = Arc::new(ApiState {
         ingestor: Ingestor {
@@ -132,7 +153,7 @@ pub async fn run(
     });
     let ready: admin::ReadinessCheck = Arc::new(move || {
         let db = db.clone();
-        let publisher = publisher.clone();
+        let observer = observer.clone();
         let probe_type = types.names().into_iter().next();
         let declared = declared.clone();
         Box::pin(async move {
@@ -142,7 +163,7 @@ pub async fn run(
             db.ping().await.map_err(|e| format!("database: {e}"))?;
             if let Some(task_type) = probe_type {
                 let queue = conveyor_core::amqp::QueueNames::of(&task_type).main;
-                publisher
+                observer
                     .ready_count(&queue)
                     .await
                     .map_err(|e| format!("broker: {e}"))?;

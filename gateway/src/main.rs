@@ -6,8 +6,10 @@ use clap::Parser;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret, TelemetryArgs};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::load_task_types;
+use conveyor_core::upkeep::SweepSettings;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
+use conveyor_gateway::upkeep::UpkeepConfig;
 use conveyor_gateway::{GatewayConfig, TaskTypeSource};
 use tokio_util::sync::CancellationToken;
 
@@ -66,12 +68,44 @@ struct Args {
     /// Do not run database migrations at start.
     #[arg(long, env = "CONVEYOR_NO_MIGRATE")]
     no_migrate: bool,
+    /// Run no upkeep here (reaper, orphan sweeper, audit partitions): only for a gateway
+    /// beside others that run it.
+    #[arg(long, env = "CONVEYOR_NO_UPKEEP")]
+    no_upkeep: bool,
+    /// How often the upkeep loop passes over every task type, in milliseconds.
+    #[arg(long, env = "CONVEYOR_UPKEEP_INTERVAL_MS", default_value_t = 2000)]
+    upkeep_interval_ms: u64,
+    /// A task that waited unclaimed this long makes the sweeper send a probe through its
+    /// work queue, and probes are sent at most this often per type (decision 0011).
+    #[arg(long, env = "CONVEYOR_PROBE_INTERVAL_MS", default_value_t = 10_000)]
+    probe_interval_ms: u64,
+    /// A probe seen this long ago proves lost the messages of tasks queued before it.
+    #[arg(long, env = "CONVEYOR_PROBE_GRACE_MS", default_value_t = 5000)]
+    probe_grace_ms: u64,
+    /// Audit partitions older than this many days are dropped (0 keeps them for ever).
+    #[arg(long, env = "CONVEYOR_AUDIT_RETENTION_DAYS", default_value_t = 90)]
+    audit_retention_days: i32,
     #[command(flatten)]
     database: DatabaseArgs,
     #[command(flatten)]
     amqp: AmqpArgs,
     #[command(flatten)]
     telemetry: TelemetryArgs,
+}
+
+fn upkeep_config(args: &Args) -> UpkeepConfig {
+    let mut sweep = SweepSettings::for_confirm_timeout(args.amqp.confirm_timeout());
+    let probe_interval = Duration::from_millis(args.probe_interval_ms.max(100));
+    sweep.probe.min_wait = probe_interval;
+    sweep.probe.interval = probe_interval;
+    sweep.grace = Duration::from_millis(args.probe_grace_ms);
+    UpkeepConfig {
+        interval: Duration::from_millis(args.upkeep_interval_ms.max(50)),
+        sweep,
+        partitions_every: Duration::from_secs(3600),
+        retention_days: (args.audit_retention_days > 0).then_some(args.audit_retention_days),
+        name: format!("gateway-upkeep/{}", std::process::id()),
+    }
 }
 
 #[tokio::main]
@@ -109,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
         max_batch_tasks: args.max_batch_tasks,
         depth_interval: Duration::from_millis(args.depth_interval_ms.max(50)),
         migrate: !args.no_migrate,
+        upkeep: (!args.no_upkeep).then(|| upkeep_config(&args)),
     };
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

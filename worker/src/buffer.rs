@@ -135,13 +135,13 @@ impl Buffer {
         self.lock().entries.iter().map(|(e, _)| e.clone()).collect()
     }
 
-    /// The (task, owner) pairs buffered, for the heartbeat: no results copied.
-    pub fn claims(&self) -> Vec<(Uuid, String)> {
+    /// The (task, attempt, owner) claims buffered, for the heartbeat: no results copied.
+    pub fn claims(&self) -> Vec<(Uuid, i32, String)> {
         let inner = self.lock();
         inner
             .entries
             .iter()
-            .map(|(e, _)| (e.id, e.owner.clone()))
+            .map(|(e, _)| (e.id, e.attempt, e.owner.clone()))
             .collect()
     }
 

@@ -9,24 +9,27 @@ use uuid::Uuid;
 
 use crate::outcome::Recorder;
 
-/// Owned tasks by id, each with the token that stops its handler when the drain runs out.
+/// Owned tasks by (id, attempt), each with the token that stops its handler when the drain
+/// runs out. The attempt is part of the key: an old attempt of a task finishing here (its
+/// owner was presumed dead and the task re-queued) must not end a newer attempt's claim.
 #[derive(Clone, Default)]
 pub struct InFlight {
-    tasks: Arc<Mutex<HashMap<Uuid, CancellationToken>>>,
+    tasks: Arc<Mutex<HashMap<(Uuid, i32), CancellationToken>>>,
 }
 
 impl InFlight {
-    pub fn insert(&self, id: Uuid) -> CancellationToken {
+    pub fn insert(&self, id: Uuid, attempt: i32) -> CancellationToken {
         let token = CancellationToken::new();
-        self.lock().insert(id, token.clone());
+        self.lock().insert((id, attempt), token.clone());
         token
     }
 
-    pub fn remove(&self, id: Uuid) {
-        self.lock().remove(&id);
+    pub fn remove(&self, id: Uuid, attempt: i32) {
+        self.lock().remove(&(id, attempt));
     }
 
-    pub fn ids(&self) -> Vec<Uuid> {
+    /// Every owned (task, attempt).
+    pub fn claims(&self) -> Vec<(Uuid, i32)> {
         self.lock().keys().copied().collect()
     }
 
@@ -45,7 +48,7 @@ impl InFlight {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, CancellationToken>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Uuid, i32), CancellationToken>> {
         self.tasks.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -67,13 +70,14 @@ pub async fn heartbeat_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let mut ids = in_flight.ids();
+        let (mut ids, mut attempts): (Vec<Uuid>, Vec<i32>) = in_flight.claims().into_iter().unzip();
         let mut owners = vec![worker_id.clone(); ids.len()];
-        for (id, owner) in recorder.buffer.claims() {
+        for (id, attempt, owner) in recorder.buffer.claims() {
             ids.push(id);
+            attempts.push(attempt);
             owners.push(owner);
         }
-        let beat = recorder.db.heartbeat(&ids, &owners);
+        let beat = recorder.db.heartbeat(&ids, &attempts, &owners);
         if let Err(err) = recorder.breaker.call(beat).await {
             recorder
                 .metrics
@@ -82,5 +86,28 @@ pub async fn heartbeat_loop(
                 .inc();
             tracing::warn!(error = %err, tasks = ids.len(), "heartbeat failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_old_attempt_finishing_leaves_the_newer_claim_alone() {
+        let in_flight = InFlight::default();
+        let id = Uuid::new_v4();
+        // Attempt 1 ran long here, was presumed dead and re-queued; attempt 2 landed here too.
+        let old = in_flight.insert(id, 1);
+        let new = in_flight.insert(id, 2);
+        in_flight.remove(id, 1);
+        assert_eq!(
+            in_flight.claims(),
+            vec![(id, 2)],
+            "attempt 2 is still heartbeated"
+        );
+        in_flight.cancel_all();
+        assert!(new.is_cancelled());
+        assert!(!old.is_cancelled(), "attempt 1 was no longer tracked");
     }
 }

@@ -80,7 +80,16 @@ pub async fn run(
         !config.task_types.is_empty(),
         "the worker consumes no task type"
     );
-    let db = Db::connect(&config.database).context("database settings")?;
+    // The server gives up on a statement before this worker does: a claim or an outcome
+    // that timed out here must not commit afterwards behind the worker's back.
+    let server_limit = config.db_call_timeout.mul_f64(0.8);
+    let mut database = config.database.clone();
+    database.statement_timeout = Some(
+        database
+            .statement_timeout
+            .map_or(server_limit, |t| t.min(server_limit)),
+    );
+    let db = Db::connect(&database).context("database settings")?;
     let publisher = Arc::new(Publisher::new(
         &config.amqp_url,
         format!("{}/publish", config.worker_id),

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
+use conveyor_core::amqp;
 use conveyor_core::db::DbError;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::requeue;
@@ -15,7 +16,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tracing::Instrument;
 
 use crate::buffer::{Outcome, Transition};
-use crate::handler::Handler;
+use crate::handler::{Failure, Handler};
 use crate::inflight::InFlight;
 use crate::outcome::{Applied, Recorder};
 
@@ -43,6 +44,21 @@ enum Settle {
 
 impl Processor {
     pub async fn handle(&self, delivery: Delivery) {
+        if let Some(probe) = amqp::probe_id(&delivery) {
+            // Every message queued before this probe has now been handed out: the sweeper
+            // learns that from the seen mark (decision 0011). A mark that cannot be written
+            // costs only a later probe.
+            if let Err(err) = self
+                .recorder
+                .breaker
+                .call(self.recorder.db.probe_seen(probe))
+                .await
+            {
+                tracing::debug!(%probe, error = %err, "cannot mark the probe seen");
+            }
+            let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+            return;
+        }
         let task: TaskMessage = match serde_json::from_slice(&delivery.data) {
             Ok(task) => task,
             Err(err) => {
@@ -59,13 +75,7 @@ impl Processor {
         };
         let span = tracing::info_span!("task", id = %task.id, task_type = task.task_type,
             attempt = task.attempt, suspect = task.suspect);
-        let settle = if task.suspect {
-            let _alone = self.alone.write().await;
-            self.process(&task).instrument(span).await
-        } else {
-            let _beside_others = self.alone.read().await;
-            self.process(&task).instrument(span).await
-        };
+        let settle = self.process(&task).instrument(span).await;
         let acked = match settle {
             Settle::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
             Settle::Requeue => {
@@ -114,18 +124,15 @@ impl Processor {
         }
         self.metrics
             .record_path(name, &[Queued, Claimed, Processing]);
-        let cancel = self.in_flight.insert(task.id);
+        // Heartbeated from the claim on, also while a suspect waits to run alone: a claimed
+        // task never sits unclaimed in a worker's hands, where the sweeper would take its
+        // message for lost (decision 0011).
+        let cancel = self.in_flight.insert(task.id, task.attempt);
         self.metrics.in_flight.set(self.in_flight.len() as i64);
-        let started = Instant::now();
         let outcome = tokio::select! {
-            outcome = tokio::time::timeout(spec.timeout(), self.handler.run(task)) => Some(
-                outcome.unwrap_or_else(|_| Err(format!("timed out after {:?}", spec.timeout())))),
+            outcome = self.run_handler(spec, task) => Some(outcome),
             _ = cancel.cancelled() => None,
         };
-        self.metrics
-            .processing_seconds
-            .with_label_values(&[name])
-            .observe(started.elapsed().as_secs_f64());
         let settle = match outcome {
             Some(Ok(result)) => self.record(spec, task, Outcome::Completed { result }).await,
             Some(Err(error)) => {
@@ -134,9 +141,32 @@ impl Processor {
             }
             None => self.release(spec, task).await,
         };
-        self.in_flight.remove(task.id);
+        self.in_flight.remove(task.id, task.attempt);
         self.metrics.in_flight.set(self.in_flight.len() as i64);
         settle
+    }
+
+    /// Runs the handler under the task type's timeout: beside other tasks, or alone for a
+    /// suspect (if it crashes the worker, nothing healthy dies with it: decision 0008).
+    async fn run_handler(
+        &self,
+        spec: &NamedTaskType,
+        task: &TaskMessage,
+    ) -> Result<serde_json::Value, Failure> {
+        let (_alone, _beside_others) = if task.suspect {
+            (Some(self.alone.write().await), None)
+        } else {
+            (None, Some(self.alone.read().await))
+        };
+        let started = Instant::now();
+        let outcome = tokio::time::timeout(spec.timeout(), self.handler.run(task))
+            .await
+            .unwrap_or_else(|_| Err(format!("timed out after {:?}", spec.timeout())));
+        self.metrics
+            .processing_seconds
+            .with_label_values(&[spec.name.as_str()])
+            .observe(started.elapsed().as_secs_f64());
+        outcome
     }
 
     /// Writes the outcome, or buffers it when the database is unavailable; either way it

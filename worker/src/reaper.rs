@@ -10,16 +10,11 @@ use std::sync::Arc;
 use conveyor_core::amqp::Publisher;
 use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
-use conveyor_core::task::Requeue;
 use conveyor_core::task_type::NamedTaskType;
-use conveyor_core::TaskState;
+use conveyor_core::upkeep::{reap_once, BATCH};
 use tokio_util::sync::CancellationToken;
 
-use conveyor_core::requeue::publish_and_commit;
-
 use crate::breaker::Breaker;
-
-const BATCH: i64 = 100;
 
 /// Checks `spec`'s tasks every half heartbeat timeout until `stop`.
 ///
@@ -54,53 +49,18 @@ pub async fn reap_loop(
         loop {
             // Timed like every database call here: a silent link must not stall the loop.
             let pass = reap_once(&db, &publisher, &spec, &worker_id, &metrics);
-            let pass = tokio::time::timeout(breaker.call_timeout * 2, pass).await;
-            match pass.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
-                Ok(n) if n as i64 == BATCH => continue,
-                Ok(_) => break,
-                Err(err) => {
+            match tokio::time::timeout(breaker.call_timeout * 2, pass).await {
+                Ok(Ok(n)) if n as i64 == BATCH => continue,
+                Ok(Ok(_)) => break,
+                Ok(Err(err)) => {
                     tracing::warn!(task_type = spec.name, error = %err, "reaper pass failed");
+                    break;
+                }
+                Err(_) => {
+                    tracing::warn!(task_type = spec.name, "reaper pass timed out");
                     break;
                 }
             }
         }
     }
-}
-
-/// One pass: returns how many tasks were re-queued.
-pub async fn reap_once(
-    db: &Db,
-    publisher: &Publisher,
-    spec: &NamedTaskType,
-    worker_id: &str,
-    metrics: &Metrics,
-) -> anyhow::Result<usize> {
-    let pending = db
-        .begin_reap(
-            &spec.name,
-            spec.heartbeat_timeout(),
-            spec.max_retries as i32,
-            worker_id,
-            BATCH,
-        )
-        .await?;
-    let Some(pending) = pending else {
-        return Ok(0);
-    };
-    let tasks = pending.tasks.clone();
-    publish_and_commit(publisher, pending, &spec.backoff).await?;
-    for task in &tasks {
-        let name = spec.name.as_str();
-        metrics.heartbeat_timeouts.with_label_values(&[name]).inc();
-        let end = if task.route == Requeue::Remediation {
-            metrics.dead_letters.with_label_values(&[name]).inc();
-            TaskState::DeadLetter
-        } else {
-            TaskState::Queued
-        };
-        metrics.record_path(name, &[TaskState::RetryClaimed, end]);
-        tracing::info!(task = %task.message.id, attempt = task.message.attempt, ?end,
-            "owner stopped heartbeating; task re-queued");
-    }
-    Ok(tasks.len())
 }

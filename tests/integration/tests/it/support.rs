@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use conveyor_core::amqp::{Publisher, QueueNames};
+use conveyor_core::amqp::{Publisher, QueueNames, QueueObserver};
 use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::TaskEvent;
@@ -87,6 +87,8 @@ impl Harness {
             max_batch_tasks: 500,
             depth_interval: Duration::from_millis(200),
             migrate: false,
+            // Tests that need the reaper or the sweeper in the gateway ask for it.
+            upkeep: None,
         };
         adjust(&mut config);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -283,7 +285,7 @@ impl Harness {
     }
 
     pub async fn ready_count(&self, queue: &str) -> u32 {
-        self.publisher()
+        QueueObserver::new(testing::amqp_url(), "conveyor-test/depths")
             .ready_count(queue)
             .await
             .expect("queue exists")

@@ -25,6 +25,11 @@ use crate::task::{NewTask, Requeue, TaskEvent, TaskMessage, TaskRecord};
 
 use TaskState::*;
 
+mod partitions;
+mod sweep;
+
+pub use sweep::{OrphanRule, ProbePolicy};
+
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
     #[error("invalid database URL")]
@@ -143,6 +148,9 @@ struct EventRow {
     detail: Option<String>,
 }
 
+/// How far ahead audit partitions are made; the upkeep loop renews them hourly.
+pub const PARTITION_DAYS_AHEAD: i32 = 14;
+
 const TASK_COLUMNS: &str = "id, idempotency_key, task_type, state, attempt, retries, owner, \
                             payload, result, error, created_at, updated_at, suspect";
 
@@ -152,6 +160,9 @@ pub struct DbOptions {
     pub url: String,
     pub max_connections: u32,
     pub acquire_timeout: Duration,
+    /// The server cancels a statement that runs longer (`statement_timeout`). Set it at or
+    /// below the caller's own timeout: a call the client gave up on must not commit later.
+    pub statement_timeout: Option<Duration>,
 }
 
 impl DbOptions {
@@ -160,6 +171,7 @@ impl DbOptions {
             url: url.into(),
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
+            statement_timeout: Some(Duration::from_secs(30)),
         }
     }
 }
@@ -174,11 +186,16 @@ impl Db {
     /// Connects lazily: the pool opens connections on first use, so a process can start (and
     /// report not-ready) while the database is down.
     pub fn connect(options: &DbOptions) -> DbResult<Db> {
+        // A session stuck between BEGIN and COMMIT (a worker frozen mid re-queue) must not
+        // hold its row locks forever.
+        let mut settings = vec![("idle_in_transaction_session_timeout", "30s".to_owned())];
+        if let Some(timeout) = options.statement_timeout {
+            let millis = timeout.as_millis().max(1);
+            settings.push(("statement_timeout", format!("{millis}ms")));
+        }
         let connect = PgConnectOptions::from_str(&options.url)
             .map_err(DbError::Url)?
-            // A session stuck between BEGIN and COMMIT (a worker frozen mid re-queue) must
-            // not hold its row locks forever.
-            .options([("idle_in_transaction_session_timeout", "30s")]);
+            .options(settings.iter().map(|(k, v)| (*k, v.as_str())));
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
@@ -194,22 +211,17 @@ impl Db {
         self.ensure_partitions().await
     }
 
-    /// Creates the audit log's upcoming daily partitions.
+    /// Creates the audit log's upcoming daily partitions (two weeks ahead) and rescues rows
+    /// that landed in the default partition.
     pub async fn ensure_partitions(&self) -> DbResult<()> {
-        sqlx::query("SELECT conveyor_ensure_event_partitions()")
-            .execute(&self.pool)
-            .await?;
-        Ok(())
+        self.ensure_partitions_around(PARTITION_DAYS_AHEAD, None)
+            .await
+            .map(drop)
     }
 
     /// Drops audit partitions older than `keep_days`; returns their names.
     pub async fn drop_partitions(&self, keep_days: i32) -> DbResult<Vec<String>> {
-        Ok(
-            sqlx::query_scalar("SELECT conveyor_drop_event_partitions($1)")
-                .bind(keep_days)
-                .fetch_all(&self.pool)
-                .await?,
-        )
+        self.drop_partitions_before(keep_days, None).await
     }
 
     pub async fn ping(&self) -> DbResult<()> {
@@ -356,19 +368,27 @@ impl Db {
         Ok(events > 0)
     }
 
-    /// Keeps claims alive: task `ids[i]` owned by `owners[i]` (a worker heartbeats its own
-    /// tasks and those its previous process left in the degraded-mode buffer). Returns how
-    /// many are still owned.
-    pub async fn heartbeat(&self, ids: &[Uuid], owners: &[String]) -> DbResult<u64> {
+    /// Keeps claims alive: task `ids[i]` at `attempts[i]` owned by `owners[i]` (a worker
+    /// heartbeats its own tasks and those its previous process left in the degraded-mode
+    /// buffer). The attempt fences a beat for an older claim of a task off its newer one.
+    /// Returns how many are still owned.
+    pub async fn heartbeat(
+        &self,
+        ids: &[Uuid],
+        attempts: &[i32],
+        owners: &[String],
+    ) -> DbResult<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         Ok(sqlx::query(
             "UPDATE tasks t SET heartbeat_at = now()
-             FROM unnest($1::uuid[], $2::text[]) AS c(id, owner)
-             WHERE t.id = c.id AND t.owner = c.owner AND t.state IN ($3, $4)",
+             FROM unnest($1::uuid[], $2::int[], $3::text[]) AS c(id, attempt, owner)
+             WHERE t.id = c.id AND t.attempt = c.attempt AND t.owner = c.owner
+               AND t.state IN ($4, $5)",
         )
         .bind(ids)
+        .bind(attempts)
         .bind(owners)
         .bind(Claimed.as_str())
         .bind(Processing.as_str())
