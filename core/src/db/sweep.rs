@@ -122,17 +122,17 @@ impl Db {
         let mut tx = self.pool().begin().await?;
         let rows = sqlx::query(&format!(
             "WITH probe AS (
-                 SELECT id, sent_at, seen_at FROM queue_probes
+                 SELECT id AS probe_id, sent_at AS probe_sent_at, seen_at AS probe_seen_at
+                 FROM queue_probes
                  WHERE task_type = $1 AND seen_at < now() - make_interval(secs => $4)
                  ORDER BY sent_at DESC LIMIT 1
              )
-             SELECT {TASK_COLUMNS}, probe.id AS probe_id, probe.sent_at AS probe_sent_at,
-                 probe.seen_at AS probe_seen_at
+             SELECT {TASK_COLUMNS}, probe_id, probe_sent_at, probe_seen_at
              FROM tasks, probe
              WHERE tasks.task_type = $1 AND tasks.state IN ($2, $3)
                AND tasks.updated_at + CASE WHEN tasks.attempt > 0
                        THEN make_interval(secs => $6) ELSE interval '0' END
-                   < probe.sent_at - make_interval(secs => $5)
+                   < probe_sent_at - make_interval(secs => $5)
              ORDER BY tasks.updated_at
              LIMIT $7
              FOR UPDATE OF tasks SKIP LOCKED"

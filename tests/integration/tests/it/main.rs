@@ -9,4 +9,5 @@ mod degraded_mode;
 mod gateway_api;
 mod lifecycle_flows;
 mod outages;
+mod self_healing;
 mod worker_faults;
