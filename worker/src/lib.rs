@@ -69,6 +69,21 @@ impl WorkerConfig {
     }
 }
 
+/// The worker's database settings: the server gives up on a statement before the worker's
+/// own call timeout does, so a claim or an outcome that timed out here cannot commit
+/// afterwards behind the worker's back.
+pub fn database_options(options: &DbOptions, call_timeout: Duration) -> DbOptions {
+    let server_limit = call_timeout.mul_f64(0.8);
+    DbOptions {
+        statement_timeout: Some(
+            options
+                .statement_timeout
+                .map_or(server_limit, |t| t.min(server_limit)),
+        ),
+        ..options.clone()
+    }
+}
+
 /// Runs the worker until `shutdown`, then drains. `admin` serves /metrics and health.
 pub async fn run(
     config: WorkerConfig,
@@ -80,16 +95,8 @@ pub async fn run(
         !config.task_types.is_empty(),
         "the worker consumes no task type"
     );
-    // The server gives up on a statement before this worker does: a claim or an outcome
-    // that timed out here must not commit afterwards behind the worker's back.
-    let server_limit = config.db_call_timeout.mul_f64(0.8);
-    let mut database = config.database.clone();
-    database.statement_timeout = Some(
-        database
-            .statement_timeout
-            .map_or(server_limit, |t| t.min(server_limit)),
-    );
-    let db = Db::connect(&database).context("database settings")?;
+    let db = Db::connect(&database_options(&config.database, config.db_call_timeout))
+        .context("database settings")?;
     let publisher = Arc::new(Publisher::new(
         &config.amqp_url,
         format!("{}/publish", config.worker_id),

@@ -251,8 +251,12 @@ async fn audit_log_partitions_exist_ahead_and_retention_drops_old_days() {
     .fetch_all(db.pool())
     .await
     .unwrap();
-    // yesterday..today+7, plus the default partition
-    assert_eq!(partitions.len(), 10, "{partitions:?}");
+    // yesterday..today+14, plus the default partition
+    assert_eq!(
+        partitions.len(),
+        conveyor_core::db::PARTITION_DAYS_AHEAD as usize + 3,
+        "{partitions:?}"
+    );
     // Simulate an old day and check that retention drops it and nothing else.
     sqlx::query(
         "CREATE TABLE task_events_20200101 PARTITION OF task_events
@@ -266,4 +270,117 @@ async fn audit_log_partitions_exist_ahead_and_retention_drops_old_days() {
         ["task_events_20200101"]
     );
     db.ensure_partitions().await.unwrap();
+}
+
+/// Rows in the default partition, and rows in the whole audit log.
+async fn audit_rows(db: &conveyor_core::db::Db) -> (i64, i64) {
+    let default: i64 = sqlx::query_scalar("SELECT count(*) FROM task_events_default")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    let all: i64 = sqlx::query_scalar("SELECT count(*) FROM task_events")
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    (default, all)
+}
+
+#[tokio::test]
+async fn weeks_without_partition_upkeep_lose_no_row_and_the_next_start_succeeds() {
+    use chrono::{Days, NaiveTime};
+    let db = TestDatabase::create().await.db;
+    let start = chrono::Utc::now().date_naive();
+    let ahead = conveyor_core::db::PARTITION_DAYS_AHEAD;
+    let mut written = 0;
+    let mut rescued_some = false;
+    // Eight weeks; upkeep runs only every third week, so the weeks between outrun the
+    // partitions made ahead and their rows land in the default partition.
+    for week in 0..8u64 {
+        let today = start + Days::new(7 * week);
+        for day in 0..7u64 {
+            let at = (today + Days::new(day)).and_time(NaiveTime::from_hms_opt(12, 0, 0).unwrap());
+            sqlx::query(
+                "INSERT INTO task_events (task_id, task_type, to_state, attempt, at)
+                 VALUES (gen_random_uuid(), 'weeks', 'INGESTED', 0, $1)",
+            )
+            .bind(at.and_utc())
+            .execute(db.pool())
+            .await
+            .unwrap();
+            written += 1;
+        }
+        if week % 3 != 0 {
+            continue;
+        }
+        let (in_default, _) = audit_rows(&db).await;
+        rescued_some |= in_default > 0;
+        // The start on that day: partitions around it, and the default partition's rows
+        // moved into theirs. (Before the fix this failed with "updated partition constraint
+        // for default partition would be violated" once a day's rows sat in the default.)
+        db.ensure_partitions_around(ahead, Some(today))
+            .await
+            .unwrap();
+        db.migrate().await.unwrap();
+        let (in_default, all) = audit_rows(&db).await;
+        assert_eq!(
+            in_default, 0,
+            "week {week}: rows left in the default partition"
+        );
+        assert_eq!(all, written, "week {week}: every row kept");
+    }
+    assert!(
+        rescued_some,
+        "the test must put rows in the default partition"
+    );
+    // Retention as of the last day drops whole days only, older than the cutoff.
+    let last = start + Days::new(7 * 7);
+    let dropped = db.drop_partitions_before(30, Some(last)).await.unwrap();
+    assert!(!dropped.is_empty());
+    let cutoff = (last - Days::new(30)).and_time(NaiveTime::MIN).and_utc();
+    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM task_events WHERE at >= $1")
+        .bind(cutoff)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    let (_, all) = audit_rows(&db).await;
+    assert_eq!(all, kept, "only days before the cutoff were dropped");
+}
+
+#[tokio::test]
+async fn a_claim_the_worker_gave_up_on_does_not_commit_later() {
+    let owner_db = TestDatabase::create().await;
+    let db = owner_db.db.clone();
+    let task_type = unique_type("late");
+    let task = new_task(&task_type);
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
+    db.mark_queued(&[task.id]).await.unwrap();
+    // Something holds the row (a slow re-queue, a vacuum, a lock queue) for 3 s.
+    let mut blocker = db.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tasks WHERE id = $1 FOR UPDATE")
+        .bind(task.id)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    // A worker's connection, whose database calls time out after 1 s.
+    let call_timeout = Duration::from_secs(1);
+    let worker_db = conveyor_core::db::Db::connect(&conveyor_worker::database_options(
+        &conveyor_core::db::DbOptions::new(&owner_db.url),
+        call_timeout,
+    ))
+    .unwrap();
+    let claim = worker_db.claim(task.id, 0, "impatient-worker");
+    let gave_up = tokio::time::timeout(call_timeout, claim).await;
+    assert!(
+        gave_up.is_err() || gave_up.as_ref().is_ok_and(|r| r.is_err()),
+        "the claim cannot succeed while the row is locked"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    blocker.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let record = db.task(task.id).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.owner),
+        (Queued, None),
+        "a claim committed after its worker gave up on it"
+    );
 }
