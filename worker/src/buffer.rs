@@ -153,6 +153,39 @@ impl Buffer {
         inner.rewrite()
     }
 
+    /// Moves `refused` outcomes out of the buffer into its quarantine file (`<buffer>` with
+    /// the extension `rejected.jsonl`, fsynced), each with why, for a human to look at.
+    /// Blocking.
+    pub fn quarantine(&self, refused: &[(Transition, String)]) -> Result<(), BufferError> {
+        if refused.is_empty() {
+            return Ok(());
+        }
+        let mut inner = self.lock();
+        let path = inner.path.with_extension("rejected.jsonl");
+        let mut lines = Vec::new();
+        for (entry, why) in refused {
+            let line = serde_json::json!({ "transition": entry, "why": why });
+            lines.extend(serde_json::to_vec(&line).expect("a transition serializes"));
+            lines.push(b'\n');
+        }
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut file| {
+                file.write_all(&lines)?;
+                file.sync_data()
+            })
+            .map_err(|source| BufferError::Io { path, source })?;
+        inner.entries.retain(|(e, _)| {
+            !refused
+                .iter()
+                .any(|(r, _)| r.id == e.id && r.attempt == e.attempt)
+        });
+        inner.bytes = inner.entries.iter().map(|(_, b)| b).sum();
+        inner.rewrite()
+    }
+
     pub fn len(&self) -> usize {
         self.lock().entries.len()
     }

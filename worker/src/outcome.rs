@@ -53,6 +53,18 @@ impl ApplyError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, ApplyError::Db(err) if err.is_unavailable())
     }
+
+    /// Trying the same write again will not help: the database refused it as such, or the
+    /// queue its re-queue must go to does not exist.
+    pub fn is_permanent(&self) -> bool {
+        match self {
+            ApplyError::Db(err) => !err.is_unavailable(),
+            ApplyError::Publish(err) => matches!(
+                err,
+                AmqpError::NoQueue { .. } | AmqpError::Encode(_) | AmqpError::Mismatch { .. }
+            ),
+        }
+    }
 }
 
 impl Recorder {
@@ -62,14 +74,29 @@ impl Recorder {
         let (db, breaker) = (&self.db, &self.breaker);
         match &t.outcome {
             Outcome::Completed { result } => {
-                let done = breaker
+                match breaker
                     .call(db.complete(t.id, t.attempt, &t.owner, result))
-                    .await?;
-                Ok(if done {
-                    Applied::Completed
-                } else {
-                    Applied::NotOwned
-                })
+                    .await
+                {
+                    Ok(true) => Ok(Applied::Completed),
+                    Ok(false) => Ok(Applied::NotOwned),
+                    // The database will never take this result (a NUL character in it, say):
+                    // the attempt failed, with a reason a human can act on.
+                    Err(err) if err.is_data_rejected() => {
+                        tracing::warn!(task = %t.id, error = %err, "result refused by the database");
+                        let failed = Transition {
+                            outcome: Outcome::Failed {
+                                error: format!(
+                                    "the handler's result could not be stored: {:#}",
+                                    anyhow::Error::from(err)
+                                ),
+                            },
+                            ..t.clone()
+                        };
+                        Box::pin(self.apply(spec, &failed)).await
+                    }
+                    Err(err) => Err(err.into()),
+                }
             }
             Outcome::Failed { error } => {
                 let max_retries = spec.max_retries as i32;
@@ -112,16 +139,22 @@ impl Recorder {
 
     /// Pings the database, then writes every buffered outcome, oldest first, and forgets
     /// those written. Returns how many were.
+    ///
+    /// An outcome the database refuses for good (or whose re-queue has no queue to go to) is
+    /// moved to the buffer's quarantine file and counted, not retried for ever: it would wedge
+    /// the replay, keep its task heartbeated and the worker degraded. Its task is no longer
+    /// heartbeated, so the reaper re-runs it after its heartbeat timeout.
     pub async fn replay(&self) -> anyhow::Result<usize> {
         self.breaker.call(self.db.ping()).await.context("probe")?;
         let mut settled = HashSet::new();
+        let mut refused = Vec::new();
         let mut failed = None;
         for t in self.buffer.entries() {
             let Some(spec) = self.types.get(&t.task_type) else {
                 // Configuration changed under a restart: leave the task to the reaper.
                 tracing::error!(task = %t.id, task_type = t.task_type,
-                    "buffered outcome of a task type this worker no longer consumes; dropped");
-                settled.insert((t.id, t.attempt));
+                    "buffered outcome of a task type this worker no longer consumes; set aside");
+                refused.push((t, "task type no longer consumed here".to_owned()));
                 continue;
             };
             match self.apply(spec, &t).await {
@@ -133,6 +166,16 @@ impl Recorder {
                         .inc();
                     settled.insert((t.id, t.attempt));
                 }
+                Err(err) if err.is_permanent() => {
+                    let why = format!("{:#}", anyhow::Error::from(err));
+                    tracing::error!(task = %t.id, attempt = t.attempt, why,
+                        "buffered outcome refused for good; quarantined, the task re-runs");
+                    self.metrics
+                        .quarantined
+                        .with_label_values(&[&spec.name])
+                        .inc();
+                    refused.push((t, why));
+                }
                 Err(err) => {
                     failed = Some(err);
                     break;
@@ -140,9 +183,10 @@ impl Recorder {
             }
         }
         let replayed = settled.len();
-        if replayed > 0 {
+        if replayed > 0 || !refused.is_empty() {
             let buffer = self.buffer.clone();
             tokio::task::spawn_blocking(move || {
+                buffer.quarantine(&refused)?;
                 buffer.remove(|t| settled.contains(&(t.id, t.attempt)))
             })
             .await

@@ -67,6 +67,17 @@ impl DbError {
     pub fn is_unavailable(&self) -> bool {
         matches!(self, DbError::Unavailable(_) | DbError::TimedOut(_))
     }
+
+    /// The database refused a value itself (SQLSTATE class 22, "data exception": a NUL
+    /// character in JSON, say): the same write will never succeed.
+    pub fn is_data_rejected(&self) -> bool {
+        match self {
+            DbError::Query(sqlx::Error::Database(db)) => {
+                db.code().is_some_and(|code| code.starts_with("22"))
+            }
+            _ => false,
+        }
+    }
 }
 
 impl From<sqlx::Error> for DbError {
@@ -773,7 +784,7 @@ async fn advance(
     .bind(target.as_str())
     .bind(attempt)
     .bind(retries)
-    .bind(error)
+    .bind(error.map(storable))
     .execute(&mut **tx)
     .await?;
     let mut message = task.message();
@@ -792,7 +803,10 @@ async fn append_events(tx: &mut Transaction<'static, Postgres>, rows: &[EventRow
     let tos: Vec<&str> = rows.iter().map(|r| r.to.as_str()).collect();
     let attempts: Vec<i32> = rows.iter().map(|r| r.attempt).collect();
     let workers: Vec<Option<String>> = rows.iter().map(|r| r.worker_id.clone()).collect();
-    let details: Vec<Option<String>> = rows.iter().map(|r| r.detail.clone()).collect();
+    let details: Vec<Option<String>> = rows
+        .iter()
+        .map(|r| r.detail.as_deref().map(storable))
+        .collect();
     sqlx::query(
         "INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id, detail)
          SELECT task_id, task_type, from_state, to_state, attempt, worker_id, detail FROM (
@@ -820,6 +834,12 @@ fn edges(path: &[(TaskState, TaskState)]) -> DbResult<(Vec<&'static str>, Vec<&'
         lifecycle::check(from, to)?;
     }
     Ok(path.iter().map(|(f, t)| (f.as_str(), t.as_str())).unzip())
+}
+
+/// Text as PostgreSQL stores it: a NUL character (which a handler's stderr may hold) is
+/// refused in `text`, so it is replaced rather than losing the whole write.
+fn storable(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
 }
 
 fn parse_state(name: String) -> DbResult<TaskState> {

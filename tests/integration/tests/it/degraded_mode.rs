@@ -210,3 +210,111 @@ async fn replaying_an_outcome_twice_writes_and_publishes_it_once() {
     let _ = std::fs::remove_dir_all(&dir);
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_outcome_the_database_always_refuses_does_not_wedge_the_replay() {
+    let spec = test_type("refused");
+    let name = spec.name.clone();
+    // A second type whose queues are gone by the time of the replay.
+    let gone = test_type("noqueue");
+    let gone_name = gone.name.clone();
+    let harness = Harness::start(vec![spec.clone(), gone.clone()]).await;
+    let nul_result = harness.submit_ok(&name, serde_json::json!({})).await;
+    let no_queue = harness.submit_ok(&gone_name, serde_json::json!({})).await;
+    let fine = harness.submit_ok(&name, serde_json::json!({})).await;
+    for id in [nul_result, no_queue, fine] {
+        assert!(harness.db.claim(id, 0, "replayer").await.unwrap());
+    }
+    conveyor_core::testing::delete_queues(&gone_name).await;
+    let metrics = conveyor_core::metrics::Metrics::new();
+    let dir = std::env::temp_dir().join(format!("conveyor-refused-{}", Uuid::new_v4()));
+    let recorder = Recorder {
+        db: harness.db.clone(),
+        publisher: Arc::new(harness.publisher()),
+        breaker: Arc::new(Breaker::new(false, Duration::from_secs(2), metrics.clone())),
+        buffer: Buffer::open(&dir.join("replayer.jsonl"), 1 << 20).unwrap(),
+        types: [
+            (name.clone(), spec.clone()),
+            (gone_name.clone(), gone.clone()),
+        ]
+        .into(),
+        metrics: metrics.clone(),
+    };
+    let outcome = |id, task_type: &str, outcome| Transition {
+        id,
+        attempt: 0,
+        owner: "replayer".into(),
+        task_type: task_type.to_owned(),
+        outcome,
+    };
+    // PostgreSQL refuses a NUL character in jsonb, however often it is asked.
+    let entries = [
+        outcome(
+            nul_result,
+            &name,
+            Outcome::Completed {
+                result: serde_json::json!({"stdout": "a\u{0}b"}),
+            },
+        ),
+        outcome(
+            no_queue,
+            &gone_name,
+            Outcome::Failed {
+                error: "boom\u{0}".into(),
+            },
+        ),
+        outcome(
+            fine,
+            &name,
+            Outcome::Completed {
+                result: serde_json::json!({"ok": true}),
+            },
+        ),
+    ];
+    for entry in entries {
+        recorder.buffer(entry).await.unwrap();
+    }
+    recorder
+        .replay()
+        .await
+        .expect("the replay gets past what it cannot write");
+    assert!(
+        recorder.buffer.is_empty(),
+        "nothing left to wedge the worker"
+    );
+
+    // The refused result became a failed attempt that says why, and will be retried.
+    let record = harness.db.task(nul_result).await.unwrap().unwrap();
+    assert_eq!((record.state, record.attempt), (Queued, 1));
+    assert!(
+        record
+            .error
+            .as_deref()
+            .unwrap_or("")
+            .contains("could not be stored"),
+        "{:?}",
+        record.error
+    );
+    assert_eq!(
+        harness.db.task(fine).await.unwrap().unwrap().state,
+        Completed
+    );
+    // The re-queue with nowhere to go is set aside for a human, and its task is left to the
+    // reaper (no longer heartbeated from the buffer).
+    assert_eq!(
+        metrics.quarantined.with_label_values(&[&gone_name]).get(),
+        1
+    );
+    let quarantined = std::fs::read_to_string(dir.join("replayer.rejected.jsonl")).unwrap();
+    assert!(quarantined.contains(&no_queue.to_string()), "{quarantined}");
+    assert_eq!(
+        harness.db.task(no_queue).await.unwrap().unwrap().state,
+        Processing
+    );
+    assert!(recorder.buffer.claims().is_empty());
+    for id in [nul_result, fine] {
+        assert_valid_chain(&harness.events(id).await);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    harness.shutdown().await;
+}
