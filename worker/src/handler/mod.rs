@@ -1,11 +1,10 @@
 //! Task handlers: what a worker runs for each task.
 
-use std::process::Stdio;
+mod exec;
+
 use std::time::Duration;
 
 use conveyor_core::task::TaskMessage;
-use tokio::io::AsyncWriteExt;
-use tokio::process::Command;
 
 /// How a worker pool processes its tasks.
 #[derive(Debug, Clone)]
@@ -80,50 +79,9 @@ impl Handler {
                 tracing::error!(task = %task.id, "crash handler: aborting the worker");
                 std::process::abort()
             }
-            Handler::Exec { command, args } => run_exec(command, args, task).await,
+            Handler::Exec { command, args } => exec::run(command, args, task).await,
             Handler::Http { url, client } => run_http(client, url, task).await,
         }
-    }
-}
-
-async fn run_exec(
-    command: &str,
-    args: &[String],
-    task: &TaskMessage,
-) -> Result<serde_json::Value, Failure> {
-    let payload = task.payload.to_string();
-    let mut child = Command::new(command)
-        .args(args)
-        .env("CONVEYOR_TASK_ID", task.id.to_string())
-        .env("CONVEYOR_TASK_TYPE", &task.task_type)
-        .env("CONVEYOR_ATTEMPT", task.attempt.to_string())
-        .env("CONVEYOR_IDEMPOTENCY_KEY", task.idempotency_key.to_string())
-        .env("CONVEYOR_PAYLOAD", &payload)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot start {command}: {e}"))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        // A command that does not read stdin closes the pipe early; that is not a failure.
-        let _ = stdin.write_all(payload.as_bytes()).await;
-    }
-    let output = child
-        .wait_with_output()
-        .await
-        .map_err(|e| format!("waiting for {command}: {e}"))?;
-    if output.status.success() {
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        Ok(serde_json::from_str(stdout.trim())
-            .unwrap_or_else(|_| serde_json::json!({ "stdout": tail(&stdout) })))
-    } else {
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        Err(format!(
-            "{command} exited with {}: {}",
-            output.status,
-            tail(&stderr)
-        ))
     }
 }
 
