@@ -1,104 +1,77 @@
 //! Scenario 12, through Kubernetes: the stack `scripts/stack.sh up` runs (operator, gateway,
 //! pod runner) hosts a WorkerPool whose pods call the suite's sidecar, and the faults are a
 //! pod deleted mid-task, the operator killed during a scale-up, and a rolling update, each
-//! under load. The load generator and the oracle are the other scenarios' own.
+//! under load. The run loop, load generator and oracle are the other scenarios' own
+//! (`run.rs`); this is the target and its faults.
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use conveyor_core::testing::wait_until;
 use conveyor_e2e_tests::{kubectl_with, restart_operator, Stack};
 use serde_json::json;
 
-use crate::load::{self, Plan};
-use crate::oracle::{self, Throughput};
-use crate::scenarios::{Row, Scenario};
-use crate::sidecar::Sidecar;
-use crate::telemetry::Telemetry;
+use crate::oracle;
+use crate::scenarios::Scenario;
 
 const POOL: &str = "chaos";
 const REPLICAS: usize = 2;
 const MINUTE: Duration = Duration::from_secs(60);
 
-pub async fn run(scenario: Scenario, plan: Plan) -> anyhow::Result<Row> {
-    let reachable = Command::new("kubectl")
-        .args(["get", "--raw", "/readyz"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    anyhow::ensure!(
-        reachable,
-        "{} needs the local cluster: `make chaos` starts it (or `scripts/stack.sh up`, with \
-         KUBECONFIG and kubectl from `scripts/stack.sh env`)",
-        scenario.name()
-    );
-    let (sidecar, _crashes) = Sidecar::start().await?;
-    let mut stack = Stack::namespace(&format!("chaos-{}", scenario.name())).await;
-    let task_type = stack.task_type("chaos-cluster");
-    stack.apply(&format!(
-        "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {task_type}}}\n\
-         spec:\n  maxRetries: 3\n  heartbeatTimeoutSeconds: 3\n  \
-         backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n  \
-         schema: {{type: object, properties: {{sleepMs: {{type: integer}}}}}}\n"
-    ));
-    stack.apply(&format!(
-        "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {POOL}}}\n\
-         spec:\n  taskTypes: [{task_type}]\n  image: conveyor:dev\n  \
-         handler: {{type: http, url: \"{}\"}}\n  replicas: {REPLICAS}\n  concurrency: 8\n  \
-         drainGraceSeconds: 20\n",
-        sidecar.url
-    ));
-    stack.wait_for_workers(&task_type, REPLICAS as u64).await;
-    wait_for_gateway(&stack, &task_type).await;
+/// A scenario's WorkerPool and TaskType in a namespace of their own.
+pub struct ClusterTarget {
+    pub stack: Stack,
+    pub task_type: String,
+    /// Keeps the handler the pods call alive as long as the target.
+    pub sidecar_url: String,
+}
 
-    let over = plan.over;
-    let mut load = tokio::spawn(load::run(
-        stack.gateway.clone(),
-        stack.token.clone(),
-        task_type.clone(),
-        plan,
-    ));
-    let mut throughput = Throughput::default();
-    let fault_at = Instant::now() + over / 3;
-    while Instant::now() < fault_at {
-        throughput.sample(&stack.db, &task_type).await;
-        tokio::time::sleep(Duration::from_millis(250)).await;
+impl ClusterTarget {
+    /// Applies the scenario's TaskType and a WorkerPool whose pods call `sidecar_url`, and
+    /// waits until its workers consume and the gateway knows the type.
+    pub async fn start(scenario: Scenario, sidecar_url: &str) -> anyhow::Result<ClusterTarget> {
+        let reachable = Command::new("kubectl")
+            .args(["get", "--raw", "/readyz"])
+            .output()
+            .is_ok_and(|out| out.status.success());
+        anyhow::ensure!(
+            reachable,
+            "{} needs the local cluster: `make chaos` starts it (or `scripts/stack.sh up`, with \
+             KUBECONFIG and kubectl from `scripts/stack.sh env`)",
+            scenario.name()
+        );
+        let mut stack = Stack::namespace(&format!("chaos-{}", scenario.name())).await;
+        let task_type = stack.task_type("chaos-cluster");
+        stack.apply(&format!(
+            "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {task_type}}}\n\
+             spec:\n  maxRetries: 3\n  heartbeatTimeoutSeconds: 3\n  \
+             backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n  \
+             schema: {{type: object, properties: {{sleepMs: {{type: integer}}}}}}\n"
+        ));
+        stack.apply(&format!(
+            "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {POOL}}}\n\
+             spec:\n  taskTypes: [{task_type}]\n  image: conveyor:dev\n  \
+             handler: {{type: http, url: \"{sidecar_url}\"}}\n  replicas: {REPLICAS}\n  concurrency: 8\n  \
+             drainGraceSeconds: 20\n"
+        ));
+        stack.wait_for_workers(&task_type, REPLICAS as u64).await;
+        wait_for_gateway(&stack, &task_type).await;
+        Ok(ClusterTarget {
+            stack,
+            task_type,
+            sidecar_url: sidecar_url.to_owned(),
+        })
     }
-    let fault = Instant::now();
-    let mut failures = inject(scenario, &stack, &task_type).await;
-    let healed = Instant::now();
-    let outcome = loop {
-        throughput.sample(&stack.db, &task_type).await;
-        tokio::select! {
-            done = &mut load => break done?,
-            () = tokio::time::sleep(Duration::from_millis(250)) => {}
-        }
-    };
-    let quiet_by = Instant::now() + 2 * MINUTE;
-    while Instant::now() < quiet_by
-        && oracle::open_tasks(&stack.db, &task_type, &outcome).await != Some(0)
-    {
-        throughput.sample(&stack.db, &task_type).await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+
+    /// Injects the fault through Kubernetes; returns once it has healed, with what went
+    /// wrong.
+    pub async fn inject(&self, scenario: Scenario) -> Vec<String> {
+        inject(scenario, &self.stack, &self.task_type).await
     }
-    throughput.sample(&stack.db, &task_type).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut verdict = oracle::judge(
-        &stack.db,
-        "conveyor",
-        &task_type,
-        &outcome,
-        sidecar.counts(),
-    )
-    .await?;
-    verdict.recovery_seconds = throughput.recovery(fault, healed);
-    failures.splice(0..0, verdict.failures());
-    stack.finish().await;
-    Ok(Row {
-        scenario: scenario.name(),
-        verdict,
-        failures,
-        telemetry: Telemetry::default(),
-    })
+
+    pub async fn finish(self) {
+        self.stack.finish().await;
+    }
 }
 
 /// The gateway lists new TaskTypes every few seconds: wait until it validates against this

@@ -2,10 +2,13 @@
 //! workers against the real RabbitMQ and PostgreSQL, injects one fault while tasks flow,
 //! heals it, and asks the oracle one question: what went in, did it come out, once?
 
+pub mod broker;
 pub mod cluster;
+pub mod faults;
 pub mod load;
 pub mod oracle;
 pub mod report;
+pub mod run;
 pub mod scenarios;
 pub mod sidecar;
 pub mod system;

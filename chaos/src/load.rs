@@ -26,6 +26,10 @@ pub struct Plan {
     pub flaky_every: Option<usize>,
     /// Retries stop this long after the last first submission.
     pub give_up_after: Duration,
+    /// Every n-th task is not retried after a request that got no answer: a client that
+    /// hung up or sent no key. Only the sweeper can finish such a task if its gateway died
+    /// between recording and publishing it.
+    pub forget_unanswered_every: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,7 +133,9 @@ pub async fn run(gateway: String, token: String, task_type: String, plan: Plan) 
                 for &i in &batch {
                     answers.insert(payloads[i].0, Answer::Unknown);
                 }
-                again = batch;
+                let forgotten =
+                    |i: &usize| plan.forget_unanswered_every.is_some_and(|n| i % n == 0);
+                again = batch.into_iter().filter(|i| !forgotten(i)).collect();
             }
             Ok(response) => {
                 let status = response.status().as_u16();

@@ -51,7 +51,7 @@ async fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for scenario in chosen {
         eprintln!("chaos: {} ({} tasks)", scenario.name(), scale.tasks);
-        let row = scenarios::run(scenario, &scale, &args.logs).await?;
+        let row = conveyor_chaos::run::run(scenario, &scale, &args.logs).await?;
         eprintln!("chaos: {} → {:?}", row.scenario, row.failures);
         rows.push(row);
     }

@@ -1,6 +1,7 @@
 //! The oracle every scenario shares: what went in must come out. Once the fault has healed
-//! and the system is quiet, PostgreSQL, the side-effect log and the load generator's answers
-//! must agree. All of the suite's SQL is here.
+//! and the system is quiet, three sources that do not trust each other must agree: what
+//! each client was told (the load generator), what the handler really did (the side-effect
+//! sidecar) and what PostgreSQL says (decision 0009). All of the suite's SQL is here.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use conveyor_core::TaskState;
 use uuid::Uuid;
 
 use crate::load::{Answer, Outcome};
-use crate::sidecar::EffectCounts;
+use crate::sidecar::Sidecar;
 
 /// Per scenario: the figures of the report.
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -21,21 +22,38 @@ pub struct Verdict {
     pub unknown: usize,
     pub completed: usize,
     pub dead_lettered: usize,
-    /// Accepted tasks neither COMPLETED nor DEAD_LETTER once quiet.
+    /// Client view against the database: tasks a client was told were accepted (2xx) that
+    /// are neither COMPLETED nor DEAD_LETTER once quiet.
     pub lost: usize,
-    /// Tasks with more than one COMPLETED transition.
-    pub duplicate_completions: usize,
-    /// The same attempt of a task performing its side effect twice.
+    /// Database view alone: tasks of the scenario, whoever submitted them and whatever the
+    /// client heard (a request that got no answer, say), neither COMPLETED nor DEAD_LETTER.
+    pub stranded: usize,
+    /// Database against the sidecar: COMPLETED tasks whose completing attempt never
+    /// performed its effect (the product says done, the world says not).
+    pub completed_without_effect: usize,
+    /// Sidecar against the clients: effects of tasks no client submitted or that were
+    /// refused with an error that means "not taken" (4xx).
+    pub effects_of_refused: usize,
+    /// Sidecar alone: the same attempt of a task performing its side effect twice (two
+    /// workers running one delivery at once, which fencing must make impossible).
     pub duplicate_side_effects: usize,
-    /// Handler runs beyond one per task (at-least-once re-runs after a fault).
+    /// Sidecar alone: effects performed again by a later attempt of the same task. At least
+    /// once allows them after a fault; they are counted, never called "nothing done twice".
     pub reruns: usize,
+    /// Re-runs this scenario may cause: the effects under way when the fault struck (the
+    /// sidecar's peak in the fault window), times the fault's rounds. `None`: unbounded by
+    /// design (poison, continuous faults).
+    pub rerun_bound: Option<usize>,
+    /// The product's own audit log: tasks with more than one COMPLETED event. A cross-check
+    /// of the log, not of the outcome (the outside checks are the columns above).
+    pub duplicate_completions: usize,
     /// Healthy (non-poison) tasks that ended DEAD_LETTER.
     pub healthy_dead_lettered: usize,
-    /// Audit chains that are not a valid lifecycle path.
+    /// The product's own audit log: chains that are not a valid lifecycle path.
     pub invalid_chains: usize,
     /// PostgreSQL sessions left idle in a transaction.
     pub idle_in_transaction: usize,
-    /// From the fault healing to throughput back at half its level before the fault.
+    /// From the fault really healing to throughput back at half its level before the fault.
     pub recovery_seconds: f64,
 }
 
@@ -44,6 +62,12 @@ impl Verdict {
     pub fn failures(&self) -> Vec<String> {
         let checks = [
             (self.lost, "lost"),
+            (self.stranded, "stranded in the database"),
+            (
+                self.completed_without_effect,
+                "COMPLETED without their effect",
+            ),
+            (self.effects_of_refused, "effects of tasks not accepted"),
             (self.duplicate_completions, "duplicate completions"),
             (self.duplicate_side_effects, "duplicate side effects"),
             (self.healthy_dead_lettered, "healthy tasks dead-lettered"),
@@ -58,6 +82,14 @@ impl Verdict {
         if self.accepted == 0 {
             failures.push("no task was accepted".to_owned());
         }
+        if let Some(bound) = self.rerun_bound {
+            if self.reruns > bound {
+                failures.push(format!(
+                    "{} re-runs, more than the {bound} the fault could cause",
+                    self.reruns
+                ));
+            }
+        }
         if self.recovery_seconds > 60.0 {
             failures.push(format!("recovery took {:.1}s", self.recovery_seconds));
         }
@@ -69,10 +101,11 @@ impl Verdict {
 pub async fn open_tasks(db: &Db, task_type: &str, load: &Outcome) -> Option<usize> {
     let states = states_by_key(db, task_type).await.ok()?;
     let accepted = accepted_keys(load);
+    let state = |k: &Uuid| states.get(k).map(|t| (t.id, t.state));
     Some(
         accepted
             .iter()
-            .filter(|k| !is_terminal(states.get(*k)))
+            .filter(|k| !is_terminal(state(k).as_ref()))
             .count(),
     )
 }
@@ -111,9 +144,11 @@ pub async fn judge(
     database: &str,
     task_type: &str,
     load: &Outcome,
-    effects: EffectCounts,
+    sidecar: &Sidecar,
 ) -> anyhow::Result<Verdict> {
     let states = states_by_key(db, task_type).await?;
+    let effects = sidecar.counts();
+    let attempts = sidecar.attempts_by_key();
     let mut verdict = Verdict {
         accepted: load.count(Answer::Accepted),
         unknown: load.count(Answer::Unknown),
@@ -122,9 +157,11 @@ pub async fn judge(
         reruns: effects.reruns,
         ..Verdict::default()
     };
+    let mut answers = HashMap::new();
     for task in &load.tasks {
-        let state = states.get(&task.key);
-        if task.answer == Answer::Accepted && !is_terminal(state) {
+        answers.insert(task.key, task.answer);
+        let state = states.get(&task.key).map(|t| (t.id, t.state));
+        if task.answer == Answer::Accepted && !is_terminal(state.as_ref()) {
             verdict.lost += 1;
         }
         if let Some((_, TaskState::DeadLetter)) = state {
@@ -133,11 +170,26 @@ pub async fn judge(
             }
         }
     }
-    for (_, state) in states.values() {
-        match state {
-            TaskState::Completed => verdict.completed += 1,
+    for (key, task) in &states {
+        match task.state {
+            TaskState::Completed => {
+                verdict.completed += 1;
+                let performed = attempts.get(key).is_some_and(|a| a.contains(&task.attempt));
+                if !performed {
+                    verdict.completed_without_effect += 1;
+                }
+            }
             TaskState::DeadLetter => verdict.dead_lettered += 1,
-            _ => {}
+            _ => verdict.stranded += 1,
+        }
+    }
+    for key in attempts.keys() {
+        let taken = matches!(
+            answers.get(key),
+            Some(Answer::Accepted | Answer::Unknown | Answer::Refused(500..))
+        );
+        if !taken {
+            verdict.effects_of_refused += 1;
         }
     }
     let completions: Vec<(Uuid, i64)> = sqlx::query_as(
@@ -148,8 +200,8 @@ pub async fn judge(
     .fetch_all(db.pool())
     .await?;
     verdict.duplicate_completions = completions.len();
-    for (id, _) in states.values() {
-        let chain = db.events(*id).await?;
+    for task in states.values() {
+        let chain = db.events(task.id).await?;
         let steps: Vec<_> = chain.iter().map(|e| (e.from_state, e.to_state)).collect();
         if check_chain(&steps).is_err() {
             verdict.invalid_chains += 1;
@@ -166,32 +218,53 @@ pub async fn judge(
     Ok(verdict)
 }
 
-/// Every task of the type: idempotency key → (id, state).
-async fn states_by_key(
-    db: &Db,
-    task_type: &str,
-) -> anyhow::Result<HashMap<Uuid, (Uuid, TaskState)>> {
-    let rows: Vec<(Uuid, Uuid, String)> =
-        sqlx::query_as("SELECT idempotency_key, id, state FROM tasks WHERE task_type = $1")
-            .bind(task_type)
-            .fetch_all(db.pool())
-            .await?;
+/// A task as the database holds it now.
+struct Stored {
+    id: Uuid,
+    state: TaskState,
+    attempt: i32,
+}
+
+/// Every task of the type by idempotency key.
+async fn states_by_key(db: &Db, task_type: &str) -> anyhow::Result<HashMap<Uuid, Stored>> {
+    let rows: Vec<(Uuid, Uuid, String, i32)> = sqlx::query_as(
+        "SELECT idempotency_key, id, state, attempt FROM tasks WHERE task_type = $1",
+    )
+    .bind(task_type)
+    .fetch_all(db.pool())
+    .await?;
     rows.into_iter()
-        .map(|(key, id, state)| Ok((key, (id, state.parse().map_err(anyhow::Error::msg)?))))
+        .map(|(key, id, state, attempt)| {
+            let state = state.parse().map_err(anyhow::Error::msg)?;
+            Ok((key, Stored { id, state, attempt }))
+        })
         .collect()
 }
 
-/// Terminates every session of `database` but the suite's own (a crashing pooler, an
-/// administrator's `pg_terminate_backend`).
+/// Terminates every client session of `database` but the suite's own (a crashing pooler,
+/// an administrator's `pg_terminate_backend`). Background processes (an autovacuum worker
+/// of the database, say) are left alone: they run as the superuser, whom a plain role may
+/// not signal.
 pub async fn terminate_sessions(db: &Db, database: &str) -> anyhow::Result<u64> {
     let terminated: Vec<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-         WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name <> 'conveyor-chaos'",
+         WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name <> 'conveyor-chaos'
+           AND backend_type = 'client backend' AND usename = current_user",
     )
     .bind(database)
     .fetch_all(db.pool())
     .await?;
     Ok(terminated.into_iter().filter(|t| *t).count() as u64)
+}
+
+/// Tasks of `task_type` in any of `states` now (0 while the database cannot say).
+pub async fn count_in(db: &Db, task_type: &str, states: &[&str]) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM tasks WHERE task_type = $1 AND state = ANY($2)")
+        .bind(task_type)
+        .bind(states)
+        .fetch_one(db.pool())
+        .await
+        .unwrap_or(0)
 }
 
 /// The owner (worker name) of a task now.

@@ -5,16 +5,22 @@ use std::fmt::Write as _;
 
 use crate::scenarios::Row;
 
-const COLUMNS: [&str; 15] = [
+/// What each column measures, and from which source (client answers, side effects seen by
+/// the sidecar, the database, the product's own audit log): decision 0009.
+const COLUMNS: [&str; 19] = [
     "scenario",
-    "accepted",
-    "completed",
-    "dead-lettered",
-    "lost",
-    "duplicate completions",
-    "duplicate side effects",
-    "re-runs",
-    "invalid chains",
+    "accepted (client told 2xx)",
+    "completed (db)",
+    "dead-lettered (db)",
+    "lost (accepted, not settled in db)",
+    "stranded (any task not settled in db)",
+    "completed without effect (db vs sidecar)",
+    "effects of refused tasks (sidecar vs client)",
+    "same attempt twice (sidecar)",
+    "COMPLETED twice (audit log)",
+    "re-runs (sidecar)",
+    "re-run bound",
+    "invalid chains (audit log)",
     "recovery (s)",
     "verdict",
     "buffered (max)",
@@ -29,7 +35,7 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
         COLUMNS.join(" | "),
         "---|".repeat(COLUMNS.len())
     );
-    let mut totals = [0usize; 6];
+    let mut totals = [0usize; 9];
     for row in rows {
         let v = &row.verdict;
         let verdict = if row.failures.is_empty() {
@@ -43,8 +49,11 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
             v.completed,
             v.dead_lettered,
             v.lost,
-            v.duplicate_completions,
+            v.stranded,
+            v.completed_without_effect,
+            v.effects_of_refused,
             v.duplicate_side_effects,
+            v.duplicate_completions,
         ];
         for (total, n) in totals.iter_mut().zip(counts) {
             *total += n;
@@ -53,10 +62,11 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
         let t = &row.telemetry;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {:.0} |",
             row.scenario,
             counts.join(" | "),
             v.reruns,
+            v.rerun_bound.map_or("—".to_owned(), |b| b.to_string()),
             v.invalid_chains,
             v.recovery_seconds,
             verdict,
@@ -66,10 +76,12 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
             t.worker_rss_max_mib,
         );
     }
+    let reruns: usize = rows.iter().map(|r| r.verdict.reruns).sum();
+    let totals: Vec<String> = totals.iter().map(ToString::to_string).collect();
     let _ = writeln!(
         out,
-        "| **total** | {} | {} | {} | {} | {} | {} | | | | | | | | |",
-        totals[0], totals[1], totals[2], totals[3], totals[4], totals[5]
+        "| **total** | {} | {reruns} | | | | | | | | |",
+        totals.join(" | ")
     );
     out
 }

@@ -19,6 +19,9 @@ use uuid::Uuid;
 struct Effects {
     /// Idempotency key → the attempts whose effect was performed.
     by_key: HashMap<Uuid, Vec<i32>>,
+    /// Effects under way now, and the most at once since the last mark.
+    in_flight: usize,
+    peak: usize,
 }
 
 #[derive(Clone)]
@@ -72,6 +75,27 @@ impl Sidecar {
         ))
     }
 
+    /// Idempotency key → the attempts that performed their effect, as the sidecar saw them.
+    pub fn attempts_by_key(&self) -> HashMap<Uuid, Vec<i32>> {
+        self.lock().by_key.clone()
+    }
+
+    /// Starts counting the most effects under way at once from now (the fault's start).
+    pub fn mark(&self) {
+        let mut effects = self.lock();
+        effects.peak = effects.in_flight;
+    }
+
+    /// The most effects under way at once since [`Sidecar::mark`]: what a fault can catch
+    /// mid-task, hence what may have to run again.
+    pub fn peak_in_flight(&self) -> usize {
+        self.lock().peak
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Effects> {
+        self.effects.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub fn counts(&self) -> EffectCounts {
         let effects = self.effects.lock().unwrap_or_else(|p| p.into_inner());
         let mut counts = EffectCounts::default();
@@ -119,15 +143,24 @@ async fn effect(
     }
     // The effect happens as the request arrives: a worker killed mid-task has already
     // caused it (as an output file half-written would), and a re-run causes it again.
-    shared
-        .effects
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .by_key
-        .entry(key)
-        .or_default()
-        .push(attempt);
+    {
+        let mut effects = shared.effects.lock().unwrap_or_else(|p| p.into_inner());
+        effects.by_key.entry(key).or_default().push(attempt);
+        effects.in_flight += 1;
+        effects.peak = effects.peak.max(effects.in_flight);
+    }
+    // Counted down however the request ends (a killed worker drops it mid-sleep).
+    let _done = InFlight(shared.effects.clone());
     let ms = payload["sleepMs"].as_u64().unwrap_or(20);
     tokio::time::sleep(Duration::from_millis(ms)).await;
     StatusCode::OK
+}
+
+struct InFlight(Arc<Mutex<Effects>>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut effects = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        effects.in_flight = effects.in_flight.saturating_sub(1);
+    }
 }

@@ -6,7 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use anyhow::Context as _;
+use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{Db, DbOptions};
+use conveyor_core::policies::task_type_policies;
+use conveyor_core::task_type::load_task_types;
 use conveyor_core::testing::{self, proxy::Proxy, TestDatabase};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -50,6 +53,7 @@ impl Default for Options {
 
 pub struct System {
     pub task_type: String,
+    gateway_port: u16,
     pub gateway_url: String,
     /// The suite's own connection (application_name conveyor-chaos, spared by faults).
     pub db: Db,
@@ -111,24 +115,16 @@ impl System {
 
         let port = free_port()?;
         let gateway_url = format!("http://127.0.0.1:{port}");
-        let gateway = Command::new(binary("conveyor-gateway"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .arg("--task-types")
-            .arg(&types_file)
-            .args(["--tokens", &format!("chaos={TOKEN}")])
-            .env("CONVEYOR_DATABASE_URL", &db_url)
-            .env("CONVEYOR_AMQP_URL", amqp_url(gateway_broker.as_ref()))
-            .env("CONVEYOR_DEPTH_INTERVAL_MS", "200")
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(log_file(&logs, "gateway")?)
-            .stderr(log_file(&logs, "gateway")?)
-            .kill_on_drop(true)
-            .spawn()
-            .context("start conveyor-gateway (run `cargo build --bins` first)")?;
-
+        let gateway = spawn_gateway(
+            port,
+            &types_file,
+            &db_url,
+            &amqp_url(gateway_broker.as_ref()),
+            &logs,
+        )?;
         let mut system = System {
             task_type,
+            gateway_port: port,
             gateway_url,
             db,
             database,
@@ -147,10 +143,64 @@ impl System {
             worker_database,
         };
         system.wait_gateway_ready().await?;
+        system.put_policies().await?;
         if system.options.start_workers {
             system.start_workers()?;
         }
         Ok(system)
+    }
+
+    /// The production topology: the policies the operator puts on a TaskType's queues
+    /// (delivery limit, length limit, TTL cap), put the same way.
+    async fn put_policies(&self) -> anyhow::Result<()> {
+        let types = load_task_types(&self.types_file)?;
+        let spec = types
+            .get(&self.task_type)
+            .context("the scenario's task type")?;
+        let http = reqwest::Client::new();
+        for policy in task_type_policies(spec) {
+            let url = format!(
+                "{}/api/policies/%2f/{}",
+                testing::management_url(),
+                policy.name
+            );
+            let response = http.put(&url).json(&policy).send().await?;
+            anyhow::ensure!(
+                response.status().is_success(),
+                "putting policy {}: {}",
+                policy.name,
+                response.text().await.unwrap_or_default()
+            );
+        }
+        Ok(())
+    }
+
+    async fn delete_policies(&self) {
+        let http = reqwest::Client::new();
+        for queue in [
+            QueueNames::of(&self.task_type).main,
+            QueueNames::of(&self.task_type).retry,
+        ] {
+            let url = format!("{}/api/policies/%2f/{queue}", testing::management_url());
+            let _ = http.delete(&url).send().await;
+        }
+    }
+
+    /// `kill -9` of the gateway, as a node dying under it.
+    pub async fn kill_gateway(&mut self) {
+        let _ = self.gateway.kill().await;
+    }
+
+    /// A new gateway process on the same address (its broker link through the same proxy).
+    pub async fn restart_gateway(&mut self) -> anyhow::Result<()> {
+        self.gateway = spawn_gateway(
+            self.gateway_port,
+            &self.types_file,
+            &self.db_url,
+            &amqp_url(self.gateway_broker.as_ref()),
+            &self.logs,
+        )?;
+        self.wait_gateway_ready().await
     }
 
     async fn wait_gateway_ready(&self) -> anyhow::Result<()> {
@@ -235,6 +285,20 @@ impl System {
         }
     }
 
+    /// Stops every worker as a scale-down would (SIGTERM: each drains), and waits for them.
+    pub async fn drain_workers(&mut self) {
+        for i in 0..self.workers.len() {
+            self.signal_worker(i, Signal::SIGTERM).await;
+        }
+        for slot in &mut self.workers {
+            if let Some(child) = slot.as_mut() {
+                let _ =
+                    tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await;
+            }
+            *slot = None;
+        }
+    }
+
     /// The worker index of an audit-log owner (`chaos-w3-1a2b…` → 3).
     pub fn worker_of(owner: &str) -> Option<usize> {
         owner
@@ -274,12 +338,42 @@ impl System {
         let _ = self.gateway.kill().await;
         self.db.pool().close().await;
         testing::delete_queues(&self.task_type).await;
+        self.delete_policies().await;
         if keep_database {
             eprintln!("chaos: kept database {} for inspection", self.database);
         } else {
             testing::drop_database(&self.database).await;
         }
     }
+}
+
+/// The gateway, with upkeep on the suite's time scale: probes every 2 s, seen-for 1 s.
+fn spawn_gateway(
+    port: u16,
+    types_file: &Path,
+    db_url: &str,
+    amqp_url: &str,
+    logs: &Path,
+) -> anyhow::Result<Child> {
+    Command::new(binary("conveyor-gateway"))
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--task-types")
+        .arg(types_file)
+        .args(["--tokens", &format!("chaos={TOKEN}")])
+        .env("CONVEYOR_DATABASE_URL", db_url)
+        .env("CONVEYOR_AMQP_URL", amqp_url)
+        .env("CONVEYOR_DEPTH_INTERVAL_MS", "200")
+        .env("CONVEYOR_UPKEEP_INTERVAL_MS", "250")
+        .env("CONVEYOR_PROBE_INTERVAL_MS", "2000")
+        .env("CONVEYOR_PROBE_GRACE_MS", "1000")
+        .env("CONVEYOR_CONFIRM_TIMEOUT_MS", "3000")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(log_file(logs, "gateway")?)
+        .stderr(log_file(logs, "gateway")?)
+        .kill_on_drop(true)
+        .spawn()
+        .context("start conveyor-gateway (run `cargo build --bins` first)")
 }
 
 fn amqp_url(proxy: Option<&Proxy>) -> String {

@@ -15,7 +15,7 @@ async fn short_chaos_loses_nothing_and_does_nothing_twice() {
     let logs = Path::new(env!("CARGO_TARGET_TMPDIR")).join("chaos");
     let mut failed = Vec::new();
     for scenario in scenarios::SHORT {
-        let row = scenarios::run(scenario, &scale, &logs)
+        let row = conveyor_chaos::run::run(scenario, &scale, &logs)
             .await
             .expect("scenario runs");
         eprintln!("{}: {:?}", row.scenario, row.verdict);

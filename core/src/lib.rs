@@ -9,6 +9,7 @@ pub mod crd;
 pub mod db;
 pub mod lifecycle;
 pub mod metrics;
+pub mod policies;
 pub mod requeue;
 pub mod task;
 pub mod task_type;

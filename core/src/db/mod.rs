@@ -28,7 +28,7 @@ use TaskState::*;
 mod partitions;
 mod sweep;
 
-pub use sweep::{OrphanRule, ProbePolicy};
+pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {

@@ -21,10 +21,15 @@ pub struct ProbePolicy {
     pub min_wait: Duration,
     /// At most one probe per type this often.
     pub interval: Duration,
-    /// An unseen probe younger than this is still on its way (behind a backlog); an older
-    /// one is presumed lost (purged with its queue) and no longer holds the next one back.
+    /// An unseen probe younger than this may still be on its way (behind a backlog); an
+    /// older one is presumed lost (purged with its queue, dead-lettered by the delivery
+    /// limit) and no longer counts against [`MAX_PROBES_ON_THE_WAY`].
     pub timeout: Duration,
 }
+
+/// Unseen probes per type at once: a lost probe costs one probe interval, not a timeout,
+/// and a long backlog holds at most this many markers.
+pub const MAX_PROBES_ON_THE_WAY: i64 = 5;
 
 /// Which waiting tasks count as having lost their message.
 #[derive(Debug, Clone, Copy)]
@@ -42,8 +47,9 @@ pub struct OrphanRule {
 
 impl Db {
     /// Records a probe for `task_type` when one is due: some task has waited longer than
-    /// `policy.min_wait`, no probe was sent in the last `policy.interval`, and none younger
-    /// than `policy.timeout` is still unseen. Returns its id (publish it next).
+    /// `policy.min_wait`, no probe was sent in the last `policy.interval`, and fewer than
+    /// [`MAX_PROBES_ON_THE_WAY`] younger than `policy.timeout` are still unseen. Returns its
+    /// id (publish it next).
     pub async fn record_probe_if_due(
         &self,
         task_type: &str,
@@ -58,9 +64,10 @@ impl Db {
                        AND updated_at < now() - make_interval(secs => $5))
                AND NOT EXISTS (
                      SELECT 1 FROM queue_probes p WHERE p.task_type = $2
-                       AND (p.sent_at > now() - make_interval(secs => $6)
-                            OR (p.seen_at IS NULL
-                                AND p.sent_at > now() - make_interval(secs => $7))))
+                       AND p.sent_at > now() - make_interval(secs => $6))
+               AND (SELECT count(*) FROM queue_probes p WHERE p.task_type = $2
+                       AND p.seen_at IS NULL
+                       AND p.sent_at > now() - make_interval(secs => $7)) < $8
              RETURNING id",
         )
         .bind(id)
@@ -70,6 +77,7 @@ impl Db {
         .bind(policy.min_wait.as_secs_f64())
         .bind(policy.interval.as_secs_f64())
         .bind(policy.timeout.as_secs_f64())
+        .bind(MAX_PROBES_ON_THE_WAY)
         .fetch_optional(self.pool())
         .await?;
         Ok(row.map(|_| id))

@@ -282,9 +282,10 @@ async fn a_healthy_backlog_is_never_flooded_with_copies() {
     // No consumer for a while: probes wait behind the backlog, nothing is re-published.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let ready = harness.ready_count(&queue(&name).main).await;
+    let most = 150 + conveyor_core::db::MAX_PROBES_ON_THE_WAY as u32;
     assert!(
-        (150..=151).contains(&ready),
-        "150 tasks and at most one probe in the queue, not copies: {ready}"
+        (150..=most).contains(&ready),
+        "150 tasks and a few probes in the queue, not copies: {ready}"
     );
     // A slow worker drains it over several probe periods.
     harness.start_worker(&[&name], Handler::Sleep, 2);

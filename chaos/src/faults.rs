@@ -1,0 +1,374 @@
+//! The faults injected on this machine's processes and services, one per scenario of the
+//! table (`scenarios.rs`); the cluster's own are in `cluster.rs`.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use nix::sys::signal::Signal;
+
+use crate::broker;
+use crate::oracle;
+use crate::run::{Observer, SAMPLE_EVERY};
+use crate::scenarios::{Scale, Scenario};
+use crate::system::{Options, System};
+use crate::telemetry::{self, Telemetry};
+use conveyor_core::testing::proxy::Proxy;
+
+/// Injects the fault on this machine's processes and services; returns when it really
+/// healed (the service answering again, not when a script returned), with what went wrong
+/// injecting it.
+pub async fn inject(
+    scenario: Scenario,
+    system: &mut System,
+    scale: &Scale,
+    observer: &mut Observer,
+) -> anyhow::Result<(Instant, Vec<String>)> {
+    let pause = |seconds: f64| tokio::time::sleep(Duration::from_secs_f64(seconds));
+    let heartbeat_timeout = Options::default().heartbeat_timeout_seconds;
+    let mut failures = Vec::new();
+    let mut healed = None;
+    match scenario {
+        Scenario::WorkerKill => {
+            for round in 0..3 {
+                let i = round % system.worker_count();
+                system.signal_worker(i, Signal::SIGKILL).await;
+                pause(1.0).await;
+                system.restart_worker(i)?;
+                pause(1.0).await;
+            }
+        }
+        Scenario::WorkerPause => {
+            system.signal_worker(0, Signal::SIGSTOP).await;
+            pause(heartbeat_timeout + 4.0).await;
+            system.signal_worker(0, Signal::SIGCONT).await;
+        }
+        Scenario::WorkerBrokerSilent => {
+            if let Some(proxy) = &system.worker_broker {
+                proxy.black_hole();
+                pause(scale.outage.as_secs_f64().max(8.0)).await;
+                proxy.restore();
+            }
+        }
+        Scenario::GatewayBrokerReset => {
+            for _ in 0..3 {
+                if let Some(proxy) = &system.gateway_broker {
+                    proxy.cut();
+                    pause(1.0).await;
+                    proxy.restore();
+                }
+                pause(1.0).await;
+            }
+        }
+        Scenario::RabbitmqKill => {
+            sh("pkill -KILL -f '[b]eam.smp.*rabbit'")?;
+            pause(2.0).await;
+            healed = Some(restart_services(observer, system, Service::Broker).await?);
+        }
+        Scenario::PostgresCrash => {
+            sh("pg_ctlcluster $(ls /etc/postgresql | sort -V | tail -1) main stop -m immediate")?;
+            observe_for(observer, system, scale.outage).await;
+            healed = Some(restart_services(observer, system, Service::Database).await?);
+        }
+        Scenario::PostgresSlow => {
+            database_link(system)?.delay(Duration::from_millis(300));
+            observe_for(observer, system, Duration::from_secs(10)).await;
+            database_link(system)?.black_hole();
+            observe_for(observer, system, scale.outage.min(Duration::from_secs(20))).await;
+            database_link(system)?.restore();
+        }
+        Scenario::WorkerKillDegraded => {
+            database_link(system)?.cut();
+            match buffering_worker(observer, system, Duration::from_secs(20)).await {
+                Some(i) => {
+                    system.signal_worker(i, Signal::SIGKILL).await;
+                    pause(1.0).await;
+                    system.restart_worker(i)?;
+                    // Down past the heartbeat timeout: only the heartbeats of the restarted
+                    // worker, for its buffered tasks, keep reapers off them.
+                    let hold = Duration::from_secs_f64(heartbeat_timeout + 2.0);
+                    observe_for(observer, system, hold).await;
+                }
+                None => failures.push("no worker buffered an outcome to kill".to_owned()),
+            }
+            database_link(system)?.restore();
+        }
+        Scenario::PostgresTerminate => {
+            for _ in 0..5 {
+                oracle::terminate_sessions(&system.db, &system.database).await?;
+                pause(1.0).await;
+            }
+        }
+        Scenario::CommitReset => {
+            let until = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < until {
+                database_link(system)?.reset_after(b"COMMIT");
+                observer.sample_system(system).await;
+                pause(0.2).await;
+            }
+            let resets = database_link(system)?.resets();
+            eprintln!("chaos: commit-reset reset {resets} connections right after COMMIT");
+            if resets == 0 {
+                failures.push("no connection was reset at COMMIT".to_owned());
+            }
+        }
+        Scenario::Poison => {}
+        Scenario::BrokerAlarm => {
+            // A watermark below what the broker uses raises the memory alarm: it blocks
+            // every publishing connection until the alarm clears.
+            let watermark =
+                |w: &str| sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {w}"));
+            watermark("0.000001")?;
+            observe_for(observer, system, scale.outage.min(Duration::from_secs(15))).await;
+            watermark("0.4")?;
+        }
+        Scenario::Backlog => {
+            // No workers yet: the queue fills past maxQueueDepth and the gateway refuses.
+            pause(3.0).await;
+            system.start_workers()?;
+        }
+        Scenario::DeliveryLimit => {
+            // The pool drains away, so that the rogue consumer is the queue's only one.
+            let backlog = backlog_without_workers(observer, system).await;
+            let parked = hand_back_deliveries(observer, system, Duration::from_secs(3)).await?;
+            eprintln!(
+                "chaos: delivery-limit parked {parked} of {backlog} waiting tasks' messages in remediation"
+            );
+            system.start_workers()?;
+            if parked == 0 {
+                failures.push("the delivery limit dead-lettered nothing".to_owned());
+            }
+        }
+        Scenario::QueuePurge => {
+            backlog_without_workers(observer, system).await;
+            let purged = broker::purge(&system.task_type).await?;
+            system.start_workers()?;
+            observe_for(observer, system, Duration::from_secs(1)).await;
+            let purged_again = broker::purge(&system.task_type).await?;
+            eprintln!("chaos: queue-purge purged {purged}, then {purged_again} messages");
+            if purged == 0 {
+                failures.push("the purge found no message to take".to_owned());
+            }
+        }
+        Scenario::QueueDelete => {
+            backlog_without_workers(observer, system).await;
+            let deleted = broker::delete_and_redeclare(&system.task_type).await?;
+            system.start_workers()?;
+            eprintln!("chaos: queue-delete deleted the work queue with {deleted} messages");
+            if deleted == 0 {
+                failures.push("the deleted queue held no message".to_owned());
+            }
+        }
+        Scenario::GatewayKillUnpublished => {
+            // Publishes hang on a silent link while the tasks are recorded; then the node dies.
+            system
+                .gateway_broker
+                .as_ref()
+                .context("the gateway's broker link goes through a proxy")?
+                .black_hole();
+            observe_for(observer, system, Duration::from_secs(2)).await;
+            let stranded = oracle::count_in(&system.db, &system.task_type, &["INGESTED"]).await;
+            eprintln!("chaos: gateway killed with {stranded} tasks recorded and unpublished");
+            system.kill_gateway().await;
+            if let Some(proxy) = &system.gateway_broker {
+                proxy.restore();
+            }
+            system.restart_gateway().await?;
+            if stranded == 0 {
+                failures.push("no task was left INGESTED by the killed gateway".to_owned());
+            }
+        }
+        Scenario::PartitionsMonth => {
+            // Thirty days of upkeep while tasks flow: each day's partitions made ahead and
+            // rows in the default partition moved in, with retention relative to that day.
+            let today = chrono_today(&system.db).await?;
+            for day in 1..=30 {
+                let date = today + chrono::Days::new(day);
+                system.db.ensure_partitions_around(14, Some(date)).await?;
+                system.db.drop_partitions_before(90, Some(date)).await?;
+                observer.sample_system(system).await;
+            }
+        }
+        Scenario::WorkersGone => {
+            for i in 0..system.worker_count() {
+                system.signal_worker(i, Signal::SIGKILL).await;
+            }
+            // Nobody consumes this type now: only the gateway's reaper can move the
+            // dead workers' tasks on.
+            let hold = Duration::from_secs_f64(heartbeat_timeout * 2.0 + 1.0);
+            observe_for(observer, system, hold).await;
+            let owned =
+                oracle::count_in(&system.db, &system.task_type, &["CLAIMED", "PROCESSING"]).await;
+            if owned > 0 {
+                failures.push(format!("{owned} tasks still owned by dead workers"));
+            }
+            system.start_workers()?;
+        }
+        Scenario::PodDelete | Scenario::OperatorRestart | Scenario::RollingUpdate => {
+            anyhow::bail!("{} runs in the cluster (cluster.rs)", scenario.name())
+        }
+    }
+    Ok((healed.unwrap_or_else(Instant::now), failures))
+}
+
+/// Samples for `how_long`.
+async fn observe_for(observer: &mut Observer, system: &System, how_long: Duration) {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        observer.sample_system(system).await;
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
+}
+
+/// The first worker seen holding buffered outcomes, within `within`.
+async fn buffering_worker(
+    observer: &mut Observer,
+    system: &System,
+    within: Duration,
+) -> Option<usize> {
+    let until = Instant::now() + within;
+    while Instant::now() < until {
+        observer.sample_system(system).await;
+        for (i, _, listen) in system.running_workers() {
+            if telemetry::buffered(&observer.http, listen).await > 0.0 {
+                return Some(i);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    None
+}
+
+fn database_link(system: &System) -> anyhow::Result<&Proxy> {
+    system
+        .worker_database
+        .as_ref()
+        .context("this scenario's workers reach PostgreSQL through a proxy")
+}
+
+/// Degraded mode must have been at work where a scenario takes the database away, and
+/// must have stayed within its bounds.
+pub fn degraded_failures(scenario: Scenario, system: &System, t: &Telemetry) -> Vec<String> {
+    let mut failures = Vec::new();
+    let takes_database = matches!(
+        scenario,
+        Scenario::PostgresCrash | Scenario::PostgresSlow | Scenario::WorkerKillDegraded
+    );
+    if takes_database && t.breaker_opens == 0 {
+        failures.push("no worker's breaker opened".to_owned());
+    }
+    if matches!(
+        scenario,
+        Scenario::PostgresCrash | Scenario::WorkerKillDegraded
+    ) && (t.buffered_max == 0 || t.replayed == 0)
+    {
+        failures.push(format!(
+            "degraded mode unused: {} buffered, {} replayed",
+            t.buffered_max, t.replayed
+        ));
+    }
+    if scenario == Scenario::PostgresSlow {
+        if t.breaker_half_opens == 0 {
+            failures.push("no worker's breaker half-opened".to_owned());
+        }
+        // A degraded worker takes no new work, so it buffers at most what it was running.
+        let bound = system.worker_count() as u64 * u64::from(Options::default().concurrency);
+        if t.buffered_max > bound {
+            failures.push(format!(
+                "{} outcomes buffered, past {bound}",
+                t.buffered_max
+            ));
+        }
+        let growth = t.worker_rss_max_mib - t.rss_before_fault_mib;
+        if growth > 64.0 {
+            failures.push(format!(
+                "worker memory grew {growth:.0} MiB during the fault"
+            ));
+        }
+    }
+    failures
+}
+
+fn sh(command: &str) -> anyhow::Result<()> {
+    let status = Command::new("sh").args(["-c", command]).status()?;
+    anyhow::ensure!(status.success(), "`{command}` failed: {status}");
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+enum Service {
+    Broker,
+    Database,
+}
+
+/// Restarts whatever service is down (`scripts/services.sh up`, idempotent) and returns the
+/// moment `service` answered again, sampled while the script still runs.
+async fn restart_services(
+    observer: &mut Observer,
+    system: &System,
+    service: Service,
+) -> anyhow::Result<Instant> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/services.sh");
+    let mut up = tokio::process::Command::new(&script)
+        .arg("up")
+        .spawn()
+        .with_context(|| format!("run {}", script.display()))?;
+    let mut healed = None;
+    let status = loop {
+        if healed.is_none() && answers(system, service).await {
+            healed = Some(Instant::now());
+        }
+        observer.sample_system(system).await;
+        tokio::select! {
+            status = up.wait() => break status?,
+            () = tokio::time::sleep(SAMPLE_EVERY) => {}
+        }
+    };
+    anyhow::ensure!(status.success(), "{} up failed", script.display());
+    while healed.is_none() {
+        if answers(system, service).await {
+            healed = Some(Instant::now());
+        }
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
+    Ok(healed.unwrap_or_else(Instant::now))
+}
+
+async fn answers(system: &System, service: Service) -> bool {
+    match service {
+        Service::Database => system.db.ping().await.is_ok(),
+        Service::Broker => broker::reachable().await,
+    }
+}
+
+/// Drains the workers away and lets the load build a backlog for a moment; returns its
+/// size (tasks waiting in the database).
+async fn backlog_without_workers(observer: &mut Observer, system: &mut System) -> i64 {
+    system.drain_workers().await;
+    observe_for(observer, system, Duration::from_millis(1500)).await;
+    oracle::count_in(&system.db, &system.task_type, &["INGESTED", "QUEUED"]).await
+}
+
+/// A rogue consumer on the work queue that hands every delivery back with a requeue for
+/// `how_long`, as a worker that releases what it will not run does. Each hand-back counts
+/// against the delivery limit. Returns how many messages the limit parked in remediation.
+async fn hand_back_deliveries(
+    observer: &mut Observer,
+    system: &System,
+    how_long: Duration,
+) -> anyhow::Result<u32> {
+    let rogue = broker::Rogue::start(&system.task_type).await?;
+    observe_for(observer, system, how_long).await;
+    rogue.stop().await;
+    broker::remediation_depth(&system.task_type).await
+}
+
+/// Today (UTC) as the database sees it.
+async fn chrono_today(db: &conveyor_core::db::Db) -> anyhow::Result<chrono::NaiveDate> {
+    Ok(
+        sqlx::query_scalar("SELECT (now() AT TIME ZONE 'UTC')::date")
+            .fetch_one(db.pool())
+            .await?,
+    )
+}

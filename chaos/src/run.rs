@@ -1,0 +1,234 @@
+//! The one run loop, for both targets (this machine's processes, or the local cluster):
+//! start the target → load → a third of the way in, the fault → heal → quiet → oracle.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use conveyor_core::db::Db;
+use nix::sys::signal::Signal;
+use tokio::sync::mpsc;
+
+use crate::cluster::ClusterTarget;
+use crate::faults;
+use crate::load;
+use crate::oracle::{self, Throughput};
+use crate::scenarios::{Row, Scale, Scenario};
+use crate::sidecar::Sidecar;
+use crate::system::{self, System};
+use crate::telemetry::Telemetry;
+
+/// How often throughput and telemetry are sampled: fine enough to tell a 0.3 s recovery
+/// from a 3 s one.
+pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+/// Longest wait for every accepted task to settle after the load ends.
+const QUIET_WITHIN: Duration = Duration::from_secs(120);
+
+/// What a scenario runs against.
+enum Target {
+    Processes(System),
+    Cluster(ClusterTarget),
+}
+
+impl Target {
+    fn db(&self) -> &Db {
+        match self {
+            Target::Processes(system) => &system.db,
+            Target::Cluster(cluster) => &cluster.stack.db,
+        }
+    }
+
+    fn task_type(&self) -> &str {
+        match self {
+            Target::Processes(system) => &system.task_type,
+            Target::Cluster(cluster) => &cluster.task_type,
+        }
+    }
+
+    /// The database name whose sessions the oracle inspects.
+    fn database(&self) -> &str {
+        match self {
+            Target::Processes(system) => &system.database,
+            Target::Cluster(_) => "conveyor",
+        }
+    }
+
+    fn gateway(&self) -> (String, String) {
+        match self {
+            Target::Processes(system) => (system.gateway_url.clone(), system::TOKEN.to_owned()),
+            Target::Cluster(cluster) => {
+                (cluster.stack.gateway.clone(), cluster.stack.token.clone())
+            }
+        }
+    }
+
+    async fn sample(&self, observer: &mut Observer) {
+        match self {
+            Target::Processes(system) => observer.sample_system(system).await,
+            Target::Cluster(cluster) => {
+                observer.sample(&cluster.stack.db, &cluster.task_type).await
+            }
+        }
+    }
+
+    /// A poison task asked for its worker to die (only processes are killed this way).
+    async fn crash_owner(&mut self, task: uuid::Uuid) -> anyhow::Result<()> {
+        let Target::Processes(system) = self else {
+            return Ok(());
+        };
+        let owner = oracle::owner(&system.db, task).await?;
+        if let Some(i) = owner.as_deref().and_then(System::worker_of) {
+            system.signal_worker(i, Signal::SIGKILL).await;
+            system.restart_worker(i)?;
+        }
+        Ok(())
+    }
+
+    async fn inject(
+        &mut self,
+        scenario: Scenario,
+        scale: &Scale,
+        observer: &mut Observer,
+    ) -> anyhow::Result<(Instant, Vec<String>)> {
+        match self {
+            Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
+            Target::Cluster(cluster) => {
+                let failures = cluster.inject(scenario).await;
+                Ok((Instant::now(), failures))
+            }
+        }
+    }
+
+    fn failures_of_its_own(&self, scenario: Scenario, telemetry: &Telemetry) -> Vec<String> {
+        match self {
+            Target::Processes(system) => faults::degraded_failures(scenario, system, telemetry),
+            Target::Cluster(_) => Vec::new(),
+        }
+    }
+
+    async fn stop(self, keep_database: bool) {
+        match self {
+            Target::Processes(system) => system.stop(keep_database).await,
+            Target::Cluster(cluster) => cluster.finish().await,
+        }
+    }
+}
+
+/// Samples taken all through a scenario: throughput (for the recovery time) and what the
+/// workers report.
+pub struct Observer {
+    throughput: Throughput,
+    pub telemetry: Telemetry,
+    pub http: reqwest::Client,
+}
+
+impl Observer {
+    pub async fn sample(&mut self, db: &Db, task_type: &str) {
+        self.throughput.sample(db, task_type).await;
+    }
+
+    /// Throughput, and the workers' own metrics.
+    pub async fn sample_system(&mut self, system: &System) {
+        self.throughput.sample(&system.db, &system.task_type).await;
+        self.telemetry.sample(system, &self.http).await;
+    }
+}
+
+/// Runs one scenario end to end.
+pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Result<Row> {
+    let (sidecar, mut crashes) = Sidecar::start().await?;
+    let mut target = if scenario.in_cluster() {
+        Target::Cluster(ClusterTarget::start(scenario, &sidecar.url).await?)
+    } else {
+        let system = System::start(scenario.name(), scenario.options(), &sidecar.url, logs);
+        Target::Processes(system.await?)
+    };
+    let plan = scenario.plan(scale);
+    let over = plan.over;
+    let (gateway, token) = target.gateway();
+    let load = tokio::spawn(load::run(
+        gateway,
+        token,
+        target.task_type().to_owned(),
+        plan,
+    ));
+    let mut observer = Observer {
+        throughput: Throughput::default(),
+        telemetry: Telemetry::default(),
+        http: reqwest::Client::new(),
+    };
+    let fault_at = Instant::now() + over / 3;
+    while Instant::now() < fault_at {
+        tick(&mut target, &mut observer, &mut crashes).await?;
+    }
+    let fault = Instant::now();
+    observer.telemetry.fault_starts();
+    sidecar.mark();
+    let (healed, fault_failures) = target.inject(scenario, scale, &mut observer).await?;
+    // Effects under way while the fault struck (up to a heartbeat timeout after it healed,
+    // when the reapers hand abandoned tasks on).
+    let bound_until = healed + Duration::from_secs(4);
+    let mut peak = sidecar.peak_in_flight();
+    // Never cancel a tick midway (it may be between killing and restarting a worker).
+    while !load.is_finished() {
+        if Instant::now() < bound_until {
+            peak = sidecar.peak_in_flight();
+        }
+        tick(&mut target, &mut observer, &mut crashes).await?;
+    }
+    let outcome = load.await?;
+    let quiet_by = Instant::now() + QUIET_WITHIN;
+    while Instant::now() < quiet_by {
+        let open = oracle::open_tasks(target.db(), target.task_type(), &outcome).await;
+        if open == Some(0) {
+            break;
+        }
+        tick(&mut target, &mut observer, &mut crashes).await?;
+    }
+    target.sample(&mut observer).await;
+    // Let late acks and releases settle before sessions are counted.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut verdict = oracle::judge(
+        target.db(),
+        target.database(),
+        target.task_type(),
+        &outcome,
+        &sidecar,
+    )
+    .await?;
+    verdict.recovery_seconds = observer.throughput.recovery(fault, healed);
+    verdict.rerun_bound = scenario.rounds().map(|rounds| peak * rounds);
+    let telemetry = observer.telemetry.clone();
+    let mut failures = verdict.failures();
+    failures.extend(fault_failures);
+    failures.extend(target.failures_of_its_own(scenario, &telemetry));
+    if scenario == Scenario::Backlog && outcome.refusals.get(&429).copied().unwrap_or(0) == 0 {
+        failures.push("the gateway never answered 429 past maxQueueDepth".to_owned());
+    }
+    if outcome.missing_retry_after > 0 {
+        failures.push(format!(
+            "{} refusals without Retry-After",
+            outcome.missing_retry_after
+        ));
+    }
+    target.stop(!failures.is_empty()).await;
+    Ok(Row {
+        scenario: scenario.name(),
+        verdict,
+        failures,
+        telemetry,
+    })
+}
+
+/// One sampling step, handling a poison crash if one is asked for meanwhile.
+async fn tick(
+    target: &mut Target,
+    observer: &mut Observer,
+    crashes: &mut mpsc::UnboundedReceiver<uuid::Uuid>,
+) -> anyhow::Result<()> {
+    target.sample(observer).await;
+    tokio::select! {
+        Some(task) = crashes.recv() => target.crash_owner(task).await?,
+        () = tokio::time::sleep(SAMPLE_EVERY) => {}
+    }
+    Ok(())
+}
