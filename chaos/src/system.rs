@@ -10,7 +10,7 @@ use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::policies::task_type_policies;
 use conveyor_core::task_type::load_task_types;
-use conveyor_core::testing::{self, proxy::Proxy, TestDatabase};
+use conveyor_core::testing::{self, binary, free_port, proxy::Proxy, TestDatabase};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -113,7 +113,7 @@ impl System {
         let gateway_broker = proxy(options.gateway_broker_proxy, BROKER).await;
         let worker_database = proxy(options.worker_database_proxy, DATABASE).await;
 
-        let port = free_port()?;
+        let port = free_port();
         let gateway_url = format!("http://127.0.0.1:{port}");
         let gateway = spawn_gateway(
             port,
@@ -134,8 +134,8 @@ impl System {
             handler_url: handler_url.to_owned(),
             workers: (0..options.workers).map(|_| None).collect(),
             metrics_listen: (0..options.workers)
-                .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-                .collect::<std::io::Result<_>>()?,
+                .map(|_| format!("127.0.0.1:{}", free_port()))
+                .collect(),
             options,
             gateway,
             worker_broker,
@@ -383,27 +383,9 @@ fn amqp_url(proxy: Option<&Proxy>) -> String {
     }
 }
 
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn log_file(dir: &Path, name: &str) -> std::io::Result<std::fs::File> {
     std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(dir.join(format!("{name}.log")))
-}
-
-/// A workspace binary: next to this executable (target/debug/conveyor-chaos) or one level
-/// up (target/debug/deps/<test>).
-pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap_or_default();
-    let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    let here = dir.join(name);
-    if here.is_file() {
-        return here;
-    }
-    dir.parent().map(|d| d.join(name)).unwrap_or(here)
 }

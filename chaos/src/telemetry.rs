@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+use conveyor_core::testing::{metric_sum, metrics_page};
+
 use crate::system::System;
 
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -44,12 +46,12 @@ impl Telemetry {
             if let Some(rss) = rss_mib(pid) {
                 self.worker_rss_max_mib = self.worker_rss_max_mib.max(rss);
             }
-            let Some(text) = scrape(http, listen).await else {
+            let Some(text) = metrics_page(http, listen).await else {
                 continue;
             };
-            buffered += sum(&text, "conveyor_buffered_transitions");
+            buffered += metric_sum(&text, "conveyor_buffered_transitions");
             for (key, name) in COUNTERS {
-                let now = sum(&text, name);
+                let now = metric_sum(&text, name);
                 let before = self.seen.insert((pid, key), now).unwrap_or(0.0);
                 let grew = (now - before).max(0.0) as u64;
                 match key {
@@ -70,28 +72,10 @@ impl Telemetry {
 
 /// Outcomes one worker holds in its buffer now (0 when it does not answer).
 pub async fn buffered(http: &reqwest::Client, listen: &str) -> f64 {
-    match scrape(http, listen).await {
-        Some(text) => sum(&text, "conveyor_buffered_transitions"),
+    match metrics_page(http, listen).await {
+        Some(text) => metric_sum(&text, "conveyor_buffered_transitions"),
         None => 0.0,
     }
-}
-
-async fn scrape(http: &reqwest::Client, listen: &str) -> Option<String> {
-    let answer = http
-        .get(format!("http://{listen}/metrics"))
-        .timeout(std::time::Duration::from_millis(500))
-        .send()
-        .await
-        .ok()?;
-    answer.text().await.ok()
-}
-
-/// The sum of the samples whose name (and labels) start with `prefix`.
-fn sum(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 /// VmRSS of a process, in MiB.
@@ -118,9 +102,9 @@ mod tests {
             conveyor_replayed_transitions_total{outcome=\"completed\",task_type=\"a\"} 3\n\
             conveyor_replayed_transitions_total{outcome=\"not_owned\",task_type=\"a\"} 1\n\
             conveyor_buffered_transitions 2\n";
-        assert_eq!(sum(text, "conveyor_replayed_transitions_total"), 4.0);
-        assert_eq!(sum(text, "conveyor_buffered_transitions"), 2.0);
-        assert_eq!(sum(text, "conveyor_missing"), 0.0);
+        assert_eq!(metric_sum(text, "conveyor_replayed_transitions_total"), 4.0);
+        assert_eq!(metric_sum(text, "conveyor_buffered_transitions"), 2.0);
+        assert_eq!(metric_sum(text, "conveyor_missing"), 0.0);
     }
 
     #[test]

@@ -131,6 +131,54 @@ pub async fn wait_for_state(db: &Db, task_type: &str, state: TaskState, n: i64, 
     .await;
 }
 
+/// A workspace binary: next to the running executable (`target/debug/conveyor-chaos`) or
+/// one level up (a test in `target/debug/deps/`).
+pub fn binary(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_default();
+    let here = dir.join(name);
+    if here.is_file() {
+        return here;
+    }
+    dir.parent().map(|d| d.join(name)).unwrap_or(here)
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A process's /metrics page at `listen` (`None` while it does not answer).
+pub async fn metrics_page(http: &reqwest::Client, listen: &str) -> Option<String> {
+    let answer = http
+        .get(format!("http://{listen}/metrics"))
+        .timeout(Duration::from_millis(500))
+        .send()
+        .await
+        .ok()?;
+    answer.text().await.ok()
+}
+
+/// The value of the sample `line` (a metric name with its labels, exactly).
+pub fn metric_value(page: &str, line: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|l| l.strip_prefix(line)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// The sum of the samples whose name (and labels) start with `prefix`.
+pub fn metric_sum(page: &str, prefix: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Drops a test database and closes its sessions (best effort, at the end of a run).
 pub async fn drop_database(name: &str) {
     let Ok(admin) = Db::connect(&DbOptions::new(admin_database_url())) else {

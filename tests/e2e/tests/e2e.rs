@@ -354,9 +354,14 @@ async fn a_rolling_update_under_load_loses_and_repeats_nothing() {
         .into_iter()
         .filter_map(|p| p.metadata.name)
         .collect();
-    let ids = stack
-        .submit_all(&t, vec![json!({"sleepMs": 100}); 600])
+    // Load that the old pods are seen working on before the rollout starts.
+    let mut ids = stack
+        .submit_all(&t, vec![json!({"sleepMs": 100}); 200])
         .await;
+    wait_until("the old pods at work", 2 * MINUTE, || async {
+        stack.count(&t, TaskState::Completed).await > 0
+    })
+    .await;
     // A new pod template mid-load: new pods come up, the old ones drain and go.
     stack.kubectl(&[
         "patch",
@@ -366,10 +371,44 @@ async fn a_rolling_update_under_load_loses_and_repeats_nothing() {
         "-p",
         r#"{"spec":{"concurrency":5}}"#,
     ]);
+    // The load goes on, in waves, until the new pods have completed some of it: however
+    // long the rollout takes on a busy machine.
+    let by_new_pods = || {
+        let before = before.clone();
+        let db = stack.db.clone();
+        let t = t.clone();
+        async move {
+            let workers: Vec<String> = sqlx::query_scalar(
+                "SELECT DISTINCT worker_id FROM task_events
+                 WHERE task_type = $1 AND to_state = 'COMPLETED'",
+            )
+            .bind(&t)
+            .fetch_all(db.pool())
+            .await
+            .unwrap();
+            workers
+                .iter()
+                .any(|w| !before.iter().any(|pod| w.starts_with(pod.as_str())))
+        }
+    };
+    let deadline = std::time::Instant::now() + 5 * MINUTE;
+    while !by_new_pods().await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no task completed by a new pod within 5 minutes"
+        );
+        ids.extend(
+            stack
+                .submit_all(&t, vec![json!({"sleepMs": 100}); 20])
+                .await,
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let total = ids.len();
     stack
-        .wait_for_state(&t, TaskState::Completed, 600, 3 * MINUTE)
+        .wait_for_state(&t, TaskState::Completed, total as i64, 3 * MINUTE)
         .await;
-    wait_until("the old pods gone", MINUTE, || async {
+    wait_until("the old pods gone", 2 * MINUTE, || async {
         let now = stack.running_pods("rolling").await;
         now.len() == 2
             && now
@@ -379,7 +418,7 @@ async fn a_rolling_update_under_load_loses_and_repeats_nothing() {
     .await;
 
     let completions = stack.completions(&t).await;
-    assert_eq!(completions.len(), 600);
+    assert_eq!(completions.len(), total);
     assert!(completions.values().all(|n| *n == 1), "completed twice");
     let mut by_old = 0;
     for id in ids {
@@ -390,8 +429,8 @@ async fn a_rolling_update_under_load_loses_and_repeats_nothing() {
         by_old += usize::from(before.iter().any(|pod| worker.starts_with(pod.as_str())));
     }
     assert!(
-        by_old > 0 && by_old < 600,
-        "the rollout happened under load ({by_old} of 600 done by the old pods)"
+        by_old > 0 && by_old < total,
+        "the rollout happened under load ({by_old} of {total} done by the old pods)"
     );
     stack.finish().await;
 }

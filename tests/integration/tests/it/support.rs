@@ -341,36 +341,12 @@ impl Harness {
     }
 }
 
-/// The path of a workspace binary next to this test executable.
-pub fn binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable");
-    // target/<profile>/deps/it-xxxx → target/<profile>/<name>
-    exe.parent()
-        .and_then(|deps| deps.parent())
-        .expect("target dir")
-        .join(name)
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
+pub use conveyor_core::testing::{binary, free_port};
 
 /// The value of the sample `line` (metric name and labels) on a worker's /metrics page, or
 /// `None` while the worker does not answer or has no such sample.
 pub async fn scrape(http: &reqwest::Client, listen: &str, line: &str) -> Option<f64> {
-    let text = http
-        .get(format!("http://{listen}/metrics"))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(line)?.strip_prefix(' ')?.parse().ok())
+    testing::metric_value(&testing::metrics_page(http, listen).await?, line)
 }
 
 pub fn queue(task_type: &str) -> QueueNames {
