@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 use crate::broker;
 use crate::oracle;
 use crate::run::{Observer, SAMPLE_EVERY};
-use crate::scenarios::{Scale, Scenario};
+use crate::scenarios::{Scale, Scenario, BACKLOG_MAX_DEPTH};
 use crate::system::{Options, System};
 use crate::telemetry::{self, Telemetry};
 use conveyor_core::testing::proxy::Proxy;
@@ -125,7 +125,12 @@ pub async fn inject(
         }
         Scenario::Backlog => {
             // No workers yet: the queue fills past maxQueueDepth and the gateway refuses.
-            pause(3.0).await;
+            let past = BACKLOG_MAX_DEPTH as i64 + 20;
+            let filled = backlog_of(observer, system, past, Duration::from_secs(30)).await;
+            if filled < past {
+                failures.push(format!("the backlog reached only {filled} tasks"));
+            }
+            pause(1.0).await;
             system.start_workers()?;
         }
         Scenario::DeliveryLimit => {
@@ -346,8 +351,22 @@ async fn answers(system: &System, service: Service) -> bool {
 /// size (tasks waiting in the database).
 async fn backlog_without_workers(observer: &mut Observer, system: &mut System) -> i64 {
     system.drain_workers().await;
-    observe_for(observer, system, Duration::from_millis(1500)).await;
-    oracle::count_in(&system.db, &system.task_type, &["INGESTED", "QUEUED"]).await
+    backlog_of(observer, system, 50, Duration::from_secs(20)).await
+}
+
+/// Waits (sampling) until at least `tasks` wait in the database, or `within` passed;
+/// returns how many wait.
+async fn backlog_of(observer: &mut Observer, system: &System, tasks: i64, within: Duration) -> i64 {
+    let until = Instant::now() + within;
+    loop {
+        let waiting =
+            oracle::count_in(&system.db, &system.task_type, &["INGESTED", "QUEUED"]).await;
+        if waiting >= tasks || Instant::now() >= until {
+            return waiting;
+        }
+        observer.sample_system(system).await;
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
 }
 
 /// A rogue consumer on the work queue that hands every delivery back with a requeue for

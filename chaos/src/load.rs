@@ -133,8 +133,10 @@ pub async fn run(gateway: String, token: String, task_type: String, plan: Plan) 
                 for &i in &batch {
                     answers.insert(payloads[i].0, Answer::Unknown);
                 }
-                let forgotten =
-                    |i: &usize| plan.forget_unanswered_every.is_some_and(|n| i % n == 0);
+                let forgotten = |i: &usize| {
+                    plan.forget_unanswered_every
+                        .is_some_and(|n| i.is_multiple_of(n))
+                };
                 again = batch.into_iter().filter(|i| !forgotten(i)).collect();
             }
             Ok(response) => {

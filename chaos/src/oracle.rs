@@ -51,7 +51,7 @@ pub struct Verdict {
     pub healthy_dead_lettered: usize,
     /// The product's own audit log: chains that are not a valid lifecycle path.
     pub invalid_chains: usize,
-    /// PostgreSQL sessions left idle in a transaction.
+    /// PostgreSQL sessions left idle in a transaction for more than 5 s once quiet.
     pub idle_in_transaction: usize,
     /// From the fault really healing to throughput back at half its level before the fault.
     pub recovery_seconds: f64,
@@ -207,9 +207,12 @@ pub async fn judge(
             verdict.invalid_chains += 1;
         }
     }
+    // A transaction idle for a moment is normal (a re-queue waits for its confirm); one
+    // idle for seconds once the system is quiet is a leak.
     let idle: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_activity
-         WHERE datname = $1 AND state LIKE 'idle in transaction%'",
+         WHERE datname = $1 AND state LIKE 'idle in transaction%'
+           AND state_change < now() - interval '5 seconds'",
     )
     .bind(database)
     .fetch_one(db.pool())

@@ -25,8 +25,8 @@ const QUIET_WITHIN: Duration = Duration::from_secs(120);
 
 /// What a scenario runs against.
 enum Target {
-    Processes(System),
-    Cluster(ClusterTarget),
+    Processes(Box<System>),
+    Cluster(Box<ClusterTarget>),
 }
 
 impl Target {
@@ -107,8 +107,8 @@ impl Target {
 
     async fn stop(self, keep_database: bool) {
         match self {
-            Target::Processes(system) => system.stop(keep_database).await,
-            Target::Cluster(cluster) => cluster.finish().await,
+            Target::Processes(system) => (*system).stop(keep_database).await,
+            Target::Cluster(cluster) => (*cluster).finish().await,
         }
     }
 }
@@ -137,10 +137,12 @@ impl Observer {
 pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Result<Row> {
     let (sidecar, mut crashes) = Sidecar::start().await?;
     let mut target = if scenario.in_cluster() {
-        Target::Cluster(ClusterTarget::start(scenario, &sidecar.url).await?)
+        Target::Cluster(Box::new(
+            ClusterTarget::start(scenario, &sidecar.url).await?,
+        ))
     } else {
         let system = System::start(scenario.name(), scenario.options(), &sidecar.url, logs);
-        Target::Processes(system.await?)
+        Target::Processes(Box::new(system.await?))
     };
     let plan = scenario.plan(scale);
     let over = plan.over;

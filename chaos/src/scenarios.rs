@@ -158,7 +158,7 @@ impl Scenario {
                 ..defaults
             },
             Scenario::Backlog => Options {
-                max_queue_depth: 100,
+                max_queue_depth: BACKLOG_MAX_DEPTH,
                 start_workers: false,
                 ..defaults
             },
@@ -227,6 +227,9 @@ impl Scenario {
         }
     }
 }
+
+/// The backlog scenario's `maxQueueDepth`.
+pub const BACKLOG_MAX_DEPTH: u64 = 100;
 
 /// How big a run is.
 #[derive(Debug, Clone)]

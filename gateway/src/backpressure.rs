@@ -1,7 +1,7 @@
 //! Queue depth as the gateway sees it, and the drain rate that `Retry-After` comes from.
 //!
-//! A background loop reads each work queue's ready count every interval (never per
-//! request); submissions compare against the last reading.
+//! A background loop reads each work queue's and retry queue's ready counts every interval
+//! (never per request); submissions compare the sum against the last reading.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -95,13 +95,21 @@ impl DepthMonitor {
                 _ = tick.tick() => {}
             }
             for task_type in &task_types.names() {
-                match observer.ready_count(&QueueNames::of(task_type).main).await {
-                    Ok(depth) => {
-                        self.record(task_type, u64::from(depth));
+                let queues = QueueNames::of(task_type);
+                // Failed attempts waiting out their backoff come back as work: they count
+                // against maxQueueDepth too.
+                let depths = async {
+                    let main = observer.ready_count(&queues.main).await?;
+                    let retry = observer.ready_count(&queues.retry).await?;
+                    Ok::<_, conveyor_core::amqp::AmqpError>((main, retry))
+                };
+                match depths.await {
+                    Ok((main, retry)) => {
+                        self.record(task_type, u64::from(main) + u64::from(retry));
                         metrics
                             .queue_depth
                             .with_label_values(&[task_type.as_str()])
-                            .set(i64::from(depth));
+                            .set(i64::from(main));
                     }
                     Err(err) => {
                         metrics

@@ -22,6 +22,9 @@ pub struct Observation {
     pub ready: u64,
     /// Tasks delivered to the pool's workers and not yet acknowledged.
     pub in_flight: u64,
+    /// Failed attempts waiting out their backoff in the retry queues: not work yet, but it
+    /// will be, so it keeps a worker.
+    pub retrying: u64,
     /// Tasks per second the pool completed recently; `None` when not measured yet.
     pub processing_rate: Option<f64>,
     /// Workers the pool has now.
@@ -89,8 +92,16 @@ pub fn desired_replicas(
             }
         }
     }
-    // Work in flight or waiting keeps at least one worker, whatever minReplicas says.
-    if work > 0 && wanted < 1 {
+    // Work in flight, waiting or coming back from a retry keeps at least one worker,
+    // whatever minReplicas says.
+    let keeps_one = work > 0 || seen.retrying > 0;
+    if seen.retrying > 0 {
+        reasons.push(format!(
+            "{} retries waiting out their backoff",
+            seen.retrying
+        ));
+    }
+    if keeps_one && wanted < 1 {
         wanted = 1;
     }
     let bounded = wanted.clamp(
@@ -103,7 +114,7 @@ pub fn desired_replicas(
             policy.min_replicas, policy.max_replicas
         ));
     }
-    let recommendation = if work > 0 { bounded.max(1) } else { bounded };
+    let recommendation = if keeps_one { bounded.max(1) } else { bounded };
 
     let window = f64::from(policy.scale_down_stabilization_seconds);
     history.record(now, recommendation, window);
@@ -157,6 +168,7 @@ mod tests {
         Observation {
             ready,
             in_flight,
+            retrying: 0,
             processing_rate: None,
             current_replicas: current,
         }
@@ -230,5 +242,18 @@ mod tests {
             costs,
             [("w-a".into(), 3), ("w-b".into(), 0), ("w-c".into(), 1)]
         );
+    }
+
+    #[test]
+    fn retries_waiting_out_their_backoff_keep_a_worker() {
+        let policy = policy(0, 5);
+        let mut history = History::default();
+        let waiting = Observation {
+            retrying: 3,
+            ..seen(0, 0, 1)
+        };
+        let decision = desired_replicas(&waiting, &policy, &mut history, 0.0);
+        assert_eq!(decision.replicas, 1, "{}", decision.reason);
+        assert!(decision.reason.contains("3 retries"), "{}", decision.reason);
     }
 }

@@ -33,6 +33,7 @@ const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 struct Load {
     ready: u64,
     in_flight: u64,
+    retrying: u64,
     dead_lettered: u64,
     rate: f64,
 }
@@ -73,6 +74,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
             let observation = Observation {
                 ready: load.ready,
                 in_flight: load.in_flight,
+                retrying: load.retrying,
                 processing_rate: Some(load.rate),
                 current_replicas: current,
             };
@@ -164,6 +166,7 @@ async fn read_load(pool: &WorkerPool, ctx: &Context) -> Result<Load, Error> {
         let depths = ctx.management.depths(task_type).await?;
         load.ready += depths.ready;
         load.in_flight += depths.in_flight;
+        load.retrying += depths.retry;
         load.dead_lettered += depths.remediation;
         load.rate += ctx.management.processing_rate(task_type).await?;
     }

@@ -236,7 +236,8 @@ async fn deleting_a_worker_pod_mid_task_still_completes_it_once() {
         1,
     )
     .await;
-    let id = stack.submit_all(&t, vec![json!({"sleepMs": 5000})]).await[0];
+    // Long enough that the deleted pod cannot finish it however slow the deletion is.
+    let id = stack.submit_all(&t, vec![json!({"sleepMs": 30000})]).await[0];
     stack
         .wait_for_state(&t, TaskState::Processing, 1, MINUTE)
         .await;
@@ -248,7 +249,7 @@ async fn deleting_a_worker_pod_mid_task_still_completes_it_once() {
     stack.kubectl(&["delete", "pod", &pod, "--wait=false"]);
 
     stack
-        .wait_for_state(&t, TaskState::Completed, 1, 2 * MINUTE)
+        .wait_for_state(&t, TaskState::Completed, 1, 3 * MINUTE)
         .await;
     let chain = stack.events(id).await;
     assert_valid_chain(&chain);

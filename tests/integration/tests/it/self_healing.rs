@@ -4,7 +4,7 @@
 //! (a side-effect file the product never reads), and what the database says.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use conveyor_core::amqp;
@@ -62,7 +62,7 @@ fn recording_handler() -> (Handler, PathBuf) {
 }
 
 /// Side effects per idempotency key.
-fn effects(path: &PathBuf) -> BTreeMap<Uuid, usize> {
+fn effects(path: &Path) -> BTreeMap<Uuid, usize> {
     let mut seen = BTreeMap::new();
     for line in std::fs::read_to_string(path).unwrap_or_default().lines() {
         *seen.entry(line.trim().parse().expect("a key")).or_insert(0) += 1;
@@ -71,7 +71,7 @@ fn effects(path: &PathBuf) -> BTreeMap<Uuid, usize> {
 }
 
 /// The outside verdict: every accepted task COMPLETED once, its effect performed once.
-async fn assert_all_done_once(harness: &Harness, name: &str, accepted: &[Uuid], path: &PathBuf) {
+async fn assert_all_done_once(harness: &Harness, name: &str, accepted: &[Uuid], path: &Path) {
     harness
         .wait_for_state(
             name,
@@ -226,7 +226,7 @@ async fn tasks_of_a_purged_or_deleted_queue_run_again_under_continuing_load() {
 }
 
 /// The same recording handler, appending to an existing file.
-fn recording_handler_into(path: &PathBuf) -> Handler {
+fn recording_handler_into(path: &Path) -> Handler {
     let (mut handler, _) = recording_handler();
     if let Handler::Exec { args, .. } = &mut handler {
         args[1] = format!(
@@ -430,7 +430,7 @@ async fn a_client_that_hangs_up_mid_request_does_not_strand_its_task() {
     );
     socket.write_all(request.as_bytes()).await.unwrap();
     // Hang up once the task is recorded, before the broker can have confirmed it.
-    wait_until("the task is recorded", Duration::from_secs(10), || async {
+    wait_until("the task is recorded", Duration::from_secs(30), || async {
         harness.total_tasks(&name).await == 1
     })
     .await;

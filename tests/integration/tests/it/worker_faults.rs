@@ -107,6 +107,16 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
     let spec = test_type("drain");
     let name = spec.name.clone();
     let harness = Harness::start(vec![spec]).await;
+    // Two short tasks finish within the grace period; two long ones cannot. All four are
+    // queued before the worker starts, so that it takes them together.
+    let short: Vec<_> = futures_util::future::join_all(
+        (0..2).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 3000}))),
+    )
+    .await;
+    let long: Vec<_> = futures_util::future::join_all(
+        (0..2).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 120000}))),
+    )
+    .await;
     let mut worker = harness.spawn_worker_process(
         "draining",
         &[&name],
@@ -116,18 +126,9 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
             "--concurrency",
             "4",
             "--drain-grace-seconds",
-            "1",
+            "15",
         ],
     );
-    // Two short tasks finish within the grace period; two long ones cannot.
-    let short: Vec<_> = futures_util::future::join_all(
-        (0..2).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 600}))),
-    )
-    .await;
-    let long: Vec<_> = futures_util::future::join_all(
-        (0..2).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 60000}))),
-    )
-    .await;
     wait_until("all four running", Duration::from_secs(20), || async {
         harness.count(&name, Processing).await == 4
     })
