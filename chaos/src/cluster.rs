@@ -172,7 +172,8 @@ async fn pod_names(stack: &Stack) -> Vec<String> {
 /// The pod whose worker owns a PROCESSING task (worker ids are `<pod>-<suffix>`).
 async fn busy_pod(stack: &Stack, task_type: &str) -> Option<String> {
     let pods = pod_names(stack).await;
-    for _ in 0..40 {
+    // Up to 20 s: a busy machine is slow to show the first PROCESSING row.
+    for _ in 0..200 {
         let owners = oracle::processing_owners(&stack.db, task_type).await;
         let busy = owners.into_iter().find_map(|owner| {
             pods.iter()

@@ -95,9 +95,13 @@ pub async fn inject(
             database_link(system)?.restore();
         }
         Scenario::PostgresTerminate => {
+            let mut terminated = 0;
             for _ in 0..5 {
-                oracle::terminate_sessions(&system.db, &system.database).await?;
+                terminated += oracle::terminate_sessions(&system.db, &system.database).await?;
                 pause(1.0).await;
+            }
+            if terminated == 0 {
+                failures.push("no session was terminated".to_owned());
             }
         }
         Scenario::CommitReset => {
@@ -124,8 +128,9 @@ pub async fn inject(
             watermark("0.4")?;
         }
         Scenario::Backlog => {
-            // No workers yet: the queue fills past maxQueueDepth and the gateway refuses.
-            let past = BACKLOG_MAX_DEPTH as i64 + 20;
+            // No workers yet: the queue fills past maxQueueDepth and the gateway refuses (so
+            // the backlog stays just above the limit).
+            let past = BACKLOG_MAX_DEPTH as i64 + 1;
             let filled = backlog_of(observer, system, past, Duration::from_secs(30)).await;
             if filled < past {
                 failures.push(format!("the backlog reached only {filled} tasks"));
@@ -185,14 +190,28 @@ pub async fn inject(
             }
         }
         Scenario::PartitionsMonth => {
-            // Thirty days of upkeep while tasks flow: each day's partitions made ahead and
-            // rows in the default partition moved in, with retention relative to that day.
-            let today = chrono_today(&system.db).await?;
-            for day in 1..=30 {
-                let date = today + chrono::Days::new(day);
-                system.db.ensure_partitions_around(14, Some(date)).await?;
-                system.db.drop_partitions_before(90, Some(date)).await?;
+            // A month of audit rows beyond the partitions made ahead (as after weeks with
+            // nobody making them): they land in the default partition, and the gateway's
+            // own upkeep must make their partitions and move them in, under load.
+            let written =
+                oracle::write_calendar_rows(&system.db, &system.task_type, 20..50).await?;
+            let until = Instant::now() + Duration::from_secs(30);
+            let mut left = i64::MAX;
+            while Instant::now() < until {
+                left = oracle::default_partition_rows(&system.db).await;
+                if left == 0 {
+                    break;
+                }
                 observer.sample_system(system).await;
+                tokio::time::sleep(SAMPLE_EVERY).await;
+            }
+            let kept = oracle::calendar_rows(&system.db, &system.task_type).await;
+            eprintln!("chaos: partitions-month: {written} rows written, {kept} kept, {left} left in the default partition");
+            if left != 0 {
+                failures.push(format!("{left} audit rows left in the default partition"));
+            }
+            if kept != written {
+                failures.push(format!("{written} calendar rows written, {kept} kept"));
             }
         }
         Scenario::WorkersGone => {
@@ -381,13 +400,4 @@ async fn hand_back_deliveries(
     observe_for(observer, system, how_long).await;
     rogue.stop().await;
     broker::remediation_depth(&system.task_type).await
-}
-
-/// Today (UTC) as the database sees it.
-async fn chrono_today(db: &conveyor_core::db::Db) -> anyhow::Result<chrono::NaiveDate> {
-    Ok(
-        sqlx::query_scalar("SELECT (now() AT TIME ZONE 'UTC')::date")
-            .fetch_one(db.pool())
-            .await?,
-    )
 }

@@ -270,6 +270,47 @@ pub async fn count_in(db: &Db, task_type: &str, states: &[&str]) -> i64 {
         .unwrap_or(0)
 }
 
+/// Writes one audit row per day for the days `days` from today (UTC), under a task type of
+/// their own beside `task_type`'s; returns how many.
+pub async fn write_calendar_rows(
+    db: &Db,
+    task_type: &str,
+    days: std::ops::Range<i32>,
+) -> anyhow::Result<i64> {
+    let written = sqlx::query(
+        "INSERT INTO task_events (task_id, task_type, to_state, attempt, at)
+         SELECT gen_random_uuid(), $1, 'INGESTED', 0,
+                date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'
+                    + make_interval(days => d) + interval '12 hours'
+         FROM generate_series($2, $3 - 1) AS d",
+    )
+    .bind(format!("{task_type}-calendar"))
+    .bind(days.start)
+    .bind(days.end)
+    .execute(db.pool())
+    .await?
+    .rows_affected();
+    Ok(written as i64)
+}
+
+/// The calendar rows still in the audit log.
+pub async fn calendar_rows(db: &Db, task_type: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM task_events WHERE task_type = $1")
+        .bind(format!("{task_type}-calendar"))
+        .fetch_one(db.pool())
+        .await
+        .unwrap_or(-1)
+}
+
+/// Rows in the audit log's default partition (where rows go when their day's partition is
+/// missing).
+pub async fn default_partition_rows(db: &Db) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM task_events_default")
+        .fetch_one(db.pool())
+        .await
+        .unwrap_or(-1)
+}
+
 /// The owner (worker name) of a task now.
 pub async fn owner(db: &Db, task: Uuid) -> anyhow::Result<Option<String>> {
     Ok(db.task(task).await?.and_then(|t| t.owner))

@@ -367,6 +367,7 @@ fn spawn_gateway(
         .env("CONVEYOR_PROBE_INTERVAL_MS", "2000")
         .env("CONVEYOR_PROBE_GRACE_MS", "1000")
         .env("CONVEYOR_CONFIRM_TIMEOUT_MS", "3000")
+        .env("CONVEYOR_PARTITIONS_EVERY_SECONDS", "2")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(log_file(logs, "gateway")?)

@@ -82,6 +82,13 @@ struct Args {
     /// A probe seen this long ago proves lost the messages of tasks queued before it.
     #[arg(long, env = "CONVEYOR_PROBE_GRACE_MS", default_value_t = 5000)]
     probe_grace_ms: u64,
+    /// How often audit partitions are made ahead and rescued from the default partition.
+    #[arg(
+        long,
+        env = "CONVEYOR_PARTITIONS_EVERY_SECONDS",
+        default_value_t = 3600
+    )]
+    partitions_every_seconds: u64,
     /// Audit partitions older than this many days are dropped (0 keeps them for ever).
     #[arg(long, env = "CONVEYOR_AUDIT_RETENTION_DAYS", default_value_t = 90)]
     audit_retention_days: i32,
@@ -102,7 +109,7 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
     UpkeepConfig {
         interval: Duration::from_millis(args.upkeep_interval_ms.max(50)),
         sweep,
-        partitions_every: Duration::from_secs(3600),
+        partitions_every: Duration::from_secs(args.partitions_every_seconds.max(1)),
         retention_days: (args.audit_retention_days > 0).then_some(args.audit_retention_days),
         name: format!("gateway-upkeep/{}", std::process::id()),
     }

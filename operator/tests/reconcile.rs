@@ -47,7 +47,7 @@ fn api_server(script: Vec<Expect>) -> (Client, JoinHandle<Vec<Seen>>) {
     let verifier = tokio::spawn(async move {
         let mut seen = Vec::new();
         for step in script {
-            let next = tokio::time::timeout(Duration::from_secs(10), handle.next_request()).await;
+            let next = tokio::time::timeout(Duration::from_secs(60), handle.next_request()).await;
             let (request, send) = next
                 .unwrap_or_else(|_| panic!("no request; expected {} …{}", step.method, step.path))
                 .expect("client dropped");
@@ -511,11 +511,13 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         .collect();
     assert!(publisher.publish(&backlog).await.iter().all(Result::is_ok));
     let ctx_management = ManagementApi::new(MANAGEMENT, "conveyor", "conveyor", "/");
-    // The management API's counts lag the broker by a moment.
-    for _ in 0..100 {
-        if ctx_management.depths(&name).await.unwrap().ready == 250 {
-            break;
-        }
+    // The management API's counts lag the broker (statistics refresh every 5 s).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while ctx_management.depths(&name).await.unwrap().ready != 250 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the management API never counted the backlog"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 

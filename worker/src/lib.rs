@@ -245,8 +245,16 @@ async fn consume(
             for spec in &config.task_types {
                 amqp::declare_task_type(&channel, &spec.name).await?;
             }
+            // The prefetch is per consumer (quorum queues have no channel-wide one): split
+            // the concurrency between the types, so that deliveries do not sit unclaimed
+            // behind busy permits, where a probe would take their messages for lost
+            // (decision 0011).
+            let per_type = config
+                .concurrency
+                .div_ceil(queues.len().max(1) as u16)
+                .max(1);
             let (channel, consumers) =
-                amqp::consume(&conn, &queues, config.concurrency, &config.worker_id).await?;
+                amqp::consume(&conn, &queues, per_type, &config.worker_id).await?;
             Ok::<_, amqp::AmqpError>((conn, channel, consumers))
         };
         let (conn, channel, consumers) = match session.await {

@@ -58,7 +58,7 @@ impl ApplyError {
     /// queue its re-queue must go to does not exist.
     pub fn is_permanent(&self) -> bool {
         match self {
-            ApplyError::Db(err) => !err.is_unavailable(),
+            ApplyError::Db(err) => err.is_permanent(),
             ApplyError::Publish(err) => matches!(
                 err,
                 AmqpError::NoQueue { .. } | AmqpError::Encode(_) | AmqpError::Mismatch { .. }

@@ -47,6 +47,10 @@ pub enum DbError {
     /// The call got no answer in time (a slow or silent link); it may still have committed.
     #[error("database call timed out after {0:?}")]
     TimedOut(Duration),
+    /// The server gave up on the statement (its `statement_timeout`, a lock timeout) or
+    /// chose it as a deadlock or serialization victim: nothing was written; try again.
+    #[error("the database gave up on the statement")]
+    Cancelled(#[source] sqlx::Error),
 }
 
 impl DbError {
@@ -60,12 +64,33 @@ impl DbError {
             DbError::Lifecycle(_) => "lifecycle",
             DbError::Corrupt(_) => "corrupt",
             DbError::TimedOut(_) => "timeout",
+            DbError::Cancelled(_) => "cancelled",
         }
     }
 
     /// The database could not be reached or dropped the connection: worth retrying later.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, DbError::Unavailable(_) | DbError::TimedOut(_))
+        matches!(
+            self,
+            DbError::Unavailable(_) | DbError::TimedOut(_) | DbError::Cancelled(_)
+        )
+    }
+
+    /// The same write will never succeed: the database refused the value or the step
+    /// itself (a data or integrity error, a transition outside the lifecycle).
+    pub fn is_permanent(&self) -> bool {
+        self.is_data_rejected()
+            || self.is_integrity_violation()
+            || matches!(self, DbError::Lifecycle(_) | DbError::Corrupt(_))
+    }
+
+    fn is_integrity_violation(&self) -> bool {
+        match self {
+            DbError::Query(sqlx::Error::Database(db)) => {
+                db.code().is_some_and(|code| code.starts_with("23"))
+            }
+            _ => false,
+        }
     }
 
     /// The database refused a value itself (SQLSTATE class 22, "data exception": a NUL
@@ -99,6 +124,15 @@ impl From<sqlx::Error> for DbError {
                 }) =>
             {
                 DbError::Unavailable(err)
+            }
+            sqlx::Error::Database(db)
+                if db.code().is_some_and(|c| {
+                    // query cancelled (statement_timeout), lock not available, deadlock,
+                    // serialization failure
+                    c == "57014" || c == "55P03" || c == "40P01" || c == "40001"
+                }) =>
+            {
+                DbError::Cancelled(err)
             }
             _ => DbError::Query(err),
         }
@@ -191,6 +225,9 @@ impl DbOptions {
 #[derive(Clone)]
 pub struct Db {
     pool: PgPool,
+    /// One connection, opened on use, without the statement timeout: a migration or a
+    /// partition's rescue may legitimately run long on a big table.
+    maintenance: PgPool,
 }
 
 impl Db {
@@ -199,24 +236,33 @@ impl Db {
     pub fn connect(options: &DbOptions) -> DbResult<Db> {
         // A session stuck between BEGIN and COMMIT (a worker frozen mid re-queue) must not
         // hold its row locks forever.
-        let mut settings = vec![("idle_in_transaction_session_timeout", "30s".to_owned())];
-        if let Some(timeout) = options.statement_timeout {
-            let millis = timeout.as_millis().max(1);
-            settings.push(("statement_timeout", format!("{millis}ms")));
-        }
-        let connect = PgConnectOptions::from_str(&options.url)
+        let base = PgConnectOptions::from_str(&options.url)
             .map_err(DbError::Url)?
-            .options(settings.iter().map(|(k, v)| (*k, v.as_str())));
+            .options([("idle_in_transaction_session_timeout", "30s")]);
+        let connect = match options.statement_timeout {
+            Some(timeout) => {
+                let millis = timeout.as_millis().max(1).to_string() + "ms";
+                base.clone()
+                    .options([("statement_timeout", millis.as_str())])
+            }
+            None => base.clone(),
+        };
         let pool = PgPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.acquire_timeout)
             .connect_lazy_with(connect);
-        Ok(Db { pool })
+        let maintenance = PgPoolOptions::new()
+            .max_connections(1)
+            .min_connections(0)
+            .idle_timeout(Duration::from_secs(60))
+            .acquire_timeout(options.acquire_timeout)
+            .connect_lazy_with(base.options([("statement_timeout", "0")]));
+        Ok(Db { pool, maintenance })
     }
 
     pub async fn migrate(&self) -> DbResult<()> {
         sqlx::migrate!("../migrations")
-            .run(&self.pool)
+            .run(&self.maintenance)
             .await
             .map_err(DbError::Migrate)?;
         self.ensure_partitions().await

@@ -18,7 +18,7 @@ impl Db {
             sqlx::query_scalar("SELECT conveyor_ensure_event_partitions($1, $2)")
                 .bind(days_ahead)
                 .bind(today)
-                .fetch_all(self.pool())
+                .fetch_all(&self.maintenance)
                 .await?,
         )
     }
@@ -33,7 +33,7 @@ impl Db {
             sqlx::query_scalar("SELECT conveyor_drop_event_partitions($1, $2)")
                 .bind(keep_days)
                 .bind(today)
-                .fetch_all(self.pool())
+                .fetch_all(&self.maintenance)
                 .await?,
         )
     }

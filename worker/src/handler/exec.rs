@@ -66,12 +66,11 @@ pub async fn run(
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("cannot start {command}: {e}"))?;
-    let _group = Group(
-        child
-            .id()
-            .and_then(|pid| i32::try_from(pid).ok())
-            .map(Pid::from_raw),
-    );
+    let group = child
+        .id()
+        .and_then(|pid| i32::try_from(pid).ok())
+        .map(Pid::from_raw);
+    let _group = Group(group);
     let (stdin, stdout, stderr) = (child.stdin.take(), child.stdout.take(), child.stderr.take());
     let feed = async {
         if let Some(mut stdin) = stdin {
@@ -79,11 +78,18 @@ pub async fn run(
             let _ = stdin.write_all(payload.as_bytes()).await;
         }
     };
+    // Once the command itself exits, whatever it left running in its group (a helper that
+    // inherited stdout, say) goes too: the pipes then close and the reads end.
+    let exited = async {
+        let status = child.wait().await;
+        drop(Group(group));
+        status
+    };
     let (_, out, err, status) = tokio::join!(
         feed,
         read_bounded(stdout, MAX_STDOUT, Keep::Head),
         read_bounded(stderr, MAX_STDERR, Keep::Tail),
-        child.wait()
+        exited
     );
     let status = status.map_err(|e| format!("waiting for {command}: {e}"))?;
     let (stdout, stdout_cut) = out.map_err(|e| format!("reading {command}'s stdout: {e}"))?;
@@ -220,6 +226,16 @@ mod tests {
             .expect("no deadlock")
             .unwrap();
         assert!(result["stdout"].as_str().unwrap().ends_with('a'));
+    }
+
+    #[tokio::test]
+    async fn a_helper_left_holding_stdout_does_not_hold_the_attempt() {
+        let attempt = sh("sleep 60 & echo '{\"done\": true}'", serde_json::json!({}));
+        let result = tokio::time::timeout(Duration::from_secs(20), attempt)
+            .await
+            .expect("the attempt ends when its command does")
+            .unwrap();
+        assert_eq!(result["done"], true);
     }
 
     #[tokio::test]

@@ -57,15 +57,17 @@ async fn outcomes_buffered_through_an_outage_survive_a_kill_and_are_replayed_onc
         "--metrics-listen",
         &listen,
     ];
-    let mut first = Reaped(harness.spawn_worker_process("buffering", &[&name], &args));
+    // Queued before the worker starts, so that it takes all four at once; long enough that
+    // the cut comes while they all run, however slow the machine.
     let mut ids = Vec::new();
     for _ in 0..4 {
         ids.push(
             harness
-                .submit_ok(&name, serde_json::json!({"sleepMs": 1500}))
+                .submit_ok(&name, serde_json::json!({"sleepMs": 5000}))
                 .await,
         );
     }
+    let mut first = Reaped(harness.spawn_worker_process("buffering", &[&name], &args));
     harness
         .wait_for_state(&name, Processing, 4, Duration::from_secs(20))
         .await;
