@@ -388,3 +388,31 @@ async fn a_claim_the_worker_gave_up_on_does_not_commit_later() {
         "a claim committed after its worker gave up on it"
     );
 }
+
+#[tokio::test]
+async fn a_heartbeat_for_an_older_attempt_does_not_keep_a_newer_claim_alive() {
+    let (db, task_type, task) = one_claimed_task("beater").await;
+    // Attempt 0 was reaped and re-queued; the same worker then claimed attempt 1.
+    let timeout = Duration::from_millis(200);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // (The re-queue's message does not matter here: the claim below takes attempt 1.)
+    let pending = db
+        .begin_reap(&task_type, timeout, 3, "r", 10)
+        .await
+        .unwrap();
+    pending.expect("reaped").commit().await.unwrap();
+    assert!(db.claim(task.id, 1, "beater").await.unwrap());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Only the stale attempt is beaten: the claim of attempt 1 is not renewed.
+    let renewed = db
+        .heartbeat(&[task.id], &[0], &["beater".to_owned()])
+        .await
+        .unwrap();
+    assert_eq!(renewed, 0, "a beat for attempt 0 renewed attempt 1");
+    assert_eq!(
+        db.heartbeat(&[task.id], &[1], &["beater".to_owned()])
+            .await
+            .unwrap(),
+        1
+    );
+}

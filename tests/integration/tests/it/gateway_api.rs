@@ -330,3 +330,40 @@ async fn batches_answer_per_task_and_tasks_and_timelines_can_be_read() {
     assert_eq!(missing.status(), StatusCode::NOT_FOUND);
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn retries_waiting_out_their_backoff_count_against_max_queue_depth() {
+    let mut shallow = test_type("retrying");
+    shallow.max_queue_depth = 3;
+    let name = shallow.name.clone();
+    let harness = Harness::start(vec![shallow]).await;
+    // Five failed attempts wait in the retry queue for a minute; the work queue is empty.
+    let publisher = harness.publisher();
+    let waiting: Vec<conveyor_core::amqp::Outgoing> = (0..5)
+        .map(|_| conveyor_core::amqp::Outgoing {
+            message: conveyor_core::task::TaskMessage {
+                id: Uuid::new_v4(),
+                task_type: name.clone(),
+                attempt: 1,
+                idempotency_key: Uuid::new_v4(),
+                payload: serde_json::json!({}),
+                submitted_at: chrono::Utc::now(),
+                suspect: false,
+            },
+            route: conveyor_core::task::Requeue::Retry,
+            delay: Some(Duration::from_secs(60)),
+        })
+        .collect();
+    assert!(publisher.publish(&waiting).await.iter().all(Result::is_ok));
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 0);
+    wait_until(
+        "the gateway counts the retry backlog",
+        Duration::from_secs(30),
+        || async {
+            let (status, body) = harness.submit(&name, serde_json::json!({}), None).await;
+            status == StatusCode::TOO_MANY_REQUESTS && body["error"]["code"] == "queue_full"
+        },
+    )
+    .await;
+    harness.shutdown().await;
+}
