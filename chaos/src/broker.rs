@@ -2,6 +2,7 @@
 //! (decision 0011). All of the suite's own AMQP calls are here.
 
 use conveyor_core::amqp::{self, QueueNames, QueueObserver};
+use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::testing;
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, BasicNackOptions, BasicQosOptions, QueuePurgeOptions};
@@ -29,12 +30,12 @@ pub async fn purge(task_type: &str) -> anyhow::Result<u32> {
 
 /// Deletes the work queue with everything in it, then declares it again (with the same
 /// arguments, as the operator would); returns how many messages were deleted.
-pub async fn delete_and_redeclare(task_type: &str) -> anyhow::Result<u32> {
+pub async fn delete_and_redeclare(spec: &NamedTaskType) -> anyhow::Result<u32> {
     let (conn, channel) = channel().await?;
     let deleted = channel
-        .queue_delete(&QueueNames::of(task_type).main, Default::default())
+        .queue_delete(&QueueNames::of(&spec.name).main, Default::default())
         .await?;
-    amqp::declare_task_type(&channel, task_type).await?;
+    amqp::declare_task_type(&channel, spec).await?;
     let _ = conn.close(200, "re-declared").await;
     Ok(deleted)
 }

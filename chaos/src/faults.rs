@@ -9,8 +9,8 @@ use anyhow::Context as _;
 use nix::sys::signal::Signal;
 
 use crate::broker;
+use crate::observe::{Observer, SAMPLE_EVERY};
 use crate::oracle;
-use crate::run::{Observer, SAMPLE_EVERY};
 use crate::scenarios::{Scale, Scenario, BACKLOG_MAX_DEPTH};
 use crate::system::{Options, System};
 use crate::telemetry::{self, Telemetry};
@@ -163,7 +163,7 @@ pub async fn inject(
         }
         Scenario::QueueDelete => {
             backlog_without_workers(observer, system).await;
-            let deleted = broker::delete_and_redeclare(&system.task_type).await?;
+            let deleted = broker::delete_and_redeclare(&system.spec()?).await?;
             system.start_workers()?;
             eprintln!("chaos: queue-delete deleted the work queue with {deleted} messages");
             if deleted == 0 {

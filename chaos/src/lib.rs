@@ -6,6 +6,7 @@ pub mod broker;
 pub mod cluster;
 pub mod faults;
 pub mod load;
+pub mod observe;
 pub mod oracle;
 pub mod report;
 pub mod run;

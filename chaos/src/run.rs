@@ -11,15 +11,13 @@ use tokio::sync::mpsc;
 use crate::cluster::ClusterTarget;
 use crate::faults;
 use crate::load;
-use crate::oracle::{self, Throughput};
+use crate::observe::{Observer, SAMPLE_EVERY};
+use crate::oracle;
 use crate::scenarios::{Row, Scale, Scenario};
 use crate::sidecar::Sidecar;
 use crate::system::{self, System};
 use crate::telemetry::Telemetry;
 
-/// How often throughput and telemetry are sampled: fine enough to tell a 0.3 s recovery
-/// from a 3 s one.
-pub const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 /// Longest wait for every accepted task to settle after the load ends.
 const QUIET_WITHIN: Duration = Duration::from_secs(120);
 
@@ -113,26 +111,6 @@ impl Target {
     }
 }
 
-/// Samples taken all through a scenario: throughput (for the recovery time) and what the
-/// workers report.
-pub struct Observer {
-    throughput: Throughput,
-    pub telemetry: Telemetry,
-    pub http: reqwest::Client,
-}
-
-impl Observer {
-    pub async fn sample(&mut self, db: &Db, task_type: &str) {
-        self.throughput.sample(db, task_type).await;
-    }
-
-    /// Throughput, and the workers' own metrics.
-    pub async fn sample_system(&mut self, system: &System) {
-        self.throughput.sample(&system.db, &system.task_type).await;
-        self.telemetry.sample(system, &self.http).await;
-    }
-}
-
 /// Runs one scenario end to end.
 pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Result<Row> {
     let (sidecar, mut crashes) = Sidecar::start().await?;
@@ -153,11 +131,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         target.task_type().to_owned(),
         plan,
     ));
-    let mut observer = Observer {
-        throughput: Throughput::default(),
-        telemetry: Telemetry::default(),
-        http: reqwest::Client::new(),
-    };
+    let mut observer = Observer::default();
     let fault_at = Instant::now() + over / 3;
     while Instant::now() < fault_at {
         tick(&mut target, &mut observer, &mut crashes).await?;
@@ -197,7 +171,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         &sidecar,
     )
     .await?;
-    verdict.recovery_seconds = observer.throughput.recovery(fault, healed);
+    verdict.recovery_seconds = observer.recovery(fault, healed);
     verdict.rerun_bound = scenario.rounds().map(|rounds| peak * rounds);
     let telemetry = observer.telemetry.clone();
     let mut failures = verdict.failures();

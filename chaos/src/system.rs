@@ -153,12 +153,9 @@ impl System {
     /// The production topology: the policies the operator puts on a TaskType's queues
     /// (delivery limit, length limit, TTL cap), put the same way.
     async fn put_policies(&self) -> anyhow::Result<()> {
-        let types = load_task_types(&self.types_file)?;
-        let spec = types
-            .get(&self.task_type)
-            .context("the scenario's task type")?;
+        let spec = self.spec()?;
         let http = reqwest::Client::new();
-        for policy in task_type_policies(spec) {
+        for policy in task_type_policies(&spec) {
             let url = format!(
                 "{}/api/policies/%2f/{}",
                 testing::management_url(),
@@ -173,6 +170,14 @@ impl System {
             );
         }
         Ok(())
+    }
+
+    /// The scenario's task type, as the gateway and workers read it.
+    pub fn spec(&self) -> anyhow::Result<conveyor_core::task_type::NamedTaskType> {
+        load_task_types(&self.types_file)?
+            .get(&self.task_type)
+            .cloned()
+            .context("the scenario's task type")
     }
 
     async fn delete_policies(&self) {

@@ -5,7 +5,7 @@ use conveyor_core::amqp::{self, Publisher, QueueNames};
 use conveyor_core::db::Db;
 use conveyor_core::requeue::publish_and_commit;
 use conveyor_core::task::{TaskMessage, TaskRecord};
-use conveyor_core::task_type::Backoff;
+use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
@@ -62,6 +62,8 @@ pub async fn redrive(
     let conn = amqp::connect(amqp_url, &format!("conveyorctl-redrive-{by}")).await?;
     let channel = conn.create_channel().await.context("opening a channel")?;
     let queue = QueueNames::of(task_type).remediation;
+    // Redriven and returned tasks go to the work queue at once: no backoff, no retry queue.
+    let main_only = NamedTaskType::named(task_type);
     let mut report = RedriveReport::default();
     // Kept messages stay unacked until the end, so that `basic.get` moves on past them.
     let mut kept = Vec::new();
@@ -90,8 +92,7 @@ pub async fn redrive(
                 }
             };
             if let Some(pending) = db.begin_redrive(task.id, task.attempt, by).await? {
-                // Redriven tasks go to the work queue at once; no backoff applies.
-                publish_and_commit(publisher, pending, &Backoff::default())
+                publish_and_commit(publisher, pending, &main_only)
                     .await
                     .with_context(|| format!("redriving task {}", task.id))?;
                 report.redriven += 1;
@@ -103,7 +104,7 @@ pub async fn redrive(
                 )
                 .await?
             {
-                publish_and_commit(publisher, pending, &Backoff::default())
+                publish_and_commit(publisher, pending, &main_only)
                     .await
                     .with_context(|| format!("returning task {}", task.id))?;
                 report.returned += 1;

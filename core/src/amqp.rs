@@ -21,6 +21,7 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::task::{Requeue, TaskMessage};
+use crate::task_type::NamedTaskType;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
@@ -83,6 +84,28 @@ impl QueueNames {
             Requeue::Remediation => &self.remediation,
         }
     }
+
+    /// Retry queue `tier` (see [`NamedTaskType::retry_tiers`]): the first keeps the name
+    /// `conveyor.T.retry`, the others are `conveyor.T.retry.<tier>`.
+    pub fn retry_tier(&self, tier: u32) -> String {
+        match tier {
+            0 => self.retry.clone(),
+            n => format!("{}.{n}", self.retry),
+        }
+    }
+
+    /// Every retry queue a type with `tiers` of them has.
+    pub fn retry_queues(&self, tiers: u32) -> Vec<String> {
+        (0..tiers.max(1)).map(|t| self.retry_tier(t)).collect()
+    }
+
+    /// Every queue of a type with `tiers` retry queues.
+    pub fn all(&self, tiers: u32) -> Vec<String> {
+        let mut all = vec![self.main.clone()];
+        all.extend(self.retry_queues(tiers));
+        all.push(self.remediation.clone());
+        all
+    }
 }
 
 /// Adds `heartbeat=<seconds>` to an AMQP URL that does not choose one.
@@ -113,7 +136,7 @@ fn arg_str(value: &str) -> AMQPValue {
 /// The arguments of each queue, fixed at declaration. Settings that may change later
 /// (the delivery limit, TTL caps, lengths) are policies, which the operator manages:
 /// a queue argument would win over a policy and could never be changed.
-pub fn queue_arguments(names: &QueueNames) -> [(String, FieldTable); 3] {
+pub fn queue_arguments(names: &QueueNames, retry_tiers: u32) -> Vec<(String, FieldTable)> {
     let quorum = || {
         let mut args = FieldTable::default();
         args.insert("x-queue-type".into(), arg_str("quorum"));
@@ -131,17 +154,20 @@ pub fn queue_arguments(names: &QueueNames) -> [(String, FieldTable); 3] {
     // Expired retries must reach the work queue even across a broker crash.
     retry.insert("x-dead-letter-strategy".into(), arg_str("at-least-once"));
     retry.insert("x-overflow".into(), arg_str("reject-publish"));
-    [
-        (names.main.clone(), main),
-        (names.retry.clone(), retry),
-        (names.remediation.clone(), quorum()),
-    ]
+    let mut queues = vec![(names.main.clone(), main)];
+    for queue in names.retry_queues(retry_tiers) {
+        queues.push((queue, retry.clone()));
+    }
+    queues.push((names.remediation.clone(), quorum()));
+    queues
 }
 
-/// Declares a task type's three queues. Idempotent; a queue that exists with other
-/// arguments is reported as [`AmqpError::Mismatch`] (and closes the channel).
-pub async fn declare_task_type(channel: &Channel, task_type: &str) -> AmqpResult<()> {
-    for (queue, args) in queue_arguments(&QueueNames::of(task_type)) {
+/// Declares a task type's queues: work, its retry queues, remediation. Idempotent; a queue
+/// that exists with other arguments is reported as [`AmqpError::Mismatch`] (and closes the
+/// channel).
+pub async fn declare_task_type(channel: &Channel, spec: &NamedTaskType) -> AmqpResult<()> {
+    let names = QueueNames::of(&spec.name);
+    for (queue, args) in queue_arguments(&names, spec.retry_tiers()) {
         let options = QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
@@ -177,12 +203,15 @@ pub async fn ready_count(channel: &Channel, queue: &str) -> AmqpResult<u32> {
         })
 }
 
-/// A message to publish: the task, where it goes, and for the retry queue how long it waits.
+/// A message to publish: the task, where it goes, and for a retry queue which one and how
+/// long it waits there.
 #[derive(Debug, Clone)]
 pub struct Outgoing {
     pub message: TaskMessage,
     pub route: Requeue,
     pub delay: Option<Duration>,
+    /// For [`Requeue::Retry`]: the retry queue ([`NamedTaskType::retry_tier`]).
+    pub retry_tier: u32,
 }
 
 /// One lazily (re)opened connection and channel, counted so that tests and metrics can
@@ -279,9 +308,9 @@ impl Publisher {
     }
 
     /// Declares a task type's queues on the publisher's connection.
-    pub async fn declare_task_type(&self, task_type: &str) -> AmqpResult<()> {
+    pub async fn declare_task_type(&self, spec: &NamedTaskType) -> AmqpResult<()> {
         let channel = self.channel().await?;
-        let result = declare_task_type(&channel, task_type).await;
+        let result = declare_task_type(&channel, spec).await;
         if matches!(result, Err(AmqpError::Unavailable(_))) {
             self.reset().await;
         }
@@ -330,8 +359,12 @@ impl Publisher {
     }
 
     async fn publish_one(&self, channel: &Channel, out: &Outgoing) -> AmqpResult<()> {
-        let queue = QueueNames::of(&out.message.task_type);
-        let queue = queue.route(out.route);
+        let names = QueueNames::of(&out.message.task_type);
+        let queue = match out.route {
+            Requeue::Retry => names.retry_tier(out.retry_tier),
+            route => names.route(route).to_owned(),
+        };
+        let queue = queue.as_str();
         let body = serde_json::to_vec(&out.message).map_err(AmqpError::Encode)?;
         let mut properties = BasicProperties::default()
             .with_delivery_mode(2)
@@ -519,8 +552,15 @@ mod tests {
 
     #[test]
     fn retry_queue_dead_letters_back_to_work_and_work_to_remediation() {
-        let [(main, main_args), (retry, retry_args), (_, remediation_args)] =
-            queue_arguments(&QueueNames::of("t"));
+        let queues = queue_arguments(&QueueNames::of("t"), 1);
+        let [(main, main_args), (retry, retry_args), (_, remediation_args)] = &queues[..] else {
+            panic!("three queues: {queues:?}");
+        };
+        let (main_args, retry_args, remediation_args) = (
+            main_args.clone(),
+            retry_args.clone(),
+            remediation_args.clone(),
+        );
         assert_eq!(main, "conveyor.t");
         assert_eq!(retry, "conveyor.t.retry");
         let get = |args: &FieldTable, key: &str| args.inner().get(key).cloned();

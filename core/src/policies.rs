@@ -48,7 +48,8 @@ pub fn task_type_policies(task_type: &NamedTaskType) -> Vec<Policy> {
         },
         Policy {
             name: queues.retry.clone(),
-            pattern: exact(&queues.retry),
+            // Every retry queue: `conveyor.T.retry` and `conveyor.T.retry.<tier>`.
+            pattern: format!("^{}(\\.[0-9]+)?$", queues.retry.replace('.', "\\.")),
             apply_to: "queues",
             priority: 10,
             // A cap on the per-message backoff TTL: nothing waits longer than maxSeconds.
@@ -74,7 +75,10 @@ mod tests {
         assert_eq!(policies[0].pattern, "^conveyor\\.thumbnail$");
         assert_eq!(policies[0].definition["delivery-limit"], 6);
         assert_eq!(policies[0].definition["max-length"], 2000);
-        assert_eq!(policies[1].pattern, "^conveyor\\.thumbnail\\.retry$");
+        assert_eq!(
+            policies[1].pattern,
+            "^conveyor\\.thumbnail\\.retry(\\.[0-9]+)?$"
+        );
         assert_eq!(policies[1].definition["message-ttl"], 90_000);
     }
 }

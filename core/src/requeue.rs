@@ -3,7 +3,7 @@
 use crate::amqp::{AmqpError, Outgoing, Publisher};
 use crate::db::{DbError, PendingRequeue};
 use crate::task::Requeue;
-use crate::task_type::Backoff;
+use crate::task_type::NamedTaskType;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequeueError {
@@ -13,15 +13,15 @@ pub enum RequeueError {
     Commit(#[source] DbError),
 }
 
-/// Publishes every message of `pending` (retry-queue messages wait `backoff` for their retry
-/// number), waits for the confirms, then commits. On any error the transaction rolls back
+/// Publishes every message of `pending` (a retry waits the type's backoff for its retry
+/// number, in that retry number's queue), waits for the confirms, then commits. On any error the transaction rolls back
 /// and the task stays with its silent owner for the heartbeat reaper.
 pub async fn publish_and_commit(
     publisher: &Publisher,
     pending: PendingRequeue,
-    backoff: &Backoff,
+    spec: &NamedTaskType,
 ) -> Result<(), RequeueError> {
-    publish(publisher, &pending, backoff)
+    publish(publisher, &pending, spec)
         .await
         .map_err(RequeueError::Publish)?;
     pending.commit().await.map_err(RequeueError::Commit)
@@ -32,16 +32,19 @@ pub async fn publish_and_commit(
 pub async fn publish(
     publisher: &Publisher,
     pending: &PendingRequeue,
-    backoff: &Backoff,
+    spec: &NamedTaskType,
 ) -> Result<(), AmqpError> {
     let outgoing: Vec<Outgoing> = pending
         .tasks
         .iter()
-        .map(|task| Outgoing {
-            message: task.message.clone(),
-            route: task.route,
-            delay: (task.route == Requeue::Retry)
-                .then(|| backoff.delay((task.retries - 1).max(0) as u32)),
+        .map(|task| {
+            let retry = (task.retries - 1).max(0) as u32;
+            Outgoing {
+                message: task.message.clone(),
+                route: task.route,
+                delay: (task.route == Requeue::Retry).then(|| spec.backoff.delay(retry)),
+                retry_tier: spec.retry_tier(retry),
+            }
         })
         .collect();
     for result in publisher.publish(&outgoing).await {

@@ -16,7 +16,7 @@ pub use crate::crd::task_type::{Backoff, DeletionPolicy, RateLimit, TaskTypeSpec
 /// A task type: the name of its `TaskType` resource (or file entry) and its spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NamedTaskType {
-    /// Queues are `conveyor.<name>`, `.retry` and `.remediation`.
+    /// Queues are `conveyor.<name>`, its retry queues and `.remediation`.
     pub name: String,
     #[serde(flatten)]
     pub spec: TaskTypeSpec,
@@ -68,7 +68,33 @@ impl From<&crate::crd::TaskType> for NamedTaskType {
     }
 }
 
+/// Most retry queues a type gets (the last also takes every later retry).
+pub const MAX_RETRY_TIERS: u32 = 6;
+
 impl NamedTaskType {
+    /// How many retry queues this type has: one per retry number whose backoff differs
+    /// from the one before, up to [`MAX_RETRY_TIERS`] and the type's `maxRetries`. RabbitMQ
+    /// expires per-message TTLs only at a queue's head, so one queue for every delay would
+    /// hold a 1 s retry behind a 300 s one; in a queue of its own retry number a message
+    /// waits behind messages of about its own delay (jitter is at most a quarter).
+    pub fn retry_tiers(&self) -> u32 {
+        let b = &self.backoff;
+        let mut distinct = 1;
+        while distinct < MAX_RETRY_TIERS
+            && distinct < self.max_retries
+            && b.multiplier > 1.0
+            && b.initial_seconds * b.multiplier.powi(distinct as i32 - 1) < b.max_seconds
+        {
+            distinct += 1;
+        }
+        distinct
+    }
+
+    /// The retry queue (0-based) of retry number `retry` (0 for the first).
+    pub fn retry_tier(&self, retry: u32) -> u32 {
+        retry.min(self.retry_tiers() - 1)
+    }
+
     /// A type with every default, as a file entry with only `name` would give.
     pub fn named(name: impl Into<String>) -> Self {
         NamedTaskType {

@@ -59,7 +59,7 @@ pub async fn reap_once(
         return Ok(0);
     };
     let tasks = pending.tasks.clone();
-    publish_and_commit(publisher, pending, &spec.backoff).await?;
+    publish_and_commit(publisher, pending, spec).await?;
     let name = spec.name.as_str();
     for task in &tasks {
         metrics.heartbeat_timeouts.with_label_values(&[name]).inc();
@@ -125,7 +125,7 @@ pub async fn sweep_once(
     let mut swept = Swept::default();
     while let Some(pending) = db.begin_republish(name, &rule, BATCH).await? {
         let tasks = pending.tasks.clone();
-        publish_and_commit(publisher, pending, &spec.backoff).await?;
+        publish_and_commit(publisher, pending, spec).await?;
         metrics
             .republished
             .with_label_values(&[name])

@@ -94,13 +94,17 @@ impl DepthMonitor {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            for task_type in &task_types.names() {
+            for known in task_types.snapshot().values() {
+                let task_type = &known.spec.name;
                 let queues = QueueNames::of(task_type);
                 // Failed attempts waiting out their backoff come back as work: they count
                 // against maxQueueDepth too.
                 let depths = async {
                     let main = observer.ready_count(&queues.main).await?;
-                    let retry = observer.ready_count(&queues.retry).await?;
+                    let mut retry = 0;
+                    for queue in queues.retry_queues(known.spec.retry_tiers()) {
+                        retry += observer.ready_count(&queue).await?;
+                    }
                     Ok::<_, conveyor_core::amqp::AmqpError>((main, retry))
                 };
                 match depths.await {

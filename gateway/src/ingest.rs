@@ -216,6 +216,7 @@ impl Ingestor {
                 message: task.message(),
                 route: Requeue::Main,
                 delay: None,
+                retry_tier: 0,
             })
             .collect();
         let results = self.publisher.publish(&outgoing).await;

@@ -91,7 +91,11 @@ pub async fn run(
             let registry = Registry::from_file(types).map_err(anyhow::Error::msg)?;
             tokio::spawn(declare_topology(
                 publisher.clone(),
-                registry.names(),
+                registry
+                    .snapshot()
+                    .values()
+                    .map(|k| k.spec.clone())
+                    .collect(),
                 declared.clone(),
                 shutdown.clone(),
             ));
@@ -185,7 +189,7 @@ pub async fn run(
 /// operator takes this over in a cluster; declaring is idempotent.)
 async fn declare_topology(
     publisher: Arc<Publisher>,
-    task_types: Vec<String>,
+    task_types: Vec<conveyor_core::task_type::NamedTaskType>,
     declared: Arc<AtomicBool>,
     shutdown: CancellationToken,
 ) {
@@ -194,7 +198,8 @@ async fn declare_topology(
             match publisher.declare_task_type(&task_type).await {
                 Ok(()) => break,
                 Err(err) => {
-                    tracing::warn!(task_type, error = %err, "cannot declare queues; retrying");
+                    tracing::warn!(task_type = task_type.name, error = %err,
+                        "cannot declare queues; retrying");
                     tokio::select! {
                         _ = shutdown.cancelled() => return,
                         _ = tokio::time::sleep(Duration::from_secs(2)) => {}

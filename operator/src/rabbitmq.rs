@@ -6,6 +6,7 @@ use std::time::Duration;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::task_type::QueueDepths;
 pub use conveyor_core::policies::{task_type_policies, Policy};
+use conveyor_core::task_type::NamedTaskType;
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -185,15 +186,23 @@ impl ManagementApi {
     }
 
     /// Messages in each of a task type's queues.
-    pub async fn depths(&self, task_type: &str) -> Result<QueueDepths, ManagementError> {
-        let queues = QueueNames::of(task_type);
+    pub async fn depths(&self, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
+        let queues = QueueNames::of(&spec.name);
         let main = self.queue(&queues.main).await?;
-        let retry = self.queue(&queues.retry).await?;
+        let mut retry = self.queue(&queues.retry).await?.messages;
+        for tier in 1..spec.retry_tiers() {
+            match self.queue(&queues.retry_tier(tier)).await {
+                Ok(queue) => retry += queue.messages,
+                // Not declared yet (a TaskType just edited to more retries).
+                Err(ManagementError::Refused { status: 404, .. }) => {}
+                Err(err) => return Err(err),
+            }
+        }
         let remediation = self.queue(&queues.remediation).await?;
         Ok(QueueDepths {
             ready: main.messages_ready,
             in_flight: main.messages_unacknowledged,
-            retry: retry.messages,
+            retry,
             remediation: remediation.messages,
         })
     }

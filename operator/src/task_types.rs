@@ -9,7 +9,7 @@ use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::conditions::{QUEUES_DECLARED, READY};
 use conveyor_core::crd::task_type::{DeletionPolicy, TaskTypeStatus};
 use conveyor_core::crd::TaskType;
-use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
@@ -62,20 +62,20 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
         return Err(Error::InvalidSpec(message));
     }
     ctx.publisher
-        .declare_task_type(&spec.name)
+        .declare_task_type(&spec)
         .await
         .map_err(Error::Amqp)?;
     for policy in task_type_policies(&spec) {
         ctx.management.put_policy(&policy).await?;
     }
-    let depths = ctx.management.depths(&spec.name).await?;
+    let depths = ctx.management.depths(&spec).await?;
     write_status(
         &api,
         &task_type,
         true,
         "QueuesDeclared",
         format!(
-            "queues {} (+ .retry, .remediation) declared with policies",
+            "queues {} (+ retry queues, .remediation) declared with policies",
             QueueNames::of(&spec.name).main
         ),
         Some(depths),
@@ -90,8 +90,9 @@ async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {
         ctx.management.delete_policy(&policy.name).await?;
     }
     let queues = QueueNames::of(&spec.name);
-    for queue in [&queues.main, &queues.retry, &queues.remediation] {
-        ctx.management.delete_queue(queue).await?;
+    // Every retry queue the type may have had, whatever its retries are now.
+    for queue in queues.all(MAX_RETRY_TIERS) {
+        ctx.management.delete_queue(&queue).await?;
     }
     ctx.event(
         task_type,

@@ -55,7 +55,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .iter()
         .map(NamedTaskType::from)
         .collect();
-    let load = read_load(&pool, &ctx).await;
+    let load = read_load(&pool, &task_types, &ctx).await;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
     let deployment = deployments.get_opt(&format!("{name}-worker")).await?;
     let current = deployment
@@ -160,10 +160,19 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     }))
 }
 
-async fn read_load(pool: &WorkerPool, ctx: &Context) -> Result<Load, Error> {
+async fn read_load(
+    pool: &WorkerPool,
+    task_types: &[NamedTaskType],
+    ctx: &Context,
+) -> Result<Load, Error> {
     let mut load = Load::default();
     for task_type in &pool.spec.task_types {
-        let depths = ctx.management.depths(task_type).await?;
+        let spec = task_types
+            .iter()
+            .find(|t| &t.name == task_type)
+            .cloned()
+            .unwrap_or_else(|| NamedTaskType::named(task_type));
+        let depths = ctx.management.depths(&spec).await?;
         load.ready += depths.ready;
         load.in_flight += depths.in_flight;
         load.retrying += depths.retry;

@@ -44,7 +44,7 @@ async fn changing_retries_and_backoff_changes_the_effective_policy() {
         .await
         .unwrap();
     let channel = conn.create_channel().await.unwrap();
-    amqp::declare_task_type(&channel, &spec.name).await.unwrap();
+    amqp::declare_task_type(&channel, &spec).await.unwrap();
     let api = management();
     let queues = QueueNames::of(&spec.name);
 
@@ -57,7 +57,7 @@ async fn changing_retries_and_backoff_changes_the_effective_policy() {
     apply(&api, &spec).await;
     wait_effective(&api, &queues.main, "delivery-limit", 9.into()).await;
     wait_effective(&api, &queues.retry, "message-ttl", 120_000.into()).await;
-    let depths = api.depths(&spec.name).await.unwrap();
+    let depths = api.depths(&spec).await.unwrap();
     assert_eq!(
         depths.ready + depths.in_flight + depths.retry + depths.remediation,
         0
@@ -66,9 +66,9 @@ async fn changing_retries_and_backoff_changes_the_effective_policy() {
     for policy in task_type_policies(&spec) {
         api.delete_policy(&policy.name).await.unwrap();
     }
-    for queue in [&queues.main, &queues.retry, &queues.remediation] {
-        api.delete_queue(queue).await.unwrap();
+    for queue in queues.all(spec.retry_tiers()) {
+        api.delete_queue(&queue).await.unwrap();
     }
-    assert!(api.depths(&spec.name).await.is_err(), "queues are gone");
+    assert!(api.depths(&spec).await.is_err(), "queues are gone");
     let _ = conn.close(200, "done").await;
 }

@@ -178,7 +178,13 @@ async fn delete_policy_adds_a_finalizer_and_deletion_removes_the_queues() {
         json!([task_types::FINALIZER])
     );
     assert_eq!(seen[0].2["metadata"]["resourceVersion"], "41");
-    assert!(ctx.management.depths(&name).await.is_ok(), "queues exist");
+    assert!(
+        ctx.management
+            .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
+            .await
+            .is_ok(),
+        "queues exist"
+    );
 
     // kubectl delete: the finalizer deletes the queues, then lets go.
     let mut deleting = tt.clone();
@@ -198,7 +204,10 @@ async fn delete_policy_adds_a_finalizer_and_deletion_removes_the_queues() {
     assert_eq!(seen[0].2["reason"], "QueuesDeleted");
     assert_eq!(seen[1].2["metadata"]["finalizers"], json!([]));
     assert!(
-        ctx.management.depths(&name).await.is_err(),
+        ctx.management
+            .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
+            .await
+            .is_err(),
         "queues are gone"
     );
 }
@@ -246,7 +255,10 @@ async fn an_invalid_spec_is_reported_not_applied() {
     );
     assert_eq!(seen[1].2["type"], "Warning");
     assert!(
-        ctx.management.depths(&name).await.is_err(),
+        ctx.management
+            .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
+            .await
+            .is_err(),
         "no queue was declared"
     );
 }
@@ -343,7 +355,10 @@ fn not_found() -> Value {
 async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&name).await.unwrap();
+    publisher
+        .declare_task_type(&conveyor_core::task_type::NamedTaskType::named(&name))
+        .await
+        .unwrap();
     let wp = pool("transcode", &[&name], Value::Null);
     let (client, verifier) = api_server(
         [
@@ -408,7 +423,10 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
 async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_the_pool() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&name).await.unwrap();
+    publisher
+        .declare_task_type(&conveyor_core::task_type::NamedTaskType::named(&name))
+        .await
+        .unwrap();
     let wp = pool("thumbs", &[&name], Value::Null);
     // Someone edited the Deployment by hand (image and replicas): the next reconcile
     // applies the pool's version over it, with force.
@@ -493,7 +511,10 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
 async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&name).await.unwrap();
+    publisher
+        .declare_task_type(&conveyor_core::task_type::NamedTaskType::named(&name))
+        .await
+        .unwrap();
     let backlog: Vec<conveyor_core::amqp::Outgoing> = (0..250)
         .map(|_| conveyor_core::amqp::Outgoing {
             message: conveyor_core::task::TaskMessage {
@@ -507,13 +528,20 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
             },
             route: conveyor_core::task::Requeue::Main,
             delay: None,
+            retry_tier: 0,
         })
         .collect();
     assert!(publisher.publish(&backlog).await.iter().all(Result::is_ok));
     let ctx_management = ManagementApi::new(MANAGEMENT, "conveyor", "conveyor", "/");
     // The management API's counts lag the broker (statistics refresh every 5 s).
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while ctx_management.depths(&name).await.unwrap().ready != 250 {
+    while ctx_management
+        .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
+        .await
+        .unwrap()
+        .ready
+        != 250
+    {
         assert!(
             std::time::Instant::now() < deadline,
             "the management API never counted the backlog"

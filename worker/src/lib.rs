@@ -243,7 +243,7 @@ async fn consume(
                 .await
                 .map_err(amqp::AmqpError::Unavailable)?;
             for spec in &config.task_types {
-                amqp::declare_task_type(&channel, &spec.name).await?;
+                amqp::declare_task_type(&channel, spec).await?;
             }
             // The prefetch is per consumer (quorum queues have no channel-wide one): split
             // the concurrency between the types, so that deliveries do not sit unclaimed

@@ -105,7 +105,7 @@ impl Recorder {
                     return Ok(Applied::NotOwned);
                 };
                 let route = pending.tasks.first().map(|r| r.route);
-                requeue::publish(&self.publisher, &pending, &spec.backoff)
+                requeue::publish(&self.publisher, &pending, spec)
                     .await
                     .map_err(ApplyError::Publish)?;
                 // A reset here leaves the commit's fate unknown: a retry or a replay finds

@@ -243,7 +243,7 @@ impl Processor {
                 return Settle::Requeue;
             }
         };
-        let published = requeue::publish(&self.recorder.publisher, &pending, &spec.backoff).await;
+        let published = requeue::publish(&self.recorder.publisher, &pending, spec).await;
         let released = match published {
             Ok(()) => breaker
                 .call(pending.commit())

@@ -6,7 +6,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A kind of task (transcode, thumbnail, ...): its payload schema, limits and retry policy.
-/// Conveyor declares its three queues `conveyor.<name>`, `.retry` and `.remediation`.
+/// Conveyor declares its queues `conveyor.<name>`, one retry queue per retry number
+/// (`.retry`, `.retry.1`, ...) and `.remediation`.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "conveyor.dev",

@@ -352,6 +352,7 @@ async fn retries_waiting_out_their_backoff_count_against_max_queue_depth() {
             },
             route: conveyor_core::task::Requeue::Retry,
             delay: Some(Duration::from_secs(60)),
+            retry_tier: 0,
         })
         .collect();
     assert!(publisher.publish(&waiting).await.iter().all(Result::is_ok));

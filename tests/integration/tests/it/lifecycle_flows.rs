@@ -6,6 +6,7 @@ use conveyor_core::TaskState::*;
 use conveyor_worker::handler::Handler;
 use futures_util::stream::{self, StreamExt};
 use reqwest::StatusCode;
+use uuid::Uuid;
 
 use crate::support::*;
 
@@ -167,6 +168,7 @@ async fn a_duplicate_delivery_completes_once_and_is_counted() {
         message: task.message(),
         route: conveyor_core::task::Requeue::Main,
         delay: None,
+        retry_tier: 0,
     };
     for result in harness.publisher().publish(&[duplicate]).await {
         result.unwrap();
@@ -189,5 +191,76 @@ async fn a_duplicate_delivery_completes_once_and_is_counted() {
     let events = harness.events(id).await;
     assert_eq!(events.iter().filter(|e| e.to_state == Completed).count(), 1);
     assert_eq!(harness.ready_count(&queue(&name).main).await, 0);
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_short_retry_is_not_held_behind_a_long_one() {
+    // Backoff 0.3 s, 3 s, 30 s: three retry queues, one per retry number.
+    let mut spec = test_type("tiers");
+    spec.backoff.initial_seconds = 0.3;
+    spec.backoff.multiplier = 10.0;
+    spec.backoff.max_seconds = 30.0;
+    assert_eq!(spec.retry_tiers(), 3);
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec.clone()]).await;
+    let retry = |attempt: i32, retry_number: u32, delay: Duration| conveyor_core::amqp::Outgoing {
+        message: conveyor_core::task::TaskMessage {
+            id: Uuid::new_v4(),
+            task_type: name.clone(),
+            attempt,
+            idempotency_key: Uuid::new_v4(),
+            payload: serde_json::json!({}),
+            submitted_at: chrono::Utc::now(),
+            suspect: false,
+        },
+        route: conveyor_core::task::Requeue::Retry,
+        delay: Some(delay),
+        retry_tier: spec.retry_tier(retry_number),
+    };
+    // A third retry (20 s) first, then a first retry (0.3 s) of another task.
+    let long = retry(3, 2, Duration::from_secs(20));
+    let short = retry(1, 0, Duration::from_millis(300));
+    let publisher = harness.publisher();
+    for out in [&long, &short] {
+        for result in publisher.publish(std::slice::from_ref(out)).await {
+            result.unwrap();
+        }
+    }
+    // With one retry queue, the short one would expire only after the long one at its head.
+    let conn = conveyor_core::amqp::connect(&conveyor_core::testing::amqp_url(), "tiers-test")
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    let first = std::cell::Cell::new(None);
+    wait_until(
+        "a retry back in the work queue",
+        Duration::from_secs(60),
+        || async {
+            if let Some(message) = channel
+                .basic_get(&queue(&name).main, Default::default())
+                .await
+                .unwrap()
+            {
+                let task: conveyor_core::task::TaskMessage =
+                    serde_json::from_slice(&message.delivery.data).unwrap();
+                first.set(Some(task.id));
+                message
+                    .delivery
+                    .acker
+                    .ack(Default::default())
+                    .await
+                    .unwrap();
+            }
+            first.get().is_some()
+        },
+    )
+    .await;
+    assert_eq!(
+        first.get(),
+        Some(short.message.id),
+        "the short retry came back first"
+    );
+    let _ = conn.close(200, "done").await;
     harness.shutdown().await;
 }

@@ -215,7 +215,9 @@ async fn tasks_of_a_purged_or_deleted_queue_run_again_under_continuing_load() {
         .queue_delete(&queue(&name).main, Default::default())
         .await
         .unwrap();
-    amqp::declare_task_type(&channel, &name).await.unwrap();
+    amqp::declare_task_type(&channel, harness.spec(&name))
+        .await
+        .unwrap();
     conn.close(200, "done").await.unwrap();
     harness.start_worker(&[&name], recording_handler_into(&effects_file), 4);
     for _ in 0..10 {

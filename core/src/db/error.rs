@@ -1,0 +1,116 @@
+//! The database layer's errors, classified for retries and degraded mode.
+
+use std::time::Duration;
+
+use crate::lifecycle::InvalidTransition;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DbError {
+    #[error("invalid database URL")]
+    Url(#[source] sqlx::Error),
+    #[error("database unavailable")]
+    Unavailable(#[source] sqlx::Error),
+    #[error("database query failed")]
+    Query(#[source] sqlx::Error),
+    #[error("database migration failed")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+    #[error(transparent)]
+    Lifecycle(#[from] InvalidTransition),
+    #[error("unexpected row in the database: {0}")]
+    Corrupt(String),
+    /// The call got no answer in time (a slow or silent link); it may still have committed.
+    #[error("database call timed out after {0:?}")]
+    TimedOut(Duration),
+    /// The server gave up on the statement (its `statement_timeout`, a lock timeout) or
+    /// chose it as a deadlock or serialization victim: nothing was written; try again.
+    #[error("the database gave up on the statement")]
+    Cancelled(#[source] sqlx::Error),
+}
+
+impl DbError {
+    /// Stable label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            DbError::Url(_) => "config",
+            DbError::Unavailable(_) => "unavailable",
+            DbError::Query(_) => "query",
+            DbError::Migrate(_) => "migrate",
+            DbError::Lifecycle(_) => "lifecycle",
+            DbError::Corrupt(_) => "corrupt",
+            DbError::TimedOut(_) => "timeout",
+            DbError::Cancelled(_) => "cancelled",
+        }
+    }
+
+    /// The database could not be reached or dropped the connection: worth retrying later.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(
+            self,
+            DbError::Unavailable(_) | DbError::TimedOut(_) | DbError::Cancelled(_)
+        )
+    }
+
+    /// The same write will never succeed: the database refused the value or the step
+    /// itself (a data or integrity error, a transition outside the lifecycle).
+    pub fn is_permanent(&self) -> bool {
+        self.is_data_rejected()
+            || self.is_integrity_violation()
+            || matches!(self, DbError::Lifecycle(_) | DbError::Corrupt(_))
+    }
+
+    fn is_integrity_violation(&self) -> bool {
+        match self {
+            DbError::Query(sqlx::Error::Database(db)) => {
+                db.code().is_some_and(|code| code.starts_with("23"))
+            }
+            _ => false,
+        }
+    }
+
+    /// The database refused a value itself (SQLSTATE class 22, "data exception": a NUL
+    /// character in JSON, say): the same write will never succeed.
+    pub fn is_data_rejected(&self) -> bool {
+        match self {
+            DbError::Query(sqlx::Error::Database(db)) => {
+                db.code().is_some_and(|code| code.starts_with("22"))
+            }
+            _ => false,
+        }
+    }
+}
+
+impl From<sqlx::Error> for DbError {
+    fn from(err: sqlx::Error) -> Self {
+        match &err {
+            sqlx::Error::Io(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_) => DbError::Unavailable(err),
+            sqlx::Error::Database(db)
+                if db.code().is_some_and(|c| {
+                    // admin shutdown, crash shutdown, cannot connect now, too many clients
+                    c.starts_with("08")
+                        || c == "57P01"
+                        || c == "57P02"
+                        || c == "57P03"
+                        || c == "53300"
+                }) =>
+            {
+                DbError::Unavailable(err)
+            }
+            sqlx::Error::Database(db)
+                if db.code().is_some_and(|c| {
+                    // query cancelled (statement_timeout), lock not available, deadlock,
+                    // serialization failure
+                    c == "57014" || c == "55P03" || c == "40P01" || c == "40001"
+                }) =>
+            {
+                DbError::Cancelled(err)
+            }
+            _ => DbError::Query(err),
+        }
+    }
+}
+
+pub type DbResult<T> = Result<T, DbError>;

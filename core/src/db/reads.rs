@@ -1,0 +1,74 @@
+//! Reads: a task, its timeline, point-in-time states and counts.
+
+use chrono::{DateTime, Utc};
+use sqlx::Row;
+use uuid::Uuid;
+
+use super::{event_from_row, parse_state, task_from_row, Db, DbResult, TASK_COLUMNS};
+use crate::lifecycle::TaskState;
+use crate::task::{TaskEvent, TaskRecord};
+
+impl Db {
+    pub async fn task(&self, id: Uuid) -> DbResult<Option<TaskRecord>> {
+        let row = sqlx::query(&format!("SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(task_from_row).transpose()
+    }
+
+    /// A task's audit timeline, oldest first.
+    pub async fn events(&self, id: Uuid) -> DbResult<Vec<TaskEvent>> {
+        let rows = sqlx::query(
+            "SELECT seq, task_id, task_type, from_state, to_state, attempt, worker_id, detail, at
+             FROM task_events WHERE task_id = $1 ORDER BY at, seq",
+        )
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    /// Point in time: the state of each task (of `task_type`, or the one task `id`) as of
+    /// `at`, rebuilt from the audit log alone.
+    pub async fn states_at(
+        &self,
+        at: DateTime<Utc>,
+        task_type: Option<&str>,
+        id: Option<Uuid>,
+    ) -> DbResult<Vec<(Uuid, TaskState, DateTime<Utc>)>> {
+        let rows = sqlx::query(
+            "SELECT DISTINCT ON (task_id) task_id, to_state, at FROM task_events
+             WHERE at <= $1 AND ($2::text IS NULL OR task_type = $2)
+               AND ($3::uuid IS NULL OR task_id = $3)
+             ORDER BY task_id, at DESC, seq DESC",
+        )
+        .bind(at)
+        .bind(task_type)
+        .bind(id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get("task_id")?,
+                    parse_state(row.try_get("to_state")?)?,
+                    row.try_get("at")?,
+                ))
+            })
+            .collect()
+    }
+
+    /// How many tasks of a type are in each state now.
+    pub async fn state_counts(&self, task_type: &str) -> DbResult<Vec<(TaskState, i64)>> {
+        let rows = sqlx::query(
+            "SELECT state, count(*) AS n FROM tasks WHERE task_type = $1 GROUP BY state",
+        )
+        .bind(task_type)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok((parse_state(row.try_get("state")?)?, row.try_get("n")?)))
+            .collect()
+    }
+}

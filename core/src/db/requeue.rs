@@ -1,0 +1,327 @@
+//! Re-queues, each a transaction left open for the caller to publish the next message in
+//! before it commits (decision 0002): a failed attempt, a release on shutdown, a reap of a
+//! silent owner, a redrive.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use super::{append_events, storable, task_from_row, Db, DbResult, EventRow, TASK_COLUMNS};
+use crate::lifecycle::TaskState::{self, *};
+use crate::task::{Requeue, TaskMessage, TaskRecord};
+
+/// One task re-queued inside a [`PendingRequeue`], with the message that must carry it.
+#[derive(Debug, Clone)]
+pub struct Requeued {
+    pub message: TaskMessage,
+    pub route: Requeue,
+    /// Retries consumed, counting this one; the retry queue's backoff is computed from it.
+    pub retries: i32,
+}
+
+/// Re-queues written but not committed. Publish every [`Requeued::message`], wait for the
+/// broker's confirms, then [`commit`](PendingRequeue::commit); drop it to roll back.
+pub struct PendingRequeue {
+    pub(super) tx: Transaction<'static, Postgres>,
+    pub tasks: Vec<Requeued>,
+}
+
+impl PendingRequeue {
+    pub async fn commit(self) -> DbResult<()> {
+        self.tx.commit().await?;
+        Ok(())
+    }
+}
+
+impl Db {
+    /// PROCESSING → FAILED, then QUEUED for the retry queue or DEAD_LETTER when `max_retries`
+    /// are used up. `None` when the worker was fenced off.
+    pub async fn begin_failure(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        worker: &str,
+        error: &str,
+        max_retries: i32,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let Some(task) = lock_owned(&mut tx, id, attempt, worker).await? else {
+            return Ok(None);
+        };
+        let route = if task.retries < max_retries {
+            Requeue::Retry
+        } else {
+            Requeue::Remediation
+        };
+        let requeued = requeue(
+            &mut tx,
+            &task,
+            (Processing, Failed),
+            Some(worker),
+            error,
+            route,
+            RetryBudget::Consume,
+        )
+        .await?;
+        Ok(Some(PendingRequeue {
+            tx,
+            tasks: vec![requeued],
+        }))
+    }
+
+    /// PROCESSING → RETRY_CLAIMED → QUEUED for a task a draining worker cannot finish.
+    /// Does not consume a retry: the task did nothing wrong.
+    pub async fn begin_release(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        worker: &str,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let Some(task) = lock_owned(&mut tx, id, attempt, worker).await? else {
+            return Ok(None);
+        };
+        let requeued = requeue(
+            &mut tx,
+            &task,
+            (Processing, RetryClaimed),
+            Some(worker),
+            "released by a worker shutting down",
+            Requeue::Main,
+            RetryBudget::Keep,
+        )
+        .await?;
+        Ok(Some(PendingRequeue {
+            tx,
+            tasks: vec![requeued],
+        }))
+    }
+
+    /// Finds up to `limit` tasks of `task_type` whose owner stopped heartbeating for
+    /// `timeout` and re-queues them (RETRY_CLAIMED → QUEUED, or DEAD_LETTER when retries are
+    /// exhausted). Rows another reaper holds are skipped, so every worker can run this.
+    ///
+    /// Blame (decision 0008): a task its owner ran alone consumes a retry; one that died
+    /// beside others does not, because any of them may have crashed the worker. Each comes
+    /// back as a suspect, which runs alone next time: a task that crashes every worker then
+    /// runs out of retries, and its healthy neighbours do not.
+    pub async fn begin_reap(
+        &self,
+        task_type: &str,
+        timeout: Duration,
+        max_retries: i32,
+        reaper: &str,
+        limit: i64,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let rows = sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS}, heartbeat_at,
+                 (SELECT count(*) FROM tasks o
+                  WHERE o.owner = tasks.owner AND o.state IN ($2, $3)) AS in_flight_beside
+             FROM tasks
+             WHERE task_type = $1 AND state IN ($2, $3)
+               AND heartbeat_at < now() - make_interval(secs => $4)
+             ORDER BY heartbeat_at
+             LIMIT $5
+             FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(task_type)
+        .bind(Claimed.as_str())
+        .bind(Processing.as_str())
+        .bind(timeout.as_secs_f64())
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await?;
+        if rows.is_empty() {
+            return Ok(None);
+        }
+        let mut tasks = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let task = task_from_row(row)?;
+            let last_beat: Option<DateTime<Utc>> = row.try_get("heartbeat_at")?;
+            let alone = row.try_get::<i64, _>("in_flight_beside")? <= 1;
+            let detail = format!(
+                "heartbeat timeout: owner {} last heartbeat {}, timeout {:.1}s, {}, detected by {reaper}",
+                task.owner.as_deref().unwrap_or("?"),
+                last_beat.map(|t| t.to_rfc3339()).unwrap_or_default(),
+                timeout.as_secs_f64(),
+                if alone { "ran alone" } else { "ran beside others: suspect, no retry used" },
+            );
+            // Through the retry queue, after the type's backoff: a task that crashes every
+            // worker it lands on does not crash-loop the pool at full speed.
+            let (route, budget) = match (alone, task.retries < max_retries) {
+                (false, _) => (Requeue::Retry, RetryBudget::Keep),
+                (true, true) => (Requeue::Retry, RetryBudget::Consume),
+                (true, false) => (Requeue::Remediation, RetryBudget::Consume),
+            };
+            let edge = (task.state, RetryClaimed);
+            let mut requeued =
+                requeue(&mut tx, &task, edge, Some(reaper), &detail, route, budget).await?;
+            requeued.message.suspect = true;
+            tasks.push(requeued);
+        }
+        let ids: Vec<Uuid> = tasks.iter().map(|t| t.message.id).collect();
+        sqlx::query("UPDATE tasks SET suspect = true WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        Ok(Some(PendingRequeue { tx, tasks }))
+    }
+
+    /// DEAD_LETTER → QUEUED for a task parked at `attempt`, with a fresh retry budget.
+    /// `None` when the task is not (or no longer) dead-lettered at that attempt.
+    pub async fn begin_redrive(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        by: &str,
+    ) -> DbResult<Option<PendingRequeue>> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND attempt = $2 AND state = $3
+             FOR UPDATE"
+        ))
+        .bind(id)
+        .bind(attempt)
+        .bind(DeadLetter.as_str())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        let task = task_from_row(&row)?;
+        let (message, _) = advance(&mut tx, &task, Queued, RetryBudget::Reset, None).await?;
+        append_events(
+            &mut tx,
+            &[EventRow {
+                task_id: task.id,
+                task_type: task.task_type.clone(),
+                from: DeadLetter,
+                to: Queued,
+                attempt: message.attempt,
+                worker_id: Some(by.to_owned()),
+                detail: Some(format!("redriven by {by}")),
+            }],
+        )
+        .await?;
+        Ok(Some(PendingRequeue {
+            tx,
+            tasks: vec![Requeued {
+                message,
+                route: Requeue::Main,
+                retries: 0,
+            }],
+        }))
+    }
+}
+
+/// Whether a re-queue consumes one of the task's retries.
+#[derive(Clone, Copy)]
+pub(super) enum RetryBudget {
+    Consume,
+    Keep,
+    Reset,
+}
+
+/// Locks a task that `worker` owns at `attempt` while PROCESSING.
+async fn lock_owned(
+    tx: &mut Transaction<'static, Postgres>,
+    id: Uuid,
+    attempt: i32,
+    worker: &str,
+) -> DbResult<Option<TaskRecord>> {
+    let row = sqlx::query(&format!(
+        "SELECT {TASK_COLUMNS} FROM tasks
+         WHERE id = $1 AND attempt = $2 AND owner = $3 AND state = $4
+         FOR UPDATE"
+    ))
+    .bind(id)
+    .bind(attempt)
+    .bind(worker)
+    .bind(Processing.as_str())
+    .fetch_optional(&mut **tx)
+    .await?;
+    row.as_ref().map(task_from_row).transpose()
+}
+
+/// Moves a locked task along `edge` and on to QUEUED (bumping the attempt) or DEAD_LETTER.
+async fn requeue(
+    tx: &mut Transaction<'static, Postgres>,
+    task: &TaskRecord,
+    edge: (TaskState, TaskState),
+    worker: Option<&str>,
+    detail: &str,
+    route: Requeue,
+    budget: RetryBudget,
+) -> DbResult<Requeued> {
+    let target = match route {
+        Requeue::Main | Requeue::Retry => Queued,
+        Requeue::Remediation => DeadLetter,
+    };
+    let error = (edge.1 == Failed).then_some(detail);
+    let (message, retries) = advance(tx, task, target, budget, error).await?;
+    let next_detail = match route {
+        Requeue::Main => "re-enqueued".to_owned(),
+        Requeue::Retry => format!("retry {retries} after backoff"),
+        Requeue::Remediation => format!("retries exhausted after {} retries", task.retries),
+    };
+    let event = |from, to, attempt, detail: String| EventRow {
+        task_id: task.id,
+        task_type: task.task_type.clone(),
+        from,
+        to,
+        attempt,
+        worker_id: worker.map(str::to_owned),
+        detail: Some(detail),
+    };
+    append_events(
+        tx,
+        &[
+            event(edge.0, edge.1, task.attempt, detail.to_owned()),
+            event(edge.1, target, message.attempt, next_detail),
+        ],
+    )
+    .await?;
+    Ok(Requeued {
+        message,
+        route,
+        retries,
+    })
+}
+
+/// Writes the new state of a locked task; returns the message that must carry it and the
+/// retries consumed.
+pub(super) async fn advance(
+    tx: &mut Transaction<'static, Postgres>,
+    task: &TaskRecord,
+    target: TaskState,
+    budget: RetryBudget,
+    error: Option<&str>,
+) -> DbResult<(TaskMessage, i32)> {
+    // Every return to QUEUED starts a new epoch, so older messages and owners are fenced.
+    let attempt = if target == Queued {
+        task.attempt + 1
+    } else {
+        task.attempt
+    };
+    let retries = match budget {
+        RetryBudget::Consume => task.retries + 1,
+        RetryBudget::Keep => task.retries,
+        RetryBudget::Reset => 0,
+    };
+    sqlx::query(
+        "UPDATE tasks SET state = $2, attempt = $3, retries = $4, owner = NULL,
+             heartbeat_at = NULL, error = COALESCE($5, error), updated_at = now()
+         WHERE id = $1",
+    )
+    .bind(task.id)
+    .bind(target.as_str())
+    .bind(attempt)
+    .bind(retries)
+    .bind(error.map(storable))
+    .execute(&mut **tx)
+    .await?;
+    let mut message = task.message();
+    message.attempt = attempt;
+    Ok((message, retries))
+}
