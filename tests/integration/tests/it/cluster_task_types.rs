@@ -47,7 +47,7 @@ async fn the_gateway_follows_task_type_resources() {
     let second = test_type("cluster");
     let publisher = Harness::publisher_for_tests();
     for spec in [&first, &second] {
-        publisher.declare_task_type(&spec).await.unwrap(); // the operator's job
+        publisher.declare_task_type(spec).await.unwrap(); // the operator's job
     }
     let listed = Arc::new(Mutex::new(vec![first.name.clone()]));
     let client = mock_cluster(listed.clone());
