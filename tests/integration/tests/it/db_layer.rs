@@ -416,3 +416,41 @@ async fn a_heartbeat_for_an_older_attempt_does_not_keep_a_newer_claim_alive() {
         1
     );
 }
+
+#[tokio::test]
+async fn a_partition_rescue_beside_live_writers_loses_no_row_and_leaves_none_behind() {
+    use chrono::Days;
+    let db = TestDatabase::create().await.db;
+    // Days beyond the partitions made ahead: their rows land in the default partition.
+    let far = chrono::Utc::now() + Days::new(40);
+    let writer = {
+        let db = db.clone();
+        tokio::spawn(async move {
+            let mut written = 0i64;
+            for i in 0..400 {
+                let at = far + Days::new(i % 5);
+                sqlx::query(
+                    "INSERT INTO task_events (task_id, task_type, to_state, attempt, at)
+                     VALUES (gen_random_uuid(), 'rescue', 'INGESTED', 0, $1)",
+                )
+                .bind(at)
+                .execute(db.pool())
+                .await
+                .unwrap();
+                written += 1;
+            }
+            written
+        })
+    };
+    // Upkeep passes racing the writer, as several gateways would.
+    let mut made = Vec::new();
+    while !writer.is_finished() {
+        made.extend(db.ensure_partitions_around(14, None).await.unwrap());
+    }
+    let written = writer.await.unwrap();
+    made.extend(db.ensure_partitions_around(14, None).await.unwrap());
+    let (in_default, all) = audit_rows(&db).await;
+    assert_eq!(all, written, "every row kept");
+    assert_eq!(in_default, 0, "rows left in the default partition");
+    assert!(made.len() >= 5, "the far days got partitions: {made:?}");
+}
