@@ -91,23 +91,22 @@ pub async fn redrive(
                     continue;
                 }
             };
-            if let Some(pending) = db.begin_redrive(task.id, task.attempt, by).await? {
+            // Dead-lettered: redriven. Still waiting at this attempt: this is its only
+            // message, returned. Otherwise the row says whether to keep or drop it.
+            let returned =
+                format!("its message was parked in {queue} while it waited; returned by {by}");
+            let requeued = match db.begin_redrive(task.id, task.attempt, by).await? {
+                Some(pending) => Some((pending, &mut report.redriven)),
+                None => db
+                    .begin_return(task.id, task.attempt, &returned)
+                    .await?
+                    .map(|pending| (pending, &mut report.returned)),
+            };
+            if let Some((pending, count)) = requeued {
                 publish_and_commit(publisher, pending, &main_only)
                     .await
-                    .with_context(|| format!("redriving task {}", task.id))?;
-                report.redriven += 1;
-            } else if let Some(pending) = db
-                .begin_return(
-                    task.id,
-                    task.attempt,
-                    &format!("its message was parked in {queue} while it waited; returned by {by}"),
-                )
-                .await?
-            {
-                publish_and_commit(publisher, pending, &main_only)
-                    .await
-                    .with_context(|| format!("returning task {}", task.id))?;
-                report.returned += 1;
+                    .with_context(|| format!("sending task {} back to work", task.id))?;
+                *count += 1;
             } else if verdict(&task, db.task(task.id).await?.as_ref()) == Verdict::Keep {
                 report.kept += 1;
                 kept.push(delivery);
