@@ -1,11 +1,11 @@
-//! Scenario 12, through Kubernetes: the stack `scripts/stack.sh up` runs (operator, gateway,
+//! Scenarios through Kubernetes: the stack `scripts/stack.sh up` runs (operator, gateway,
 //! pod runner) hosts a WorkerPool whose pods call the suite's sidecar, and the faults are a
-//! pod deleted mid-task, the operator killed during a scale-up, and a rolling update, each
-//! under load. The run loop, load generator and oracle are the other scenarios' own
+//! pod deleted mid-task, the operator killed during a scale-up, a rolling update, and the
+//! pool scaled to zero after its node died, each under load. The run loop, load generator and oracle are the other scenarios' own
 //! (`run.rs`); this is the target and its faults.
 
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use conveyor_core::testing::wait_until;
 use conveyor_e2e_tests::{kubectl_with, restart_operator, Stack};
@@ -17,6 +17,8 @@ use crate::scenarios::Scenario;
 const POOL: &str = "chaos";
 const REPLICAS: usize = 2;
 const MINUTE: Duration = Duration::from_secs(60);
+/// The scenario TaskType's `heartbeatTimeoutSeconds`.
+const HEARTBEAT_TIMEOUT_SECONDS: u64 = 3;
 
 /// A scenario's WorkerPool and TaskType in a namespace of their own.
 pub struct ClusterTarget {
@@ -44,7 +46,7 @@ impl ClusterTarget {
         let task_type = stack.task_type("chaos-cluster");
         stack.apply(&format!(
             "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {task_type}}}\n\
-             spec:\n  maxRetries: 3\n  heartbeatTimeoutSeconds: 3\n  \
+             spec:\n  maxRetries: 3\n  heartbeatTimeoutSeconds: {HEARTBEAT_TIMEOUT_SECONDS}\n  \
              backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n  \
              schema: {{type: object, properties: {{sleepMs: {{type: integer}}}}}}\n"
         ));
@@ -63,9 +65,8 @@ impl ClusterTarget {
         })
     }
 
-    /// Injects the fault through Kubernetes; returns once it has healed, with what went
-    /// wrong.
-    pub async fn inject(&self, scenario: Scenario) -> Vec<String> {
+    /// Injects the fault through Kubernetes; returns when it healed, with what went wrong.
+    pub async fn inject(&self, scenario: Scenario) -> (Instant, Vec<String>) {
         inject(scenario, &self.stack, &self.task_type).await
     }
 
@@ -90,37 +91,38 @@ async fn wait_for_gateway(stack: &Stack, task_type: &str) {
     .await;
 }
 
-/// Injects the fault through Kubernetes; returns once it has healed, with what went wrong.
-async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> Vec<String> {
+/// Injects the fault through Kubernetes; returns when it healed (the last pod deleted, the
+/// operator back, the rollout or the pool's return applied), with what went wrong.
+async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> (Instant, Vec<String>) {
     let mut failures = Vec::new();
-    match scenario {
+    let ns = stack.namespace.as_str();
+    let healed = match scenario {
         Scenario::PodDelete => {
             // A pod running a task, deleted as an eviction would (its worker drains); then
             // twice as if its node died: the worker killed at once, the pod deleted.
+            let mut healed = Instant::now();
             for node_dies in [false, true, true] {
                 let Some(pod) = busy_pod(stack, task_type).await else {
                     failures.push("no pod was running a task to delete".to_owned());
                     continue;
                 };
                 if node_dies {
-                    // The pod runner starts each pod's worker with its own volume paths.
-                    let pattern = format!("/pods/{}/{pod}/", stack.namespace);
-                    let _ = Command::new("pkill")
-                        .args(["-KILL", "-f", &pattern])
-                        .status();
+                    kill_workers(&format!("/pods/{ns}/{pod}/"));
                 }
-                let ns = stack.namespace.as_str();
                 let deleted =
                     kubectl_with(&["-n", ns, "delete", "pod", &pod, "--wait=false"], None);
                 if let Err(err) = deleted {
                     failures.push(format!("kubectl delete pod {pod}: {}", err.trim()));
                 }
+                healed = Instant::now();
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
+            healed
         }
         Scenario::OperatorRestart => {
             stack.kubectl(&["scale", &format!("workerpool/{POOL}"), "--replicas=4"]);
             restart_operator();
+            let healed = Instant::now();
             let grown = tokio::time::timeout(2 * MINUTE, async {
                 while stack.running_pods(POOL).await.len() != 4 {
                     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -130,6 +132,7 @@ async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> Vec<Strin
             if grown.is_err() {
                 failures.push("the restarted operator did not finish the scale-up".to_owned());
             }
+            healed
         }
         Scenario::RollingUpdate => {
             let before: Vec<String> = pod_names(stack).await;
@@ -154,10 +157,78 @@ async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> Vec<Strin
             if rolled.is_err() {
                 failures.push("the rollout did not finish".to_owned());
             }
+            Instant::now()
         }
-        _ => failures.push(format!("{} is not a cluster scenario", scenario.name())),
+        Scenario::PoolScaledToZero => {
+            pool_scaled_to_zero(stack, task_type, &mut failures).await;
+            Instant::now()
+        }
+        _ => {
+            failures.push(format!("{} is not a cluster scenario", scenario.name()));
+            Instant::now()
+        }
+    };
+    (healed, failures)
+}
+
+/// The node dies with every pod of the pool on it, and the pool is scaled to zero before
+/// anything replaces them. No worker of the type runs anywhere, so only the gateway's reaper
+/// can move the dead workers' tasks on (SPEC invariant 8); the pool comes back afterwards.
+async fn pool_scaled_to_zero(stack: &Stack, task_type: &str, failures: &mut Vec<String>) {
+    if busy_pod(stack, task_type).await.is_none() {
+        failures.push("no pod was running a task when the node died".to_owned());
     }
-    failures
+    kill_workers(&format!("/pods/{}/", stack.namespace));
+    stack.kubectl(&["scale", &format!("workerpool/{POOL}"), "--replicas=0"]);
+    let owned = || oracle::count_in(&stack.db, task_type, &["CLAIMED", "PROCESSING"]);
+    let orphaned = owned().await;
+    let emptied = tokio::time::timeout(MINUTE, async {
+        while !stack.running_pods(POOL).await.is_empty() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+    .await;
+    if emptied.is_err() {
+        failures.push("the pool did not reach zero pods".to_owned());
+    }
+    if orphaned == 0 {
+        failures.push("no task was owned by the dead workers".to_owned());
+    }
+    // At least two heartbeat timeouts with the pool at zero, and then until the reaper has
+    // handed every orphan back to the queue (or a minute has passed).
+    let timeouts = Duration::from_secs(2 * HEARTBEAT_TIMEOUT_SECONDS);
+    let zero_since = Instant::now();
+    let mut left = orphaned;
+    while zero_since.elapsed() < MINUTE {
+        left = owned().await;
+        if left == 0 && zero_since.elapsed() >= timeouts {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let pods = stack.running_pods(POOL).await.len();
+    eprintln!("chaos: pool-scaled-to-zero: {orphaned} tasks orphaned, {left} still owned with {pods} pods");
+    if pods != 0 {
+        failures.push(format!("{pods} pods ran while the pool was at zero"));
+    }
+    if left > 0 {
+        failures.push(format!(
+            "{left} tasks still owned by dead workers with the pool at zero"
+        ));
+    }
+    stack.kubectl(&[
+        "scale",
+        &format!("workerpool/{POOL}"),
+        &format!("--replicas={REPLICAS}"),
+    ]);
+}
+
+/// Kills at once every worker whose command line matches `pattern` (the pod runner starts
+/// each pod's worker with its own volume paths, `/pods/<namespace>/<pod>/`).
+fn kill_workers(pattern: &str) {
+    let _ = Command::new("pkill")
+        .args(["-KILL", "-f", pattern])
+        .status();
 }
 
 async fn pod_names(stack: &Stack) -> Vec<String> {

@@ -229,7 +229,10 @@ pub async fn inject(
             }
             system.start_workers()?;
         }
-        Scenario::PodDelete | Scenario::OperatorRestart | Scenario::RollingUpdate => {
+        Scenario::PodDelete
+        | Scenario::OperatorRestart
+        | Scenario::RollingUpdate
+        | Scenario::PoolScaledToZero => {
             anyhow::bail!("{} runs in the cluster (cluster.rs)", scenario.name())
         }
     }

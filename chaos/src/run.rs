@@ -89,10 +89,7 @@ impl Target {
     ) -> anyhow::Result<(Instant, Vec<String>)> {
         match self {
             Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
-            Target::Cluster(cluster) => {
-                let failures = cluster.inject(scenario).await;
-                Ok((Instant::now(), failures))
-            }
+            Target::Cluster(cluster) => Ok(cluster.inject(scenario).await),
         }
     }
 

@@ -60,12 +60,16 @@ pub enum Scenario {
     GatewayKillUnpublished,
     /// 14. Upkeep: audit partitions made through a month of dates under load.
     PartitionsMonth,
-    /// 14. Every worker killed mid-task and none back for two heartbeat timeouts (a pool
-    ///     scaled to zero after its pods died): the gateway alone reaps their tasks.
+    /// 14. Every worker process killed mid-task and none back for two heartbeat timeouts:
+    ///     the gateway alone reaps their tasks.
     WorkersGone,
+    /// 14. In the local cluster: every pod's worker killed mid-task (the node died) and the
+    ///     WorkerPool scaled to zero before anything replaced them; the gateway's reaper
+    ///     re-queues the orphans with no worker anywhere, and they run once the pool is back.
+    PoolScaledToZero,
 }
 
-pub const ALL: [Scenario; 22] = [
+pub const ALL: [Scenario; 23] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
@@ -88,6 +92,7 @@ pub const ALL: [Scenario; 22] = [
     Scenario::GatewayKillUnpublished,
     Scenario::PartitionsMonth,
     Scenario::WorkersGone,
+    Scenario::PoolScaledToZero,
 ];
 
 /// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`);
@@ -129,6 +134,7 @@ impl Scenario {
             Scenario::GatewayKillUnpublished => "gateway-kill-unpublished",
             Scenario::PartitionsMonth => "partitions-month",
             Scenario::WorkersGone => "workers-gone",
+            Scenario::PoolScaledToZero => "pool-scaled-to-zero",
         }
     }
 
@@ -192,7 +198,8 @@ impl Scenario {
             Scenario::PostgresSlow
             | Scenario::WorkerKillDegraded
             | Scenario::PodDelete
-            | Scenario::WorkersGone => Plan {
+            | Scenario::WorkersGone
+            | Scenario::PoolScaledToZero => Plan {
                 sleep_ms: 400,
                 ..plan
             },
@@ -210,7 +217,10 @@ impl Scenario {
     pub fn in_cluster(self) -> bool {
         matches!(
             self,
-            Scenario::PodDelete | Scenario::OperatorRestart | Scenario::RollingUpdate
+            Scenario::PodDelete
+                | Scenario::OperatorRestart
+                | Scenario::RollingUpdate
+                | Scenario::PoolScaledToZero
         )
     }
 
