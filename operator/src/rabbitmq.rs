@@ -6,7 +6,7 @@ use std::time::Duration;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::task_type::QueueDepths;
 pub use conveyor_core::policies::{task_type_policies, Policy};
-use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -140,6 +140,19 @@ impl ManagementApi {
         self.delete("queues", queue).await
     }
 
+    /// Deletes a queue only while it holds no messages: `false` when it holds some and
+    /// stays. A missing one counts as deleted. Quorum queues refuse `if-empty`, so this reads
+    /// the count first: a message published in between is lost with the queue, and the
+    /// sweeper re-publishes its task (decision 0011).
+    pub async fn delete_queue_if_empty(&self, queue: &str) -> Result<bool, ManagementError> {
+        match self.queue(queue).await {
+            Ok(info) if info.messages > 0 => Ok(false),
+            Ok(_) => self.delete_queue(queue).await.map(|()| true),
+            Err(ManagementError::Refused { status: 404, .. }) => Ok(true),
+            Err(err) => Err(err),
+        }
+    }
+
     async fn delete(&self, kind: &str, name: &str) -> Result<(), ManagementError> {
         let request = self.http.delete(self.url(kind, name));
         match self.send(format!("delete {kind} {name}"), request).await {
@@ -190,10 +203,12 @@ impl ManagementApi {
         let queues = QueueNames::of(&spec.name);
         let main = self.queue(&queues.main).await?;
         let mut retry = self.queue(&queues.retry).await?.messages;
-        for tier in 1..spec.retry_tiers() {
+        // Every tier the type may have had: one left from before an edit to fewer retries
+        // still holds retries until it drains (the TaskType reconcile then deletes it).
+        for tier in 1..MAX_RETRY_TIERS {
             match self.queue(&queues.retry_tier(tier)).await {
                 Ok(queue) => retry += queue.messages,
-                // Not declared yet (a TaskType just edited to more retries).
+                // Not declared (yet, or any more).
                 Err(ManagementError::Refused { status: 404, .. }) => {}
                 Err(err) => return Err(err),
             }

@@ -68,6 +68,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
     for policy in task_type_policies(&spec) {
         ctx.management.put_policy(&policy).await?;
     }
+    delete_drained_tiers(&spec, &ctx).await?;
     let depths = ctx.management.depths(&spec).await?;
     write_status(
         &api,
@@ -82,6 +83,18 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
     )
     .await?;
     Ok(Action::requeue(RESYNC))
+}
+
+/// Retry queues beyond the type's tiers now (it was edited to fewer retries or a flatter
+/// backoff) go once they are empty; until then they still release retries to the work queue.
+async fn delete_drained_tiers(spec: &NamedTaskType, ctx: &Context) -> Result<()> {
+    let queues = QueueNames::of(&spec.name);
+    for tier in spec.retry_tiers()..MAX_RETRY_TIERS {
+        ctx.management
+            .delete_queue_if_empty(&queues.retry_tier(tier))
+            .await?;
+    }
+    Ok(())
 }
 
 async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {

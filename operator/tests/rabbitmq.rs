@@ -72,3 +72,75 @@ async fn changing_retries_and_backoff_changes_the_effective_policy() {
     assert!(api.depths(&spec).await.is_err(), "queues are gone");
     let _ = conn.close(200, "done").await;
 }
+
+#[tokio::test]
+async fn a_retry_tier_left_by_an_edit_is_counted_and_deleted_only_once_empty() {
+    // Backoff 10 s, 100 s, 1000 s: three retry queues.
+    let mut spec = NamedTaskType::named(testing::unique_type("tiers"));
+    spec.max_retries = 3;
+    spec.backoff.initial_seconds = 10.0;
+    spec.backoff.multiplier = 10.0;
+    spec.backoff.max_seconds = 1000.0;
+    assert_eq!(spec.retry_tiers(), 3);
+    let conn = amqp::connect(&testing::amqp_url(), "operator-test")
+        .await
+        .unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    amqp::declare_task_type(&channel, &spec).await.unwrap();
+    let api = management();
+    let queues = QueueNames::of(&spec.name);
+    let last = queues.retry_tier(2);
+    channel
+        .basic_publish(
+            "",
+            &last,
+            lapin::options::BasicPublishOptions::default(),
+            b"{}",
+            lapin::BasicProperties::default().with_expiration("600000".into()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    // Edited to one retry: tier 2 is no longer the type's, but it still holds a retry.
+    spec.max_retries = 1;
+    assert_eq!(spec.retry_tiers(), 1);
+    testing::wait_until(
+        "the broker counts the message",
+        Duration::from_secs(15),
+        || async { api.depths(&spec).await.is_ok_and(|d| d.retry == 1) },
+    )
+    .await;
+    assert!(
+        !api.delete_queue_if_empty(&last).await.unwrap(),
+        "kept while it holds a retry"
+    );
+    assert_eq!(api.depths(&spec).await.unwrap().retry, 1, "still counted");
+
+    channel
+        .queue_purge(&last, lapin::options::QueuePurgeOptions::default())
+        .await
+        .unwrap();
+    // The management API's counts lag the queue by a stats interval.
+    testing::wait_until(
+        "the broker counts it empty",
+        Duration::from_secs(30),
+        || async { api.depths(&spec).await.is_ok_and(|d| d.retry == 0) },
+    )
+    .await;
+    assert!(
+        api.delete_queue_if_empty(&last).await.unwrap(),
+        "deleted once empty"
+    );
+    assert!(api.effective_policy(&last).await.is_err(), "{last} is gone");
+    assert!(
+        api.delete_queue_if_empty(&last).await.unwrap(),
+        "a missing queue is fine"
+    );
+
+    for queue in queues.all(3) {
+        api.delete_queue(&queue).await.unwrap();
+    }
+    let _ = conn.close(200, "done").await;
+}

@@ -31,7 +31,7 @@ mod requeue;
 mod sweep;
 
 pub use error::{DbError, DbResult};
-use requeue::{advance, RetryBudget};
+use requeue::{advance, BackToWork, RetryBudget};
 pub use requeue::{PendingRequeue, Requeued};
 pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};
 

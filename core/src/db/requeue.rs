@@ -178,29 +178,47 @@ impl Db {
         attempt: i32,
         by: &str,
     ) -> DbResult<Option<PendingRequeue>> {
+        let back = BackToWork {
+            from: &[DeadLetter],
+            budget: RetryBudget::Reset,
+            by: Some(by),
+            detail: format!("redriven by {by}"),
+        };
+        self.begin_back_to_work(id, attempt, back).await
+    }
+
+    /// Locks the task at `attempt` if it is in one of `back.from`, and moves it on to
+    /// QUEUED at attempt + 1 with one audit row, ready to publish to the work queue.
+    pub(super) async fn begin_back_to_work(
+        &self,
+        id: Uuid,
+        attempt: i32,
+        back: BackToWork<'_>,
+    ) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool.begin().await?;
+        let from: Vec<&str> = back.from.iter().map(|s| s.as_str()).collect();
         let row = sqlx::query(&format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND attempt = $2 AND state = $3
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND attempt = $2 AND state = ANY($3)
              FOR UPDATE"
         ))
         .bind(id)
         .bind(attempt)
-        .bind(DeadLetter.as_str())
+        .bind(&from)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else { return Ok(None) };
         let task = task_from_row(&row)?;
-        let (message, _) = advance(&mut tx, &task, Queued, RetryBudget::Reset, None).await?;
+        let (message, retries) = advance(&mut tx, &task, Queued, back.budget, None).await?;
         append_events(
             &mut tx,
             &[EventRow {
                 task_id: task.id,
                 task_type: task.task_type.clone(),
-                from: DeadLetter,
+                from: task.state,
                 to: Queued,
                 attempt: message.attempt,
-                worker_id: Some(by.to_owned()),
-                detail: Some(format!("redriven by {by}")),
+                worker_id: back.by.map(str::to_owned),
+                detail: Some(back.detail),
             }],
         )
         .await?;
@@ -209,10 +227,19 @@ impl Db {
             tasks: vec![Requeued {
                 message,
                 route: Requeue::Main,
-                retries: 0,
+                retries,
             }],
         }))
     }
+}
+
+/// A task sent back to its work queue from where it waits: which states it may be found in,
+/// what becomes of its retries, and what the audit row says.
+pub(super) struct BackToWork<'a> {
+    pub from: &'a [TaskState],
+    pub budget: RetryBudget,
+    pub by: Option<&'a str>,
+    pub detail: String,
 }
 
 /// Whether a re-queue consumes one of the task's retries.

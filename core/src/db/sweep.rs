@@ -8,8 +8,8 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::{
-    advance, append_events, task_from_row, Db, DbResult, EventRow, PendingRequeue, Requeued,
-    RetryBudget, TASK_COLUMNS,
+    advance, append_events, task_from_row, BackToWork, Db, DbResult, EventRow, PendingRequeue,
+    Requeued, RetryBudget, TASK_COLUMNS,
 };
 use crate::lifecycle::TaskState::*;
 use crate::task::Requeue;
@@ -201,40 +201,12 @@ impl Db {
         attempt: i32,
         why: &str,
     ) -> DbResult<Option<PendingRequeue>> {
-        let mut tx = self.pool().begin().await?;
-        let row = sqlx::query(&format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND attempt = $2 AND state IN ($3, $4)
-             FOR UPDATE"
-        ))
-        .bind(id)
-        .bind(attempt)
-        .bind(Ingested.as_str())
-        .bind(Queued.as_str())
-        .fetch_optional(&mut *tx)
-        .await?;
-        let Some(row) = row else { return Ok(None) };
-        let task = task_from_row(&row)?;
-        let (message, retries) = advance(&mut tx, &task, Queued, RetryBudget::Keep, None).await?;
-        append_events(
-            &mut tx,
-            &[EventRow {
-                task_id: task.id,
-                task_type: task.task_type.clone(),
-                from: task.state,
-                to: Queued,
-                attempt: message.attempt,
-                worker_id: None,
-                detail: Some(why.to_owned()),
-            }],
-        )
-        .await?;
-        Ok(Some(PendingRequeue {
-            tx,
-            tasks: vec![Requeued {
-                message,
-                route: Requeue::Main,
-                retries,
-            }],
-        }))
+        let back = BackToWork {
+            from: &[Ingested, Queued],
+            budget: RetryBudget::Keep,
+            by: None,
+            detail: why.to_owned(),
+        };
+        self.begin_back_to_work(id, attempt, back).await
     }
 }
