@@ -124,18 +124,7 @@ async fn failures_retry_with_growing_delays_then_dead_letter_and_redrive_brings_
     })
     .await;
 
-    let output = std::process::Command::new(binary("conveyorctl"))
-        .args(["redrive", "--type", &name, "--by", "ops-test"])
-        .env("CONVEYOR_DATABASE_URL", &harness.db_url)
-        .env("CONVEYOR_AMQP_URL", conveyor_core::testing::amqp_url())
-        .output()
-        .expect("run conveyorctl");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = harness.conveyorctl(&["redrive", "--type", &name, "--by", "ops-test"]);
     assert!(stdout.contains("redriven: 1"), "{stdout}");
     assert_eq!(harness.ready_count(&queue(&name).remediation).await, 0);
     assert_eq!(harness.ready_count(&queue(&name).main).await, 1);

@@ -388,18 +388,7 @@ async fn redrive_sends_a_waiting_tasks_parked_message_back_instead_of_dropping_i
         .unwrap();
     conn.close(200, "done").await.unwrap();
 
-    let output = std::process::Command::new(binary("conveyorctl"))
-        .args(["redrive", "--type", &name, "--by", "ops-test"])
-        .env("CONVEYOR_DATABASE_URL", &harness.db_url)
-        .env("CONVEYOR_AMQP_URL", testing::amqp_url())
-        .output()
-        .expect("run conveyorctl");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{stdout} {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = harness.conveyorctl(&["redrive", "--type", &name, "--by", "ops-test"]);
     assert!(stdout.contains("returned (still waiting): 1"), "{stdout}");
     assert_eq!(harness.ready_count(&names.remediation).await, 0);
     assert_eq!(harness.ready_count(&names.main).await, 1);

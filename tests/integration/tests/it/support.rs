@@ -284,6 +284,24 @@ impl Harness {
         Publisher::new(testing::amqp_url(), "conveyor-test", Duration::from_secs(5))
     }
 
+    /// Runs `conveyorctl` against this harness's database and the broker; asserts it
+    /// succeeded and returns what it printed.
+    pub fn conveyorctl(&self, args: &[&str]) -> String {
+        let output = Command::new(binary("conveyorctl"))
+            .args(args)
+            .env("CONVEYOR_DATABASE_URL", &self.db_url)
+            .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+            .output()
+            .expect("run conveyorctl");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        assert!(
+            output.status.success(),
+            "conveyorctl {args:?}: {stdout} {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        stdout
+    }
+
     pub async fn ready_count(&self, queue: &str) -> u32 {
         QueueObserver::new(testing::amqp_url(), "conveyor-test/depths")
             .ready_count(queue)
