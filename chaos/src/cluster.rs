@@ -23,6 +23,9 @@ const HEARTBEAT_TIMEOUT_SECONDS: u64 = 3;
 /// A scenario's WorkerPool and TaskType in a namespace of their own.
 pub struct ClusterTarget {
     pub stack: Stack,
+    /// The TaskType's name in the scenario's namespace.
+    pub name: String,
+    /// What its queues and rows are keyed by (`<namespace>.<name>`).
     pub task_type: String,
     /// Keeps the handler the pods call alive as long as the target.
     pub sidecar_url: String,
@@ -43,24 +46,25 @@ impl ClusterTarget {
             scenario.name()
         );
         let mut stack = Stack::namespace(&format!("chaos-{}", scenario.name())).await;
-        let task_type = stack.task_type("chaos-cluster");
+        let name = stack.task_type("chaos-cluster");
         stack.apply(&format!(
-            "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {task_type}}}\n\
+            "apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {name}}}\n\
              spec:\n  maxRetries: 3\n  heartbeatTimeoutSeconds: {HEARTBEAT_TIMEOUT_SECONDS}\n  \
              backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n  \
              schema: {{type: object, properties: {{sleepMs: {{type: integer}}}}}}\n"
         ));
         stack.apply(&format!(
             "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {POOL}}}\n\
-             spec:\n  taskTypes: [{task_type}]\n  image: conveyor:dev\n  \
+             spec:\n  taskTypes: [{name}]\n  image: conveyor:dev\n  \
              handler: {{type: http, url: \"{sidecar_url}\"}}\n  replicas: {REPLICAS}\n  concurrency: 8\n  \
              drainGraceSeconds: 20\n"
         ));
-        stack.wait_for_workers(&task_type, REPLICAS as u64).await;
-        wait_for_gateway(&stack, &task_type).await;
+        stack.wait_for_workers(&name, REPLICAS as u64).await;
+        wait_for_gateway(&stack, &name).await;
         Ok(ClusterTarget {
+            task_type: stack.key(&name),
+            name,
             stack,
-            task_type,
             sidecar_url: sidecar_url.to_owned(),
         })
     }
@@ -83,7 +87,8 @@ async fn wait_for_gateway(stack: &Stack, task_type: &str) {
         let answer = http
             .post(format!("{}/v1/tasks", stack.gateway))
             .bearer_auth(&stack.token)
-            .json(&json!({"taskType": task_type, "payload": {"sleepMs": "soon"}}))
+            .json(&json!({"taskType": task_type, "namespace": stack.namespace,
+                "payload": {"sleepMs": "soon"}}))
             .send()
             .await;
         answer.is_ok_and(|a| a.status() == reqwest::StatusCode::BAD_REQUEST)

@@ -64,8 +64,23 @@ impl Outcome {
 
 const BATCH: usize = 10;
 
+/// Where the load goes: a gateway, a client's token, and a task type in a namespace (none
+/// for a task types file).
+pub struct Client {
+    pub gateway: String,
+    pub token: String,
+    pub task_type: String,
+    pub namespace: Option<String>,
+}
+
 /// Runs `plan` against the gateway; returns when every task was accepted or given up on.
-pub async fn run(gateway: String, token: String, task_type: String, plan: Plan) -> Outcome {
+pub async fn run(client: Client, plan: Plan) -> Outcome {
+    let Client {
+        gateway,
+        token,
+        task_type,
+        namespace,
+    } = client;
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
         .build()
@@ -118,7 +133,10 @@ pub async fn run(gateway: String, token: String, task_type: String, plan: Plan) 
         };
         let tasks: Vec<Value> = batch
             .iter()
-            .map(|&i| json!({"taskType": task_type, "payload": payloads[i].1, "idempotencyKey": payloads[i].0}))
+            .map(|&i| {
+                json!({"taskType": task_type, "namespace": namespace,
+                "payload": payloads[i].1, "idempotencyKey": payloads[i].0})
+            })
             .collect();
         let sent = http
             .post(format!("{gateway}/v1/tasks:batch"))

@@ -50,12 +50,21 @@ impl Target {
         }
     }
 
-    fn gateway(&self) -> (String, String) {
+    /// The load's client: in the cluster, the TaskType by its name in its namespace.
+    fn client(&self) -> load::Client {
         match self {
-            Target::Processes(system) => (system.gateway_url.clone(), system::TOKEN.to_owned()),
-            Target::Cluster(cluster) => {
-                (cluster.stack.gateway.clone(), cluster.stack.token.clone())
-            }
+            Target::Processes(system) => load::Client {
+                gateway: system.gateway_url.clone(),
+                token: system::TOKEN.to_owned(),
+                task_type: system.task_type.clone(),
+                namespace: None,
+            },
+            Target::Cluster(cluster) => load::Client {
+                gateway: cluster.stack.gateway.clone(),
+                token: cluster.stack.token.clone(),
+                task_type: cluster.name.clone(),
+                namespace: Some(cluster.stack.namespace.clone()),
+            },
         }
     }
 
@@ -121,13 +130,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     };
     let plan = scenario.plan(scale);
     let over = plan.over;
-    let (gateway, token) = target.gateway();
-    let load = tokio::spawn(load::run(
-        gateway,
-        token,
-        target.task_type().to_owned(),
-        plan,
-    ));
+    let load = tokio::spawn(load::run(target.client(), plan));
     let mut observer = Observer::default();
     let fault_at = Instant::now() + over / 3;
     while Instant::now() < fault_at {

@@ -1,6 +1,7 @@
 //! `conveyorctl`: submit and inspect tasks through the gateway; redrive and audit queries
 //! against the broker and the database directly.
 
+mod adopt;
 mod redrive;
 
 use anyhow::{bail, Context};
@@ -30,8 +31,40 @@ struct Cli {
     /// Bearer token for the gateway (never printed).
     #[arg(long, global = true, env = "CONVEYOR_TOKEN", hide_env_values = true)]
     token: Option<Secret<String>>,
+    /// The namespace (tenant) of the task type: sent to the gateway, and part of the type's
+    /// key (`<namespace>.<type>`) for the commands that go to the database and broker. Leave
+    /// it out for task types from a file (tenant `default`).
+    #[arg(long, short = 'n', global = true, env = "CONVEYOR_NAMESPACE")]
+    namespace: Option<String>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The database and broker, for the commands that work on them directly.
+pub struct Direct {
+    pub db: Db,
+    pub amqp_url: String,
+    pub publisher: Publisher,
+}
+
+impl Direct {
+    fn connect(database: &DatabaseArgs, amqp: &AmqpArgs) -> anyhow::Result<Direct> {
+        Ok(Direct {
+            db: Db::connect(&database.options())?,
+            amqp_url: amqp.connection_url(),
+            publisher: Publisher::new(amqp.connection_url(), "conveyorctl", amqp.confirm_timeout()),
+        })
+    }
+}
+
+impl Cli {
+    /// What the type's queues and rows are keyed by (`NamedTaskType::name`).
+    fn type_key(&self, task_type: &str) -> String {
+        match &self.namespace {
+            Some(namespace) => format!("{namespace}.{task_type}"),
+            None => task_type.to_owned(),
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -60,6 +93,20 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         limit: usize,
         /// Who redrives, for the audit log.
+        #[arg(long, env = "USER", default_value = "conveyorctl")]
+        by: String,
+        #[command(flatten)]
+        database: DatabaseArgs,
+        #[command(flatten)]
+        amqp: AmqpArgs,
+    },
+    /// Move a task type from before tenancy (queues `conveyor.<type>`, rows of tenant
+    /// `default`) into the namespace of its TaskType (--namespace): rows, waiting and
+    /// dead-lettered tasks, then the old queues are deleted. Apply the TaskType first.
+    Adopt {
+        #[arg(long = "type")]
+        task_type: String,
+        /// Who adopts, for the audit log.
         #[arg(long, env = "USER", default_value = "conveyorctl")]
         by: String,
         #[command(flatten)]
@@ -111,9 +158,14 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         } => {
             let payload: serde_json::Value =
                 serde_json::from_str(payload).context("--payload is not JSON")?;
-            let mut request = http(cli)?
-                .post(format!("{}/v1/tasks", cli.gateway))
-                .json(&serde_json::json!({ "taskType": task_type, "payload": payload }));
+            let mut request =
+                http(cli)?
+                    .post(format!("{}/v1/tasks", cli.gateway))
+                    .json(&serde_json::json!({
+                        "taskType": task_type,
+                        "namespace": cli.namespace,
+                        "payload": payload,
+                    }));
             if let Some(key) = idempotency_key {
                 request = request.header("Idempotency-Key", key.to_string());
             }
@@ -139,21 +191,27 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             database,
             amqp,
         } => {
-            let db = Db::connect(&database.options())?;
-            let publisher =
-                Publisher::new(amqp.connection_url(), "conveyorctl", amqp.confirm_timeout());
-            let report = redrive::redrive(
-                &db,
-                &amqp.connection_url(),
-                &publisher,
-                task_type,
-                *limit,
-                by,
-            )
-            .await?;
+            let direct = Direct::connect(database, amqp)?;
+            let report = redrive::redrive(&direct, &cli.type_key(task_type), *limit, by).await?;
             println!(
                 "redriven: {}  returned (still waiting): {}  stale messages dropped: {}  kept parked: {}",
                 report.redriven, report.returned, report.stale, report.kept
+            );
+        }
+        Command::Adopt {
+            task_type,
+            by,
+            database,
+            amqp,
+        } => {
+            let Some(namespace) = &cli.namespace else {
+                bail!("give --namespace: the namespace of the TaskType that adopts {task_type}");
+            };
+            let direct = Direct::connect(database, amqp)?;
+            let report = adopt::adopt(&direct, task_type, namespace, by).await?;
+            println!(
+                "rows moved: {}  waiting tasks re-published: {}  dead-lettered tasks parked again: {}",
+                report.moved, report.requeued, report.parked
             );
         }
         Command::StateAt {
@@ -166,7 +224,8 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 bail!("give --type or --id");
             }
             let db = Db::connect(&database.options())?;
-            let states = db.states_at(*at, task_type.as_deref(), *id).await?;
+            let key = task_type.as_deref().map(|t| cli.type_key(t));
+            let states = db.states_at(*at, key.as_deref(), *id).await?;
             if id.is_some() {
                 for (id, state, since) in &states {
                     println!("{id}  {state}  since {}", since.to_rfc3339());

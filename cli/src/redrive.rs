@@ -1,13 +1,14 @@
 //! `conveyorctl redrive`: remediation queue → work queue, audited as DEAD_LETTER → QUEUED.
 
 use anyhow::Context;
-use conveyor_core::amqp::{self, Publisher, QueueNames};
-use conveyor_core::db::Db;
+use conveyor_core::amqp::{self, QueueNames};
 use conveyor_core::requeue::publish_and_commit;
 use conveyor_core::task::{TaskMessage, TaskRecord};
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
+
+use crate::Direct;
 
 /// How a redrive went.
 #[derive(Debug, Default)]
@@ -52,13 +53,16 @@ fn verdict(message: &TaskMessage, task: Option<&TaskRecord>) -> Verdict {
 /// dropped only when its task is COMPLETED or has moved on to a later attempt; the message
 /// of a task that is still waiting goes back to the work queue.
 pub async fn redrive(
-    db: &Db,
-    amqp_url: &str,
-    publisher: &Publisher,
+    direct: &Direct,
     task_type: &str,
     limit: usize,
     by: &str,
 ) -> anyhow::Result<RedriveReport> {
+    let Direct {
+        db,
+        amqp_url,
+        publisher,
+    } = direct;
     let conn = amqp::connect(amqp_url, &format!("conveyorctl-redrive-{by}")).await?;
     let channel = conn.create_channel().await.context("opening a channel")?;
     let queue = QueueNames::of(task_type).remediation;
@@ -142,6 +146,7 @@ mod tests {
         let message = message(attempt);
         TaskRecord {
             id: message.id,
+            tenant: "default".into(),
             idempotency_key: message.idempotency_key,
             task_type: message.task_type,
             state,

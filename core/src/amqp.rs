@@ -506,6 +506,37 @@ pub async fn consume(
     Ok((channel, consumers))
 }
 
+/// Whether `queue` exists: a passive declare, on a channel of its own (a missing queue
+/// closes the channel).
+pub async fn queue_exists(conn: &Connection, queue: &str) -> AmqpResult<bool> {
+    let channel = conn
+        .create_channel()
+        .await
+        .map_err(AmqpError::Unavailable)?;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    match channel
+        .queue_declare(queue, passive, FieldTable::default())
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(lapin::Error::ProtocolError(e)) if e.get_id() == 404 => Ok(false),
+        Err(source) => Err(AmqpError::Unavailable(source)),
+    }
+}
+
+/// Deletes queues and every message in them; a missing one is fine.
+pub async fn delete_queues(conn: &Connection, queues: &[String]) {
+    // A channel per queue: deleting one that is not there closes its channel.
+    for queue in queues {
+        if let Ok(channel) = conn.create_channel().await {
+            let _ = channel.queue_delete(queue, Default::default()).await;
+        }
+    }
+}
+
 /// Takes one message from a queue without a consumer (`basic.get`), unacked.
 pub async fn get_one(
     channel: &Channel,

@@ -27,6 +27,8 @@ pub struct TaskMessage {
 #[derive(Debug, Clone)]
 pub struct NewTask {
     pub id: Uuid,
+    /// Who submitted it: the task type's tenant (SPEC "Tenancy").
+    pub tenant: String,
     pub idempotency_key: Uuid,
     pub task_type: String,
     pub payload: serde_json::Value,
@@ -37,6 +39,9 @@ pub struct NewTask {
 #[serde(rename_all = "camelCase")]
 pub struct TaskRecord {
     pub id: Uuid,
+    /// The tenant it belongs to; `task_type` is its type's key (`<namespace>.<name>` in a
+    /// cluster).
+    pub tenant: String,
     pub idempotency_key: Uuid,
     pub task_type: String,
     pub state: TaskState,

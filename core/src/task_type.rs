@@ -13,11 +13,23 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::crd::task_type::{Backoff, DeletionPolicy, RateLimit, TaskTypeSpec};
 
-/// A task type: the name of its `TaskType` resource (or file entry) and its spec.
+/// The one tenant outside a cluster (a task types file): SPEC "Tenancy".
+pub const DEFAULT_TENANT: &str = "default";
+
+fn default_tenant() -> String {
+    DEFAULT_TENANT.to_owned()
+}
+
+/// A task type: what its queues and rows are keyed by, who owns it, and its spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NamedTaskType {
-    /// Queues are `conveyor.<name>`, its retry queues and `.remediation`.
+    /// The key its queues (`conveyor.<name>`, its retry queues, `.remediation`) and task rows
+    /// go by: `<namespace>.<name>` for a TaskType resource, so that two namespaces never
+    /// share one; the entry's own name in a task types file.
     pub name: String,
+    /// The tenant that owns it: the resource's namespace; [`DEFAULT_TENANT`] in a file.
+    #[serde(default = "default_tenant")]
+    pub tenant: String,
     #[serde(flatten)]
     pub spec: TaskTypeSpec,
 }
@@ -58,13 +70,16 @@ impl TaskTypeSpec {
     }
 }
 
-/// A TaskType resource as the data path sees it: its name and its spec.
+/// A TaskType resource as the data path sees it: keyed by namespace and name.
 impl From<&crate::crd::TaskType> for NamedTaskType {
     fn from(resource: &crate::crd::TaskType) -> Self {
-        NamedTaskType {
-            name: resource.metadata.name.clone().unwrap_or_default(),
-            spec: resource.spec.clone(),
-        }
+        let namespace = resource
+            .metadata
+            .namespace
+            .as_deref()
+            .unwrap_or(DEFAULT_TENANT);
+        let name = resource.metadata.name.as_deref().unwrap_or_default();
+        NamedTaskType::in_namespace(namespace, name, resource.spec.clone())
     }
 }
 
@@ -99,24 +114,66 @@ impl NamedTaskType {
     pub fn named(name: impl Into<String>) -> Self {
         NamedTaskType {
             name: name.into(),
+            tenant: default_tenant(),
             spec: TaskTypeSpec::default(),
         }
     }
 
-    /// Rejects settings no task could run under (the CRD schema says the same to kubectl).
-    pub fn validate(&self) -> Result<(), String> {
-        let name_ok = !self.name.is_empty()
-            && self.name.len() <= 63
-            && self
-                .name
+    /// The type of TaskType resource `name` in `namespace`.
+    pub fn in_namespace(namespace: &str, name: &str, spec: TaskTypeSpec) -> Self {
+        NamedTaskType {
+            name: format!("{namespace}.{name}"),
+            tenant: namespace.to_owned(),
+            spec,
+        }
+    }
+
+    /// The name clients submit with and users see: the resource's (or entry's) own.
+    pub fn local_name(&self) -> &str {
+        local_name(&self.name, &self.tenant)
+    }
+
+    /// Refuses a key that could name another type's queues (`foo.retry` would be type
+    /// `foo`'s retry queue): the local name is 1-63 characters of a-z, 0-9, `-` or `_`, the
+    /// tenant a DNS label, and the key the local name alone (in a file) or
+    /// `<tenant>.<local name>`. Checked before anything is made or deleted by this name.
+    pub fn validate_name(&self) -> Result<(), String> {
+        let local = self.local_name();
+        let local_ok = !local.is_empty()
+            && local.len() <= 63
+            && local
                 .chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_');
-        if !name_ok {
+        if !local_ok {
             return Err(format!(
-                "task type name {:?} must be 1-63 characters of a-z, 0-9, '-' or '_'",
-                self.name
+                "task type name {local:?} must be 1-63 characters of a-z, 0-9, '-' or '_'"
             ));
         }
+        let tenant_ok = !self.tenant.is_empty()
+            && self.tenant.len() <= 63
+            && self
+                .tenant
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+        if !tenant_ok {
+            return Err(format!(
+                "task type {local:?}: namespace {:?} is not a DNS label",
+                self.tenant
+            ));
+        }
+        if local == self.name && self.tenant != DEFAULT_TENANT {
+            return Err(format!(
+                "task type {local:?} of namespace {:?} must be keyed {:?}",
+                self.tenant,
+                format!("{}.{local}", self.tenant)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Rejects settings no task could run under (the CRD schema says the same to kubectl).
+    pub fn validate(&self) -> Result<(), String> {
+        self.validate_name()?;
         let positive = [
             ("timeoutSeconds", self.timeout_seconds),
             ("heartbeatTimeoutSeconds", self.heartbeat_timeout_seconds),
@@ -149,6 +206,13 @@ impl NamedTaskType {
         }
         Ok(())
     }
+}
+
+/// The local name in a type key: what follows `<tenant>.`, or the whole key.
+pub fn local_name<'a>(key: &'a str, tenant: &str) -> &'a str {
+    key.strip_prefix(tenant)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .unwrap_or(key)
 }
 
 /// Seconds from a settings field as a Duration, capped at a year so that a user's "1e30"
@@ -285,6 +349,36 @@ mod tests {
         assert!(twice.unwrap_err().to_string().contains("twice"));
         let zero = parse_task_types("taskTypes:\n  - name: a\n    timeoutSeconds: 0\n", "t");
         assert!(zero.unwrap_err().to_string().contains("timeoutSeconds"));
+    }
+
+    #[test]
+    fn a_resource_is_keyed_by_namespace_and_a_name_that_could_alias_is_refused() {
+        let video = NamedTaskType::in_namespace("video", "transcode", TaskTypeSpec::default());
+        assert_eq!(
+            (video.name.as_str(), video.local_name()),
+            ("video.transcode", "transcode")
+        );
+        assert_eq!(video.validate(), Ok(()));
+        assert_eq!(NamedTaskType::named("transcode").validate(), Ok(()));
+        let in_default = NamedTaskType::in_namespace("default", "x", TaskTypeSpec::default());
+        assert_eq!(in_default.local_name(), "x");
+        assert_eq!(in_default.validate(), Ok(()));
+        // `foo.retry` would name type foo's retry queue, in a file or in a namespace.
+        for alias in [
+            NamedTaskType::named("foo.retry"),
+            NamedTaskType::in_namespace("video", "foo.retry", TaskTypeSpec::default()),
+            NamedTaskType::in_namespace("Bad_NS", "x", TaskTypeSpec::default()),
+        ] {
+            assert!(alias.validate_name().is_err(), "{alias:?}");
+        }
+        let unqualified = NamedTaskType {
+            tenant: "video".into(),
+            ..NamedTaskType::named("transcode")
+        };
+        assert!(unqualified
+            .validate_name()
+            .unwrap_err()
+            .contains("video.transcode"));
     }
 
     #[test]

@@ -1,25 +1,59 @@
-//! HTTP routes of the gateway.
+//! HTTP routes of the gateway. Every `/v1` request is admitted first (`admit`): its token
+//! checked before its body is read, its client's concurrent requests capped, its time
+//! bounded. What a client sees of a task is its own tenant's only: another tenant's task
+//! answers 404 like one that does not exist.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, Request, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
+use conveyor_core::task::{TaskEvent, TaskRecord};
+use conveyor_core::task_type::local_name;
 use serde::{Deserialize, Serialize};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use uuid::Uuid;
 
-use crate::auth::Tokens;
+use crate::auth::{Client, Tokens};
 use crate::error::ApiError;
 use crate::ingest::{db_error, Accepted, Ingestor, Submission};
+
+/// Limits on each client's requests besides its task rate.
+#[derive(Debug, Clone)]
+pub struct RequestLimits {
+    /// Requests of one client being served at once; more answer 429.
+    pub max_in_flight: usize,
+    /// Request body bytes one client may send per second (token bucket, a request's own
+    /// size as the least burst).
+    pub bytes_per_second: f64,
+    /// Longest a request is served; a submission still finishes behind the answer.
+    pub timeout: Duration,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_in_flight: 64,
+            bytes_per_second: 64.0 * 1024.0 * 1024.0,
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
 
 pub struct ApiState {
     pub ingestor: Ingestor,
     pub tokens: Tokens,
     pub max_batch_tasks: usize,
+    pub limits: RequestLimits,
+    /// One semaphore per client, for [`RequestLimits::max_in_flight`].
+    pub in_flight: Mutex<HashMap<String, Arc<Semaphore>>>,
 }
 
 pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usize) -> Router {
@@ -34,17 +68,75 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
         )
         .route("/v1/tasks/{id}", get(get_task))
         .route("/v1/tasks/{id}/events", get(get_events))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         .with_state(state)
 }
 
-fn authenticate<'a>(state: &'a ApiState, headers: &HeaderMap) -> Result<&'a str, ApiError> {
-    let header = headers
+/// Runs before any extractor reads the body: an unauthenticated request is refused with
+/// its body unread, a client over its concurrent requests gets 429, and no request is
+/// served for longer than the timeout.
+async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: Next) -> Response {
+    let header = request
+        .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    state
-        .tokens
-        .client(header)
-        .ok_or_else(ApiError::unauthorized)
+    let Some(client) = state.tokens.client(header).cloned() else {
+        return ApiError::unauthorized().into_response();
+    };
+    let Some(_permit) = state.admit_one(&client) else {
+        let message = format!(
+            "client {} has {} requests in flight already",
+            client.name, state.limits.max_in_flight
+        );
+        return ApiError::too_many("too_many_requests", message, Duration::from_secs(1))
+            .into_response();
+    };
+    request.extensions_mut().insert(client);
+    match tokio::time::timeout(state.limits.timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => ApiError::unavailable(
+            "request_timeout",
+            format!(
+                "the request took longer than {:?}; submitted tasks may still be recorded: \
+                 retry with the same Idempotency-Key",
+                state.limits.timeout
+            ),
+        )
+        .into_response(),
+    }
+}
+
+impl ApiState {
+    fn admit_one(&self, client: &Client) -> Option<OwnedSemaphorePermit> {
+        let semaphore = {
+            let mut all = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            all.entry(client.name.clone())
+                .or_insert_with(|| Arc::new(Semaphore::new(self.limits.max_in_flight)))
+                .clone()
+        };
+        semaphore.try_acquire_owned().ok()
+    }
+
+    /// Charges a body against its client's byte rate.
+    fn charge_bytes(&self, client: &Client, body: &Bytes) -> Result<(), ApiError> {
+        let size = body.len() as f64;
+        let rate = self.limits.bytes_per_second;
+        self.ingestor
+            .limiter
+            .try_take(
+                &format!("bytes/{}", client.name),
+                size,
+                rate,
+                rate.max(size),
+            )
+            .map_err(|wait| {
+                ApiError::too_many(
+                    "rate_limited",
+                    format!("client {} is over its byte rate", client.name),
+                    wait,
+                )
+            })
+    }
 }
 
 fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
@@ -81,11 +173,11 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<Uuid>, ApiError> {
 /// but never marked QUEUED) must not depend on the client staying to hear the answer.
 async fn submit_detached(
     state: &Arc<ApiState>,
-    client: &str,
+    client: &Client,
     submissions: Vec<Submission>,
 ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
     let state = state.clone();
-    let client = client.to_owned();
+    let client = client.clone();
     tokio::spawn(async move { state.ingestor.submit(&client, submissions).await })
         .await
         .unwrap_or_else(|join| {
@@ -102,24 +194,28 @@ async fn submit_detached(
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct SingleRequest {
     task_type: String,
+    #[serde(default)]
+    namespace: Option<String>,
     payload: serde_json::Value,
 }
 
 async fn submit_one(
     State(state): State<Arc<ApiState>>,
+    Extension(client): Extension<Client>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let client = authenticate(&state, &headers)?;
     let body = read_body(body)?;
+    state.charge_bytes(&client, &body)?;
     let key = idempotency_key(&headers)?;
     let request: SingleRequest = parse_json(&body)?;
     let submission = Submission {
         task_type: request.task_type,
+        namespace: request.namespace,
         payload: request.payload,
         idempotency_key: key,
     };
-    let mut answers = submit_detached(&state, client, vec![submission]).await?;
+    let mut answers = submit_detached(&state, &client, vec![submission]).await?;
     let accepted = answers
         .pop()
         .unwrap_or_else(|| Err(ApiError::bad_request("empty", "no task")))?;
@@ -148,11 +244,11 @@ enum BatchAnswer {
 
 async fn submit_batch(
     State(state): State<Arc<ApiState>>,
-    headers: HeaderMap,
+    Extension(client): Extension<Client>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let client = authenticate(&state, &headers)?;
     let body = read_body(body)?;
+    state.charge_bytes(&client, &body)?;
     let request: BatchRequest = parse_json(&body)?;
     if request.tasks.is_empty() || request.tasks.len() > state.max_batch_tasks {
         return Err(ApiError::bad_request(
@@ -160,7 +256,7 @@ async fn submit_batch(
             format!("a batch holds 1 to {} tasks", state.max_batch_tasks),
         ));
     }
-    let answers = submit_detached(&state, client, request.tasks).await?;
+    let answers = submit_detached(&state, &client, request.tasks).await?;
     let results: Vec<BatchAnswer> = answers
         .into_iter()
         .map(|answer| match answer {
@@ -183,32 +279,66 @@ fn parse_id(id: &str) -> Result<Uuid, ApiError> {
 
 async fn get_task(
     State(state): State<Arc<ApiState>>,
-    headers: HeaderMap,
+    Extension(client): Extension<Client>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    authenticate(&state, &headers)?;
-    let id = parse_id(&id)?;
-    let ingestor = &state.ingestor;
-    match ingestor.db.task(id).await {
-        Ok(Some(task)) => Ok(Json(task).into_response()),
-        Ok(None) => Err(not_found(id)),
-        Err(err) => Err(db_error(&ingestor.metrics, &err)),
-    }
+    let task = own_task(&state, &client, &id).await?;
+    Ok(Json(task_view(&task)).into_response())
 }
 
 async fn get_events(
     State(state): State<Arc<ApiState>>,
-    headers: HeaderMap,
+    Extension(client): Extension<Client>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    authenticate(&state, &headers)?;
-    let id = parse_id(&id)?;
+    let task = own_task(&state, &client, &id).await?;
     let ingestor = &state.ingestor;
-    match ingestor.db.events(id).await {
-        Ok(events) if events.is_empty() => Err(not_found(id)),
-        Ok(events) => Ok(Json(serde_json::json!({ "events": events })).into_response()),
+    match ingestor.db.events(task.id).await {
+        Ok(events) => {
+            let shown: Vec<serde_json::Value> =
+                events.iter().map(|e| event_view(e, &task)).collect();
+            Ok(Json(serde_json::json!({ "events": shown })).into_response())
+        }
         Err(err) => Err(db_error(&ingestor.metrics, &err)),
     }
+}
+
+/// The task `id` if it is one of the client's tenants': any other answers 404, as a task
+/// that does not exist does, so that ids say nothing across tenants.
+async fn own_task(state: &ApiState, client: &Client, id: &str) -> Result<TaskRecord, ApiError> {
+    let id = parse_id(id)?;
+    let ingestor = &state.ingestor;
+    match ingestor.db.task(id).await {
+        Ok(Some(task)) if client.may_use(&task.tenant) => Ok(task),
+        Ok(_) => Err(not_found(id)),
+        Err(err) => Err(db_error(&ingestor.metrics, &err)),
+    }
+}
+
+/// A task as its client sees it: its type by the name the client submitted with, and its
+/// tenant as `namespace`.
+fn task_view(task: &TaskRecord) -> serde_json::Value {
+    let mut view = serde_json::to_value(task).unwrap_or_default();
+    if let Some(fields) = view.as_object_mut() {
+        fields.remove("tenant");
+        fields.insert(
+            "taskType".into(),
+            local_name(&task.task_type, &task.tenant).into(),
+        );
+        fields.insert("namespace".into(), task.tenant.clone().into());
+    }
+    view
+}
+
+fn event_view(event: &TaskEvent, task: &TaskRecord) -> serde_json::Value {
+    let mut view = serde_json::to_value(event).unwrap_or_default();
+    if let Some(fields) = view.as_object_mut() {
+        fields.insert(
+            "taskType".into(),
+            local_name(&event.task_type, &task.tenant).into(),
+        );
+    }
+    view
 }
 
 fn not_found(id: Uuid) -> ApiError {

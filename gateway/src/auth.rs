@@ -1,14 +1,52 @@
-//! Bearer tokens: which client is calling.
+//! Bearer tokens: which client is calling, and which tenants (namespaces) it may use.
+//!
+//! Tokens are kept only as SHA-256 digests: a tokens file may hold the digest alone
+//! (`tokenSha256`), and a plain `token` is hashed as it is read.
 
 use std::path::Path;
 
-use conveyor_core::config::Secret;
+use conveyor_core::task_type::DEFAULT_TENANT;
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
 
-/// The known clients and their tokens.
+/// Stands for every namespace in a client's list: an administrator's token.
+pub const ALL_TENANTS: &str = "*";
+
+/// A client: its name and the tenants its token belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Client {
+    pub name: String,
+    tenants: Vec<String>,
+}
+
+impl Client {
+    pub fn new(name: &str, tenants: &[&str]) -> Client {
+        Client {
+            name: name.to_owned(),
+            tenants: tenants.iter().map(|t| (*t).to_owned()).collect(),
+        }
+    }
+
+    /// Whether this client may submit to and read the tasks of `tenant`.
+    pub fn may_use(&self, tenant: &str) -> bool {
+        self.tenants.iter().any(|t| t == tenant || t == ALL_TENANTS)
+    }
+
+    /// The tenant a request means when it names none: the client's only one, or else
+    /// `default` if the client may use it.
+    pub fn implied_tenant(&self) -> Option<&str> {
+        match self.tenants.as_slice() {
+            [one] if one != ALL_TENANTS => Some(one),
+            _ if self.may_use(DEFAULT_TENANT) => Some(DEFAULT_TENANT),
+            _ => None,
+        }
+    }
+}
+
+/// The known clients, each with the digest of its token.
 #[derive(Debug, Clone, Default)]
 pub struct Tokens {
-    clients: Vec<(String, Secret<String>)>,
+    clients: Vec<(Client, [u8; 32])>,
 }
 
 #[derive(Deserialize)]
@@ -18,26 +56,37 @@ struct TokensFile {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct ClientEntry {
     name: String,
-    token: String,
+    #[serde(default)]
+    token: Option<String>,
+    #[serde(default)]
+    token_sha256: Option<String>,
+    #[serde(default)]
+    namespaces: Option<Vec<String>>,
 }
 
 impl Tokens {
-    /// `name=token` pairs separated by commas, as in `CONVEYOR_GATEWAY_TOKENS`.
+    /// Entries separated by commas, as in `CONVEYOR_GATEWAY_TOKENS`: `name=token` (tenant
+    /// `default`) or `name@ns1+ns2=token` (those namespaces; `@*` for all of them).
     pub fn parse_pairs(pairs: &str) -> Result<Tokens, String> {
         let mut tokens = Tokens::default();
         for pair in pairs.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (name, token) = pair
+            let (who, token) = pair
                 .split_once('=')
-                .ok_or_else(|| "each token entry must be name=token".to_owned())?;
-            tokens.add(name.trim(), token.trim())?;
+                .ok_or_else(|| "each token entry must be name=token or name@ns=token".to_owned())?;
+            let (name, tenants) = match who.split_once('@') {
+                Some((name, list)) => (name, list.split('+').map(str::trim).collect()),
+                None => (who, vec![DEFAULT_TENANT]),
+            };
+            tokens.add(name.trim(), Credential::Plain(token.trim()), &tenants)?;
         }
         Ok(tokens)
     }
 
-    /// A YAML file: `clients: [{name: ..., token: ...}]`.
+    /// A YAML file: `clients: [{name, token | tokenSha256, namespaces: [...]}]`; without
+    /// `namespaces` a client belongs to tenant `default`.
     pub fn load(path: &Path) -> Result<Tokens, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read tokens file {}: {e}", path.display()))?;
@@ -45,19 +94,52 @@ impl Tokens {
             .map_err(|e| format!("tokens file {} is not valid: {e}", path.display()))?;
         let mut tokens = Tokens::default();
         for entry in file.clients {
-            tokens.add(&entry.name, &entry.token)?;
+            let secret = match (&entry.token, &entry.token_sha256) {
+                (Some(token), None) => Credential::Plain(token),
+                (None, Some(digest)) => Credential::Digest(digest),
+                _ => {
+                    return Err(format!(
+                        "client {:?}: give exactly one of token and tokenSha256",
+                        entry.name
+                    ))
+                }
+            };
+            let tenants: Vec<&str> = match &entry.namespaces {
+                Some(list) => list.iter().map(String::as_str).collect(),
+                None => vec![DEFAULT_TENANT],
+            };
+            tokens.add(&entry.name, secret, &tenants)?;
         }
         Ok(tokens)
     }
 
-    fn add(&mut self, name: &str, token: &str) -> Result<(), String> {
-        if name.is_empty() || token.len() < 8 {
+    fn add(&mut self, name: &str, secret: Credential<'_>, tenants: &[&str]) -> Result<(), String> {
+        if name.is_empty() {
+            return Err("client names must be non-empty".to_owned());
+        }
+        let digest = match secret {
+            Credential::Plain(token) if token.len() < 8 => {
+                return Err(format!(
+                    "client {name:?}: tokens must be at least 8 characters"
+                ))
+            }
+            Credential::Plain(token) => sha256(token.as_bytes()),
+            Credential::Digest(hex) => parse_digest(hex)
+                .ok_or_else(|| format!("client {name:?}: tokenSha256 must be 64 hex digits"))?,
+        };
+        let valid_tenant = |t: &&str| {
+            *t == ALL_TENANTS
+                || (!t.is_empty()
+                    && t.len() <= 63
+                    && t.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-'))
+        };
+        if tenants.is_empty() || !tenants.iter().all(valid_tenant) {
             return Err(format!(
-                "client {name:?}: names must be non-empty and tokens at least 8 characters"
+                "client {name:?}: namespaces must be a non-empty list of namespace names (or \"*\")"
             ));
         }
-        self.clients
-            .push((name.to_owned(), Secret::new(token.to_owned())));
+        self.clients.push((Client::new(name, tenants), digest));
         Ok(())
     }
 
@@ -71,17 +153,40 @@ impl Tokens {
     }
 
     /// The client an `Authorization` header value belongs to.
-    pub fn client(&self, authorization: Option<&str>) -> Option<&str> {
-        let presented = authorization?.strip_prefix("Bearer ")?.trim().as_bytes();
-        // Compare against every token without stopping early, so timing says nothing.
+    pub fn client(&self, authorization: Option<&str>) -> Option<&Client> {
+        let presented = authorization?.strip_prefix("Bearer ")?.trim();
+        let digest = sha256(presented.as_bytes());
+        // Compare against every digest without stopping early, so timing says nothing.
         let mut found = None;
-        for (name, token) in &self.clients {
-            if constant_time_eq(token.expose().as_bytes(), presented) {
-                found = Some(name.as_str());
+        for (client, known) in &self.clients {
+            if constant_time_eq(known, &digest) && found.is_none() {
+                found = Some(client);
             }
         }
         found
     }
+}
+
+enum Credential<'a> {
+    Plain(&'a str),
+    Digest(&'a str),
+}
+
+/// SHA-256 of a token, as `tokenSha256` holds it (hex: `printf %s TOKEN | sha256sum`).
+pub fn sha256(token: &[u8]) -> [u8; 32] {
+    Sha256::digest(token).into()
+}
+
+fn parse_digest(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut digest = [0u8; 32];
+    for (i, byte) in digest.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(digest)
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -93,13 +198,49 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tokens_identify_clients() {
-        let tokens = Tokens::parse_pairs("ci=secret-token-1, ops=secret-token-2").unwrap();
-        assert_eq!(tokens.client(Some("Bearer secret-token-2")), Some("ops"));
+    fn tokens_identify_clients_and_their_tenants() {
+        let tokens =
+            Tokens::parse_pairs("ci=secret-token-1, ops@video+audio=secret-token-2").unwrap();
+        let ops = tokens.client(Some("Bearer secret-token-2")).unwrap();
+        assert_eq!(ops.name, "ops");
+        assert!(ops.may_use("video") && ops.may_use("audio") && !ops.may_use("default"));
+        assert_eq!(ops.implied_tenant(), None);
+        let ci = tokens.client(Some("Bearer secret-token-1")).unwrap();
+        assert_eq!(ci.implied_tenant(), Some("default"));
         assert_eq!(tokens.client(Some("Bearer secret-token-3")), None);
         assert_eq!(tokens.client(Some("secret-token-1")), None);
         assert_eq!(tokens.client(None), None);
         assert!(Tokens::parse_pairs("short=abc").is_err());
+        assert!(Tokens::parse_pairs("x@Bad_NS=secret-token-1").is_err());
         assert!(!format!("{tokens:?}").contains("secret-token"));
+    }
+
+    #[test]
+    fn a_file_may_hold_only_the_digest() {
+        let dir = std::env::temp_dir().join(format!("conveyor-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("tokens.yaml");
+        let digest: String = sha256(b"video-secret-1")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        std::fs::write(
+            &file,
+            format!("clients:\n  - name: video\n    tokenSha256: {digest}\n    namespaces: [video]\n  - name: admin\n    token: admin-secret-1\n    namespaces: ['*']\n"),
+        )
+        .unwrap();
+        let tokens = Tokens::load(&file).unwrap();
+        let video = tokens.client(Some("Bearer video-secret-1")).unwrap();
+        assert_eq!(video.implied_tenant(), Some("video"));
+        let admin = tokens.client(Some("Bearer admin-secret-1")).unwrap();
+        assert!(admin.may_use("anything"));
+        assert_eq!(admin.implied_tenant(), Some("default"));
+        std::fs::write(
+            &file,
+            "clients:\n  - name: x\n    token: secret-token-1\n    tokenSha256: ab\n",
+        )
+        .unwrap();
+        assert!(Tokens::load(&file).unwrap_err().contains("exactly one"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -13,16 +13,21 @@ use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::auth::Client;
 use crate::backpressure::DepthMonitor;
 use crate::error::ApiError;
 use crate::rate_limit::RateLimiter;
-use crate::registry::Registry;
+use crate::registry::{KnownType, Registry};
 
 /// One task as a client submits it.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Submission {
+    /// The TaskType's name in its namespace.
     pub task_type: String,
+    /// The TaskType's namespace; may be left out by a client of one namespace.
+    #[serde(default)]
+    pub namespace: Option<String>,
     pub payload: serde_json::Value,
     /// Batch entries carry their key here; single submissions use the header.
     #[serde(default)]
@@ -62,13 +67,14 @@ impl Ingestor {
     /// each task has its own answer, in input order.
     pub async fn submit(
         &self,
-        client: &str,
+        client: &Client,
         submissions: Vec<Submission>,
     ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
         let limits = &self.client_limits;
+        let name = &client.name;
         self.limiter
             .try_take(
-                &format!("client/{client}"),
+                &format!("client/{name}"),
                 submissions.len() as f64,
                 limits.per_second,
                 limits.burst.max(submissions.len() as f64),
@@ -76,7 +82,7 @@ impl Ingestor {
             .map_err(|wait| {
                 ApiError::too_many(
                     "rate_limited",
-                    format!("client {client} is over its rate limit"),
+                    format!("client {name} is over its rate limit"),
                     wait,
                 )
             })?;
@@ -85,7 +91,7 @@ impl Ingestor {
         let mut valid: Vec<(usize, NewTask)> = Vec::new();
         for (index, submission) in submissions.into_iter().enumerate() {
             answers.push(None);
-            match self.prepare(submission) {
+            match self.prepare(client, submission) {
                 Ok(task) => valid.push((index, task)),
                 Err(err) => answers[index] = Some(Err(err)),
             }
@@ -110,76 +116,60 @@ impl Ingestor {
     }
 
     /// Checks one submission against its task type; bad input never reaches the database.
-    fn prepare(&self, submission: Submission) -> Result<NewTask, ApiError> {
-        let outcome = self.check(&submission);
-        if let Err(err) = &outcome {
-            self.metrics
-                .submissions
-                .with_label_values(&[self.type_label(&submission.task_type), err.code])
-                .inc();
-        }
-        outcome?;
+    fn prepare(&self, client: &Client, submission: Submission) -> Result<NewTask, ApiError> {
+        let types = self.types.snapshot();
+        let outcome = resolve(&types, client, &submission)
+            .and_then(|known| self.check(client, known, &submission).map(|()| known));
+        let known = match outcome {
+            Ok(known) => known,
+            Err(err) => {
+                // Unknown types are labelled together so that clients cannot blow up label
+                // cardinality.
+                let label = resolve(&types, client, &submission)
+                    .map_or("unknown", |k| k.spec.name.as_str());
+                self.metrics
+                    .submissions
+                    .with_label_values(&[label, err.code])
+                    .inc();
+                return Err(err);
+            }
+        };
         let id = Uuid::new_v4();
         Ok(NewTask {
             id,
+            tenant: known.spec.tenant.clone(),
             idempotency_key: submission.idempotency_key.unwrap_or(id),
-            task_type: submission.task_type,
+            task_type: known.spec.name.clone(),
             payload: submission.payload,
         })
     }
 
-    /// Unknown types are labelled together so that clients cannot blow up label cardinality.
-    fn type_label<'a>(&self, task_type: &'a str) -> &'a str {
-        if self.types.snapshot().contains_key(task_type) {
-            task_type
-        } else {
-            "unknown"
-        }
-    }
-
-    fn check(&self, submission: &Submission) -> Result<(), ApiError> {
-        let types = self.types.snapshot();
-        let known = types.get(&submission.task_type).ok_or_else(|| {
-            ApiError::new(
-                StatusCode::NOT_FOUND,
-                "unknown_task_type",
-                format!("task type {:?} is not defined", submission.task_type),
-            )
-        })?;
+    fn check(
+        &self,
+        client: &Client,
+        known: &KnownType,
+        submission: &Submission,
+    ) -> Result<(), ApiError> {
         let spec = &known.spec;
-        if let Some(rate) = &spec.rate_limit {
-            let burst = rate.burst.unwrap_or(rate.per_second).max(1.0);
-            self.limiter
-                .try_take(&format!("type/{}", spec.name), 1.0, rate.per_second, burst)
-                .map_err(|wait| {
-                    ApiError::too_many(
-                        "rate_limited",
-                        format!("task type {} is over its rate limit", spec.name),
-                        wait,
-                    )
-                })?;
-        }
+        let shown = spec.local_name();
         let size = serde_json::to_vec(&submission.payload)
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
         if size > spec.max_payload_bytes {
             return Err(ApiError::too_large(format!(
-                "payload is {size} bytes; task type {} accepts at most {}",
-                spec.name, spec.max_payload_bytes
+                "payload is {size} bytes; task type {shown} accepts at most {}",
+                spec.max_payload_bytes
             )));
         }
         if let Some(validator) = &known.validator {
             if let Err(error) = validator.validate(&submission.payload) {
                 let path = error.instance_path.to_string();
-                let shown = if path.is_empty() { "/" } else { &path };
+                let at = if path.is_empty() { "/" } else { &path };
                 return Err(ApiError {
-                    path: Some(shown.to_owned()),
+                    path: Some(at.to_owned()),
                     ..ApiError::bad_request(
                         "invalid_payload",
-                        format!(
-                            "payload does not match the {} schema at {shown}: {error}",
-                            spec.name
-                        ),
+                        format!("payload does not match the {shown} schema at {at}: {error}"),
                     )
                 });
             }
@@ -188,11 +178,26 @@ impl Ingestor {
             return Err(ApiError::too_many(
                 "queue_full",
                 format!(
-                    "queue of {} holds more than {} tasks; retry later",
-                    spec.name, spec.max_queue_depth
+                    "queue of {shown} holds more than {} tasks; retry later",
+                    spec.max_queue_depth
                 ),
                 wait,
             ));
+        }
+        // Last, so that invalid submissions use none of it; each client has a bucket of
+        // its own, so that one client cannot spend everyone's rate.
+        if let Some(rate) = &spec.rate_limit {
+            let burst = rate.burst.unwrap_or(rate.per_second).max(1.0);
+            let bucket = format!("type/{}/client/{}", spec.name, client.name);
+            self.limiter
+                .try_take(&bucket, 1.0, rate.per_second, burst)
+                .map_err(|wait| {
+                    ApiError::too_many(
+                        "rate_limited",
+                        format!("task type {shown} is over its rate limit for this client"),
+                        wait,
+                    )
+                })?;
         }
         Ok(())
     }
@@ -314,6 +319,36 @@ impl Ingestor {
             idempotency_key: task.idempotency_key,
         })
     }
+}
+
+/// The type a submission names, in the tenant it names (or the one its client implies). A type
+/// of a tenant the client does not belong to is as unknown as one that does not exist.
+fn resolve<'a>(
+    types: &'a crate::registry::Known,
+    client: &Client,
+    submission: &Submission,
+) -> Result<&'a KnownType, ApiError> {
+    let tenant = match (&submission.namespace, client.implied_tenant()) {
+        (Some(namespace), _) => namespace.as_str(),
+        (None, Some(only)) => only,
+        (None, None) => {
+            return Err(ApiError::bad_request(
+                "namespace_required",
+                "this client belongs to several namespaces: say which in \"namespace\"",
+            ))
+        }
+    };
+    let entry = (tenant.to_owned(), submission.task_type.clone());
+    types
+        .get(&entry)
+        .filter(|_| client.may_use(tenant))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "unknown_task_type",
+                format!("task type {:?} is not defined", submission.task_type),
+            )
+        })
 }
 
 /// Maps a database error to an answer, counting it.

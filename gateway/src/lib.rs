@@ -52,6 +52,7 @@ pub struct GatewayConfig {
     pub task_types: TaskTypeSource,
     pub tokens: Tokens,
     pub client_limits: ClientLimits,
+    pub requests: api::RequestLimits,
     /// Largest body of `POST /v1/tasks`.
     pub max_body_bytes: usize,
     /// Largest body of `POST /v1/tasks:batch`.
@@ -154,6 +155,8 @@ pub async fn run(
         },
         tokens: config.tokens.clone(),
         max_batch_tasks: config.max_batch_tasks,
+        limits: config.requests.clone(),
+        in_flight: Default::default(),
     });
     let ready: admin::ReadinessCheck = Arc::new(move || {
         let db = db.clone();

@@ -7,6 +7,7 @@ use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret, TelemetryArgs};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::load_task_types;
 use conveyor_core::upkeep::SweepSettings;
+use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
 use conveyor_gateway::upkeep::UpkeepConfig;
@@ -41,10 +42,11 @@ struct Args {
         default_value_t = 10
     )]
     task_types_refresh_seconds: u64,
-    /// YAML file with client tokens (`clients: [{name, token}]`).
+    /// YAML file with client tokens (`clients: [{name, token | tokenSha256, namespaces}]`).
     #[arg(long, env = "CONVEYOR_GATEWAY_TOKENS_FILE")]
     tokens_file: Option<PathBuf>,
-    /// Client tokens as `name=token,...` (never logged).
+    /// Client tokens as `name=token` (tenant `default`) or `name@ns1+ns2=token`, separated
+    /// by commas (never logged).
     #[arg(long, env = "CONVEYOR_GATEWAY_TOKENS", hide_env_values = true)]
     tokens: Option<Secret<String>>,
     /// Tasks per second each client may submit.
@@ -53,6 +55,15 @@ struct Args {
     /// Burst each client may submit at once.
     #[arg(long, env = "CONVEYOR_CLIENT_BURST", default_value_t = 40000.0)]
     client_burst: f64,
+    /// Requests each client may have in flight at once (more answer 429).
+    #[arg(long, env = "CONVEYOR_CLIENT_MAX_IN_FLIGHT", default_value_t = 64)]
+    client_max_in_flight: usize,
+    /// Request body bytes each client may send per second.
+    #[arg(long, env = "CONVEYOR_CLIENT_BYTES_PER_SECOND", default_value_t = 64.0 * 1024.0 * 1024.0)]
+    client_bytes_per_second: f64,
+    /// Longest a request is served, in seconds.
+    #[arg(long, env = "CONVEYOR_REQUEST_TIMEOUT_SECONDS", default_value_t = 30)]
+    request_timeout_seconds: u64,
     /// Largest body of POST /v1/tasks, in bytes.
     #[arg(long, env = "CONVEYOR_MAX_BODY_BYTES", default_value_t = 1024 * 1024)]
     max_body_bytes: usize,
@@ -144,6 +155,11 @@ async fn main() -> anyhow::Result<()> {
         client_limits: ClientLimits {
             per_second: args.client_rate,
             burst: args.client_burst,
+        },
+        requests: RequestLimits {
+            max_in_flight: args.client_max_in_flight.max(1),
+            bytes_per_second: args.client_bytes_per_second,
+            timeout: Duration::from_secs(args.request_timeout_seconds.max(1)),
         },
         max_body_bytes: args.max_body_bytes,
         max_batch_bytes: args.max_batch_bytes,

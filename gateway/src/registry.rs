@@ -16,10 +16,17 @@ pub struct KnownType {
     pub validator: Option<jsonschema::Validator>,
 }
 
+/// Task types by (tenant, local name): what a client names in its tenant.
+pub type Known = HashMap<(String, String), KnownType>;
+
 /// The current set of task types; readers take a cheap snapshot.
 #[derive(Default)]
 pub struct Registry {
-    types: RwLock<Arc<HashMap<String, KnownType>>>,
+    types: RwLock<Arc<Known>>,
+}
+
+fn entry(spec: &NamedTaskType) -> (String, String) {
+    (spec.tenant.clone(), spec.local_name().to_owned())
 }
 
 impl Registry {
@@ -27,35 +34,32 @@ impl Registry {
     pub fn from_file(types: &TaskTypes) -> Result<Registry, String> {
         let mut known = HashMap::new();
         for spec in types.values() {
-            known.insert(spec.name.clone(), compile(spec)?);
+            known.insert(entry(spec), compile(spec)?);
         }
         Ok(Registry {
             types: RwLock::new(Arc::new(known)),
         })
     }
 
-    pub fn snapshot(&self) -> Arc<HashMap<String, KnownType>> {
+    pub fn snapshot(&self) -> Arc<Known> {
         self.types.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// The keys (`<namespace>.<name>` in a cluster) of every type.
     pub fn names(&self) -> Vec<String> {
-        self.snapshot().keys().cloned().collect()
+        self.snapshot()
+            .values()
+            .map(|k| k.spec.name.clone())
+            .collect()
     }
 
     /// Replaces the set; a type that is invalid is left out (and logged), the rest serve.
     pub fn replace(&self, types: Vec<NamedTaskType>) {
         let mut known = HashMap::new();
         for spec in types {
-            if known.contains_key(&spec.name) {
-                tracing::warn!(
-                    task_type = spec.name,
-                    "TaskType defined in two namespaces; keeping the first"
-                );
-                continue;
-            }
             match spec.validate().and_then(|()| compile(&spec)) {
                 Ok(k) => {
-                    known.insert(spec.name.clone(), k);
+                    known.insert(entry(&spec), k);
                 }
                 Err(err) => tracing::warn!(task_type = spec.name, error = err, "TaskType refused"),
             }
@@ -94,13 +98,21 @@ pub async fn list_cluster_types(client: &kube::Client) -> Result<Vec<NamedTaskTy
     Ok(list.items.iter().map(NamedTaskType::from).collect())
 }
 
+/// Compiles the payload schema. `pattern`s run on the `regex` engine, which matches in time
+/// linear in the input: a catastrophic-backtracking pattern cannot stall the gateway's
+/// threads (a pattern that needs backtracking, a look-around or a back-reference, is refused
+/// with the TaskType).
 fn compile(spec: &NamedTaskType) -> Result<KnownType, String> {
     let validator = spec
         .schema
         .as_ref()
-        .map(jsonschema::validator_for)
-        .transpose()
-        .map_err(|e| format!("task type {}: invalid payload schema: {e}", spec.name))?;
+        .map(|schema| {
+            jsonschema::options()
+                .with_pattern_options(jsonschema::PatternOptions::regex())
+                .build(schema)
+                .map_err(|e| format!("task type {}: invalid payload schema: {e}", spec.name))
+        })
+        .transpose()?;
     Ok(KnownType {
         spec: spec.clone(),
         validator,
@@ -121,5 +133,35 @@ mod tests {
         bad_timeout.heartbeat_timeout_seconds = 0.0;
         registry.replace(vec![good, bad_schema, bad_timeout]);
         assert_eq!(registry.names(), ["good"]);
+    }
+
+    #[test]
+    fn a_pattern_that_needs_backtracking_is_refused_with_its_type() {
+        let mut lookahead = NamedTaskType::named("lookahead");
+        lookahead.schema = Some(serde_json::json!({"type": "string", "pattern": "^(?=(a+)+$)a"}));
+        let types: TaskTypes = [("lookahead".to_owned(), lookahead)].into();
+        let err = Registry::from_file(&types).err().expect("refused");
+        assert!(err.contains("lookahead") && err.contains("schema"), "{err}");
+    }
+
+    #[test]
+    fn two_namespaces_each_keep_their_own_type_of_one_name() {
+        let registry = Registry::default();
+        let spec = conveyor_core::task_type::TaskTypeSpec::default;
+        registry.replace(vec![
+            NamedTaskType::in_namespace("video", "transcode", spec()),
+            NamedTaskType::in_namespace("audio", "transcode", spec()),
+        ]);
+        let known = registry.snapshot();
+        let key = |ns: &str| {
+            known[&(ns.to_owned(), "transcode".to_owned())]
+                .spec
+                .name
+                .clone()
+        };
+        assert_eq!(
+            (key("video"), key("audio")),
+            ("video.transcode".into(), "audio.transcode".into())
+        );
     }
 }

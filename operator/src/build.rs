@@ -99,15 +99,21 @@ pub fn pool_objects(
         .map(|wanted| {
             task_types
                 .iter()
-                .find(|t| &t.name == wanted)
+                .find(|t| t.local_name() == wanted)
                 .cloned()
                 .ok_or_else(|| BuildError::UnknownTaskType(wanted.clone()))
         })
         .collect::<Result<Vec<_>, _>>()?;
     let config_map = config_map(pool, &name, &owner, &consumed)?;
     let hash = config_hash(&config_map);
+    let keys: Vec<&str> = consumed.iter().map(|t| t.name.as_str()).collect();
+    let pod = PodInputs {
+        config_hash: &hash,
+        secret,
+        consumed: &keys,
+    };
     Ok(PoolObjects {
-        deployment: deployment(pool, &name, &owner, replicas, &hash, secret)?,
+        deployment: deployment(pool, &name, &owner, replicas, &pod)?,
         service: service(pool, &name, &owner)?,
         pod_disruption_budget: pod_disruption_budget(pool, &name, &owner)?,
         config_map,
@@ -180,11 +186,20 @@ fn config_hash(config_map: &ConfigMap) -> String {
     format!("{hash:016x}")
 }
 
-fn worker_args(pool: &WorkerPool) -> Vec<String> {
+/// What a pool's pods run with besides the pool's spec.
+struct PodInputs<'a> {
+    /// Of the ConfigMap: pods roll when it changes.
+    config_hash: &'a str,
+    secret: &'a ConnectionSecret,
+    /// Keys of the task types the workers consume (`<namespace>.<name>`).
+    consumed: &'a [&'a str],
+}
+
+fn worker_args(pool: &WorkerPool, consumed: &[&str]) -> Vec<String> {
     let spec = &pool.spec;
     let mut args = vec![
         format!("--task-types={CONFIG_DIR}/{TASK_TYPES_FILE}"),
-        format!("--consume={}", spec.task_types.join(",")),
+        format!("--consume={}", consumed.join(",")),
         format!("--handler={}", spec.handler.kind.as_str()),
         format!("--concurrency={}", spec.concurrency),
         format!("--drain-grace-seconds={}", spec.drain_grace_seconds),
@@ -207,9 +222,9 @@ fn deployment(
     name: &str,
     owner: &OwnerReference,
     replicas: i32,
-    config_hash: &str,
-    secret: &ConnectionSecret,
+    pod: &PodInputs<'_>,
 ) -> Result<Deployment, BuildError> {
+    let (config_hash, secret) = (pod.config_hash, pod.secret);
     let spec = &pool.spec;
     let overrides = spec.pod.clone().unwrap_or_default();
     let mut pod_labels = overrides.labels.clone();
@@ -259,7 +274,7 @@ fn deployment(
                         "name": "worker",
                         "image": spec.image,
                         "command": ["conveyor-worker"],
-                        "args": worker_args(pool),
+                        "args": worker_args(pool, pod.consumed),
                         "env": env,
                         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
                         "resources": spec.resources,

@@ -34,19 +34,24 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
     let api: Api<TaskType> = Api::namespaced(ctx.client.clone(), &namespace);
     let has_finalizer = task_type.finalizers().iter().any(|f| f == FINALIZER);
 
+    let spec = NamedTaskType::from(task_type.as_ref());
     if task_type.meta().deletion_timestamp.is_some() {
         if has_finalizer {
-            delete_queues(&task_type, &ctx).await?;
+            // Only a valid name names queues of the type's own: `foo.retry` would name
+            // another type's retry queue.
+            match spec.validate_name() {
+                Ok(()) => delete_queues(&task_type, &ctx).await?,
+                Err(message) => {
+                    let why = format!("{message}; no queue is deleted under this name");
+                    ctx.event(task_type.as_ref(), true, "InvalidSpec", why)
+                        .await;
+                }
+            }
             set_finalizer(&api, &task_type, false).await?;
         }
         return Ok(Action::await_change());
     }
-    let wants_finalizer = task_type.spec.deletion_policy == DeletionPolicy::Delete;
-    if wants_finalizer != has_finalizer {
-        set_finalizer(&api, &task_type, wants_finalizer).await?;
-    }
-
-    let spec = NamedTaskType::from(task_type.as_ref());
+    // Validated before a finalizer is added: nothing can be deleted under a bad name.
     if let Err(message) = spec.validate() {
         write_status(
             &api,
@@ -61,6 +66,11 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
             .await;
         return Err(Error::InvalidSpec(message));
     }
+    let wants_finalizer = task_type.spec.deletion_policy == DeletionPolicy::Delete;
+    if wants_finalizer != has_finalizer {
+        set_finalizer(&api, &task_type, wants_finalizer).await?;
+    }
+
     ctx.publisher
         .declare_task_type(&spec)
         .await

@@ -166,18 +166,22 @@ async fn read_load(
     ctx: &Context,
 ) -> Result<Load, Error> {
     let mut load = Load::default();
+    let namespace = pool.namespace().unwrap_or_default();
     for task_type in &pool.spec.task_types {
+        // A type not applied yet has no queues: its depth read fails and the pool holds.
         let spec = task_types
             .iter()
-            .find(|t| &t.name == task_type)
+            .find(|t| t.local_name() == task_type)
             .cloned()
-            .unwrap_or_else(|| NamedTaskType::named(task_type));
+            .unwrap_or_else(|| {
+                NamedTaskType::in_namespace(&namespace, task_type, Default::default())
+            });
         let depths = ctx.management.depths(&spec).await?;
         load.ready += depths.ready;
         load.in_flight += depths.in_flight;
         load.retrying += depths.retry;
         load.dead_lettered += depths.remediation;
-        load.rate += ctx.management.processing_rate(task_type).await?;
+        load.rate += ctx.management.processing_rate(&spec.name).await?;
     }
     Ok(load)
 }

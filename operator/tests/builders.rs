@@ -91,7 +91,7 @@ fn workers_run_restricted_and_owned_by_the_pool() {
         .iter()
         .map(|a| a.as_str().unwrap())
         .collect();
-    assert!(args.contains(&"--consume=transcode,thumbnail"));
+    assert!(args.contains(&"--consume=video.transcode,video.thumbnail"));
     assert!(args.contains(&"--concurrency=4"));
     // The exec command goes after `--`, argument by argument (spaces survive).
     let dashdash = args.iter().position(|a| *a == "--").unwrap();
@@ -159,10 +159,7 @@ fn the_video_pipeline_example_is_valid_and_builds() {
         .into_iter()
         .map(|doc| {
             let tt: conveyor_core::crd::TaskType = serde_yaml::from_value(doc).unwrap();
-            let named = NamedTaskType {
-                name: tt.metadata.name.clone().unwrap(),
-                spec: tt.spec,
-            };
+            let named = NamedTaskType::in_namespace("video", &tt.metadata.name.unwrap(), tt.spec);
             named.validate().unwrap();
             named
         })

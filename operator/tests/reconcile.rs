@@ -101,6 +101,11 @@ fn status_answer(object: &impl serde::Serialize) -> Value {
     serde_json::to_value(object).unwrap()
 }
 
+/// The data path's view of TaskType `name` in namespace `video`, where these tests apply it.
+fn in_video(name: &str) -> conveyor_core::task_type::NamedTaskType {
+    conveyor_core::task_type::NamedTaskType::in_namespace("video", name, Default::default())
+}
+
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/video/events";
 const MANAGEMENT: &str = "http://127.0.0.1:15672";
 
@@ -137,7 +142,7 @@ async fn a_new_task_type_gets_queues_policies_and_a_ready_status() {
     for _ in 0..75 {
         let effective = ctx
             .management
-            .effective_policy(&QueueNames::of(&name).main)
+            .effective_policy(&QueueNames::of(&in_video(&name).name).main)
             .await
             .unwrap();
         delivery_limit = effective["delivery-limit"].clone();
@@ -147,7 +152,7 @@ async fn a_new_task_type_gets_queues_policies_and_a_ready_status() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(delivery_limit, 6, "maxRetries 4 + 2");
-    testing::delete_queues(&name).await;
+    testing::delete_queues(&in_video(&name).name).await;
 }
 
 #[tokio::test]
@@ -179,10 +184,7 @@ async fn delete_policy_adds_a_finalizer_and_deletion_removes_the_queues() {
     );
     assert_eq!(seen[0].2["metadata"]["resourceVersion"], "41");
     assert!(
-        ctx.management
-            .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
-            .await
-            .is_ok(),
+        ctx.management.depths(&in_video(&name)).await.is_ok(),
         "queues exist"
     );
 
@@ -204,10 +206,7 @@ async fn delete_policy_adds_a_finalizer_and_deletion_removes_the_queues() {
     assert_eq!(seen[0].2["reason"], "QueuesDeleted");
     assert_eq!(seen[1].2["metadata"]["finalizers"], json!([]));
     assert!(
-        ctx.management
-            .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
-            .await
-            .is_err(),
+        ctx.management.depths(&in_video(&name)).await.is_err(),
         "queues are gone"
     );
 }
@@ -255,10 +254,7 @@ async fn an_invalid_spec_is_reported_not_applied() {
     );
     assert_eq!(seen[1].2["type"], "Warning");
     assert!(
-        ctx.management
-            .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
-            .await
-            .is_err(),
+        ctx.management.depths(&in_video(&name)).await.is_err(),
         "no queue was declared"
     );
 }
@@ -355,10 +351,7 @@ fn not_found() -> Value {
 async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher
-        .declare_task_type(&conveyor_core::task_type::NamedTaskType::named(&name))
-        .await
-        .unwrap();
+    publisher.declare_task_type(&in_video(&name)).await.unwrap();
     let wp = pool("transcode", &[&name], Value::Null);
     let (client, verifier) = api_server(
         [
@@ -416,17 +409,14 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
     let status = &seen[7].2["status"];
     assert_eq!(status["desiredReplicas"], 2);
     assert_eq!(status["selector"], "conveyor.dev/pool=transcode");
-    testing::delete_queues(&name).await;
+    testing::delete_queues(&in_video(&name).name).await;
 }
 
 #[tokio::test]
 async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_the_pool() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher
-        .declare_task_type(&conveyor_core::task_type::NamedTaskType::named(&name))
-        .await
-        .unwrap();
+    publisher.declare_task_type(&in_video(&name)).await.unwrap();
     let wp = pool("thumbs", &[&name], Value::Null);
     // Someone edited the Deployment by hand (image and replicas): the next reconcile
     // applies the pool's version over it, with force.
@@ -504,22 +494,19 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
     let seen = verifier.await.unwrap();
     assert_eq!(seen[2].2["type"], "Warning");
     assert_eq!(seen[3].2["status"]["phase"], "Degraded");
-    testing::delete_queues(&name).await;
+    testing::delete_queues(&in_video(&name).name).await;
 }
 
 #[tokio::test]
 async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher
-        .declare_task_type(&conveyor_core::task_type::NamedTaskType::named(&name))
-        .await
-        .unwrap();
+    publisher.declare_task_type(&in_video(&name)).await.unwrap();
     let backlog: Vec<conveyor_core::amqp::Outgoing> = (0..250)
         .map(|_| conveyor_core::amqp::Outgoing {
             message: conveyor_core::task::TaskMessage {
                 id: uuid::Uuid::new_v4(),
-                task_type: name.clone(),
+                task_type: in_video(&name).name,
                 attempt: 0,
                 idempotency_key: uuid::Uuid::new_v4(),
                 payload: json!({}),
@@ -535,13 +522,7 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
     let ctx_management = ManagementApi::new(MANAGEMENT, "conveyor", "conveyor", "/");
     // The management API's counts lag the broker (statistics refresh every 5 s).
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while ctx_management
-        .depths(&conveyor_core::task_type::NamedTaskType::named(&name))
-        .await
-        .unwrap()
-        .ready
-        != 250
-    {
+    while ctx_management.depths(&in_video(&name)).await.unwrap().ready != 250 {
         assert!(
             std::time::Instant::now() < deadline,
             "the management API never counted the backlog"
@@ -612,5 +593,5 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         .as_str()
         .unwrap()
         .contains("backlog 250"));
-    testing::delete_queues(&name).await;
+    testing::delete_queues(&in_video(&name).name).await;
 }

@@ -29,6 +29,7 @@ mod partitions;
 mod reads;
 mod requeue;
 mod sweep;
+mod tenancy;
 
 pub use error::{DbError, DbResult};
 use requeue::{advance, BackToWork, RetryBudget};
@@ -67,8 +68,8 @@ struct EventRow {
 /// How far ahead audit partitions are made; the upkeep loop renews them hourly.
 pub const PARTITION_DAYS_AHEAD: i32 = 14;
 
-const TASK_COLUMNS: &str = "id, idempotency_key, task_type, state, attempt, retries, owner, \
-                            payload, result, error, created_at, updated_at, suspect";
+const TASK_COLUMNS: &str = "id, tenant, idempotency_key, task_type, state, attempt, retries, \
+                            owner, payload, result, error, created_at, updated_at, suspect";
 
 /// Connection settings for [`Db::connect`].
 #[derive(Debug, Clone)]
@@ -161,66 +162,71 @@ impl Db {
         &self.pool
     }
 
-    /// Records submitted tasks as INGESTED in one statement. A known idempotency key yields
-    /// the task recorded before, in input order.
+    /// Records submitted tasks as INGESTED in one statement. A key its tenant already used
+    /// yields the task recorded before, in input order (keys are unique per tenant).
     pub async fn record_tasks(&self, tasks: &[NewTask]) -> DbResult<Vec<Recorded>> {
         if tasks.is_empty() {
             return Ok(Vec::new());
         }
         let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+        let tenants: Vec<&str> = tasks.iter().map(|t| t.tenant.as_str()).collect();
         let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
         let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
         let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
         let inserted = sqlx::query(&format!(
             "WITH input AS (
-                 SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::jsonb[])
-                     AS i(id, idempotency_key, task_type, payload)
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[])
+                     AS i(id, tenant, idempotency_key, task_type, payload)
              ), inserted AS (
-                 INSERT INTO tasks (id, idempotency_key, task_type, state, payload)
-                 SELECT id, idempotency_key, task_type, $5, payload FROM input
-                 ON CONFLICT (idempotency_key) DO NOTHING
+                 INSERT INTO tasks (id, tenant, idempotency_key, task_type, state, payload)
+                 SELECT id, tenant, idempotency_key, task_type, $6, payload FROM input
+                 ON CONFLICT (tenant, idempotency_key) DO NOTHING
                  RETURNING {TASK_COLUMNS}
              ), events AS (
                  INSERT INTO task_events (task_id, task_type, to_state, attempt)
-                 SELECT id, task_type, $5, 0 FROM inserted
+                 SELECT id, task_type, $6, 0 FROM inserted
              )
              SELECT * FROM inserted"
         ))
         .bind(&ids)
+        .bind(&tenants)
         .bind(&keys)
         .bind(&types)
         .bind(&payloads)
         .bind(Ingested.as_str())
         .fetch_all(&self.pool)
         .await?;
-        let mut records: HashMap<Uuid, TaskRecord> = HashMap::with_capacity(tasks.len());
+        let mut records: HashMap<(String, Uuid), TaskRecord> = HashMap::with_capacity(tasks.len());
         for row in &inserted {
             let record = task_from_row(row)?;
-            records.insert(record.idempotency_key, record);
+            records.insert((record.tenant.clone(), record.idempotency_key), record);
         }
         let created: HashSet<Uuid> = records.values().map(|r| r.id).collect();
         // Only known keys need a second look: the common case is one round trip.
-        let known: Vec<Uuid> = keys
+        let (known_tenants, known_keys): (Vec<&str>, Vec<Uuid>) = tasks
             .iter()
-            .filter(|key| !records.contains_key(key))
-            .copied()
-            .collect();
-        if !known.is_empty() {
+            .filter(|t| !records.contains_key(&(t.tenant.clone(), t.idempotency_key)))
+            .map(|t| (t.tenant.as_str(), t.idempotency_key))
+            .unzip();
+        if !known_keys.is_empty() {
             let rows = sqlx::query(&format!(
-                "SELECT {TASK_COLUMNS} FROM tasks WHERE idempotency_key = ANY($1)"
+                "SELECT {TASK_COLUMNS} FROM tasks
+                 WHERE (tenant, idempotency_key) IN (SELECT * FROM unnest($1::text[], $2::uuid[]))"
             ))
-            .bind(&known)
+            .bind(&known_tenants)
+            .bind(&known_keys)
             .fetch_all(&self.pool)
             .await?;
             for row in &rows {
                 let record = task_from_row(row)?;
-                records.insert(record.idempotency_key, record);
+                records.insert((record.tenant.clone(), record.idempotency_key), record);
             }
         }
         tasks
             .iter()
             .map(|task| {
-                let record = records.get(&task.idempotency_key).cloned().ok_or_else(|| {
+                let key = (task.tenant.clone(), task.idempotency_key);
+                let record = records.get(&key).cloned().ok_or_else(|| {
                     DbError::Corrupt(format!("task with key {} vanished", task.idempotency_key))
                 })?;
                 Ok(if record.id == task.id && created.contains(&task.id) {
@@ -415,6 +421,7 @@ fn parse_state(name: String) -> DbResult<TaskState> {
 fn task_from_row(row: &PgRow) -> DbResult<TaskRecord> {
     Ok(TaskRecord {
         id: row.try_get("id")?,
+        tenant: row.try_get("tenant")?,
         idempotency_key: row.try_get("idempotency_key")?,
         task_type: row.try_get("task_type")?,
         state: parse_state(row.try_get("state")?)?,

@@ -67,12 +67,8 @@ pub async fn delete_queues(task_type: &str) {
     let Ok(conn) = amqp::connect(&amqp_url(), "conveyor-test-cleanup").await else {
         return;
     };
-    // A channel per queue: a refused delete (a queue that never existed) closes its channel.
-    for queue in QueueNames::of(task_type).all(crate::task_type::MAX_RETRY_TIERS) {
-        if let Ok(channel) = conn.create_channel().await {
-            let _ = channel.queue_delete(&queue, Default::default()).await;
-        }
-    }
+    let queues = QueueNames::of(task_type).all(crate::task_type::MAX_RETRY_TIERS);
+    amqp::delete_queues(&conn, &queues).await;
     let _ = conn.close(200, "test cleanup").await;
 }
 

@@ -112,11 +112,28 @@ impl Stack {
         }
     }
 
-    /// A task type name for this test (its queues are deleted at `finish`).
+    /// A TaskType name for this test (its queues are deleted at `finish`). The stack's
+    /// helpers take this name; the queues and rows are keyed by [`Stack::key`].
     pub fn task_type(&mut self, prefix: &str) -> String {
         let name = unique_type(prefix);
         self.task_types.push(name.clone());
         name
+    }
+
+    /// A TaskType name another stack made, used in this namespace too (its queues here are
+    /// deleted at `finish`).
+    pub fn share_task_type(&mut self, name: &str) {
+        self.task_types.push(name.to_owned());
+    }
+
+    /// What this namespace's TaskType `task_type` keys its queues and rows by.
+    pub fn key(&self, task_type: &str) -> String {
+        format!("{}.{task_type}", self.namespace)
+    }
+
+    /// The work queue of this namespace's TaskType `task_type` (`suffix` such as `.retry`).
+    pub fn queue_of(&self, task_type: &str, suffix: &str) -> String {
+        format!("conveyor.{}{suffix}", self.key(task_type))
     }
 
     /// `kubectl apply` of `yaml` in this namespace.
@@ -173,7 +190,10 @@ impl Stack {
             for chunk in pending.chunks(1000) {
                 let tasks: Vec<Value> = chunk
                     .iter()
-                    .map(|(key, payload)| json!({"taskType": task_type, "payload": payload, "idempotencyKey": key}))
+                    .map(|(key, payload)| {
+                        json!({"taskType": task_type, "namespace": self.namespace,
+                        "payload": payload, "idempotencyKey": key})
+                    })
                     .collect();
                 let answer: Value = self
                     .http
@@ -209,7 +229,7 @@ impl Stack {
 
     /// How many tasks of `task_type` are in `state`.
     pub async fn count(&self, task_type: &str, state: TaskState) -> i64 {
-        testing::count_in_state(&self.db, task_type, state).await
+        testing::count_in_state(&self.db, &self.key(task_type), state).await
     }
 
     pub async fn wait_for_state(
@@ -219,7 +239,7 @@ impl Stack {
         n: i64,
         timeout: Duration,
     ) {
-        testing::wait_for_state(&self.db, task_type, state, n, timeout).await;
+        testing::wait_for_state(&self.db, &self.key(task_type), state, n, timeout).await;
     }
 
     pub async fn events(&self, id: Uuid) -> Vec<TaskEvent> {
@@ -232,7 +252,7 @@ impl Stack {
             "SELECT task_id, count(*) FROM task_events \
              WHERE task_type = $1 AND to_state = 'COMPLETED' GROUP BY task_id",
         )
-        .bind(task_type)
+        .bind(self.key(task_type))
         .fetch_all(self.db.pool())
         .await
         .expect("completion counts")
@@ -266,7 +286,7 @@ impl Stack {
 
     /// Waits until `n` workers consume `task_type`'s queue.
     pub async fn wait_for_workers(&self, task_type: &str, n: u64) {
-        let queue = format!("conveyor.{task_type}");
+        let queue = self.queue_of(task_type, "");
         wait_until(
             &format!("{n} workers on {queue}"),
             Duration::from_secs(60),
@@ -282,7 +302,7 @@ impl Stack {
             None,
         );
         for task_type in &self.task_types {
-            testing::delete_queues(task_type).await;
+            testing::delete_queues(&self.key(task_type)).await;
         }
     }
 }

@@ -113,10 +113,7 @@ async fn an_applied_pool_runs_workers_that_process_tasks() {
     let (stack, t) = pool_stack("pool", "pool", "  replicas: 2\n  concurrency: 4\n", 2).await;
     for suffix in ["", ".retry", ".remediation"] {
         assert!(
-            stack
-                .queue(&format!("conveyor.{t}{suffix}"))
-                .await
-                .is_some(),
+            stack.queue(&stack.queue_of(&t, suffix)).await.is_some(),
             "queue conveyor.{t}{suffix} declared"
         );
     }
@@ -185,7 +182,7 @@ async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
         || async {
             stack.deployment_replicas("scaler").await == Some(1)
                 && stack.running_pods("scaler").await.len() == 1
-                && stack.consumers(&format!("conveyor.{t}")).await == 1
+                && stack.consumers(&stack.queue_of(&t, "")).await == 1
         },
     )
     .await;
@@ -213,7 +210,7 @@ async fn scaling_a_pool_with_kubectl_gives_three_workers() {
     stack.kubectl(&["scale", "workerpool/manual", "--replicas=3"]);
     wait_until("3 running workers", MINUTE, || async {
         stack.running_pods("manual").await.len() == 3
-            && stack.consumers(&format!("conveyor.{t}")).await == 3
+            && stack.consumers(&stack.queue_of(&t, "")).await == 3
     })
     .await;
     let replicas = stack.kubectl(&[
@@ -277,14 +274,14 @@ async fn task_type_edits_and_deletion_policies_reach_rabbitmq() {
         |queue: serde_json::Value| queue["effective_policy_definition"]["delivery-limit"].as_i64();
     wait_until("the first policy in force", MINUTE, || async {
         stack
-            .queue(&format!("conveyor.{kept}"))
+            .queue(&stack.queue_of(&kept, ""))
             .await
             .and_then(delivery_limit)
             .is_some()
     })
     .await;
     let before = stack
-        .queue(&format!("conveyor.{kept}"))
+        .queue(&stack.queue_of(&kept, ""))
         .await
         .and_then(delivery_limit)
         .unwrap();
@@ -300,7 +297,7 @@ async fn task_type_edits_and_deletion_policies_reach_rabbitmq() {
     ]);
     wait_until("the edited policy in force", MINUTE, || async {
         stack
-            .queue(&format!("conveyor.{kept}"))
+            .queue(&stack.queue_of(&kept, ""))
             .await
             .and_then(delivery_limit)
             == Some(before + 5)
@@ -310,15 +307,15 @@ async fn task_type_edits_and_deletion_policies_reach_rabbitmq() {
     // Retain keeps the queues (and what is in them); Delete removes them.
     stack.kubectl(&["delete", "tasktype", &kept, &dropped]);
     wait_until("the Delete type's queues gone", MINUTE, || async {
-        stack.queue(&format!("conveyor.{dropped}")).await.is_none()
+        stack.queue(&stack.queue_of(&dropped, "")).await.is_none()
             && stack
-                .queue(&format!("conveyor.{dropped}.retry"))
+                .queue(&stack.queue_of(&dropped, ".retry"))
                 .await
                 .is_none()
     })
     .await;
     assert!(
-        stack.queue(&format!("conveyor.{kept}")).await.is_some(),
+        stack.queue(&stack.queue_of(&kept, "")).await.is_some(),
         "Retain kept the queue"
     );
     stack.finish().await;
@@ -338,7 +335,7 @@ async fn deleting_a_pool_garbage_collects_its_deployment_and_workers() {
                 .await
                 .is_ok_and(|d: Option<Deployment>| d.is_none());
             gone && stack.running_pods("doomed").await.is_empty()
-                && stack.consumers(&format!("conveyor.{t}")).await == 0
+                && stack.consumers(&stack.queue_of(&t, "")).await == 0
         },
     )
     .await;
@@ -377,13 +374,13 @@ async fn a_rolling_update_under_load_loses_and_repeats_nothing() {
     let by_new_pods = || {
         let before = before.clone();
         let db = stack.db.clone();
-        let t = t.clone();
+        let key = stack.key(&t);
         async move {
             let workers: Vec<String> = sqlx::query_scalar(
                 "SELECT DISTINCT worker_id FROM task_events
                  WHERE task_type = $1 AND to_state = 'COMPLETED'",
             )
-            .bind(&t)
+            .bind(&key)
             .fetch_all(db.pool())
             .await
             .unwrap();
@@ -446,9 +443,87 @@ async fn an_operator_restarted_during_a_scale_up_finishes_it() {
         2 * MINUTE,
         || async {
             stack.running_pods("growing").await.len() == 3
-                && stack.consumers(&format!("conveyor.{t}")).await == 3
+                && stack.consumers(&stack.queue_of(&t, "")).await == 3
         },
     )
     .await;
     stack.finish().await;
+}
+
+#[tokio::test]
+async fn two_namespaces_with_a_type_of_one_name_work_apart_and_delete_apart() {
+    let mut video = Stack::namespace("tenant-video").await;
+    let mut audio = Stack::namespace("tenant-audio").await;
+    let t = video.task_type("e2e-transcode");
+    audio.share_task_type(&t);
+    for stack in [&video, &audio] {
+        stack.apply(&task_type_yaml(&t, "  deletionPolicy: Delete\n"));
+    }
+    // Video has workers; audio's tasks wait in its own queue.
+    video.apply(&pool_yaml("transcode", &t, "  replicas: 1\n"));
+    video.wait_for_workers(&t, 1).await;
+    let payloads = || (0..20).map(|i| json!({ "sleepMs": i })).collect();
+    video.submit_all(&t, payloads()).await;
+    let waiting = audio.submit_all(&t, payloads()).await;
+    video
+        .wait_for_state(&t, TaskState::Completed, 20, 2 * MINUTE)
+        .await;
+    async fn ready(stack: &Stack, t: &str) -> Option<u64> {
+        let queue = stack.queue_of(t, "");
+        stack
+            .queue(&queue)
+            .await
+            .and_then(|q| q["messages_ready"].as_u64())
+    }
+    wait_until("audio's 20 tasks in its own queue", MINUTE, || async {
+        ready(&audio, &t).await == Some(20)
+    })
+    .await;
+    assert_eq!(audio.count(&t, TaskState::Completed).await, 0);
+
+    // A TaskType named to alias audio's retry queue is refused before any finalizer, and
+    // deleting it deletes nothing.
+    let alias = format!("{t}.retry");
+    audio.apply(&task_type_yaml(&alias, "  deletionPolicy: Delete\n"));
+    wait_until("the aliasing TaskType refused", MINUTE, || async {
+        audio
+            .kubectl(&[
+                "get",
+                "tasktype",
+                &alias,
+                "-o",
+                "jsonpath={.status.conditions[0].reason}",
+            ])
+            .contains("InvalidSpec")
+    })
+    .await;
+    let finalizers = audio.kubectl(&[
+        "get",
+        "tasktype",
+        &alias,
+        "-o",
+        "jsonpath={.metadata.finalizers}",
+    ]);
+    assert_eq!(finalizers.trim(), "", "no finalizer on a refused TaskType");
+    audio.kubectl(&["delete", "tasktype", &alias]);
+
+    // Deleting video's type (Delete) removes video's queues only.
+    video.kubectl(&["delete", "tasktype", &t]);
+    wait_until("video's queues deleted", MINUTE, || async {
+        video.queue(&video.queue_of(&t, "")).await.is_none()
+    })
+    .await;
+    for suffix in ["", ".retry", ".remediation"] {
+        assert!(
+            audio.queue(&audio.queue_of(&t, suffix)).await.is_some(),
+            "audio's queue{suffix} kept"
+        );
+    }
+    assert_eq!(ready(&audio, &t).await, Some(20), "audio's messages kept");
+    assert_eq!(
+        audio.count(&t, TaskState::Queued).await,
+        waiting.len() as i64
+    );
+    audio.finish().await;
+    video.finish().await;
 }

@@ -5,6 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conveyor_core::crd::{TaskType, TaskTypeSpec};
+use conveyor_core::task_type::NamedTaskType;
+use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::TaskTypeSource;
 use http::{Request, Response};
 use kube::client::Body;
@@ -43,31 +45,40 @@ fn mock_cluster(types: Arc<Mutex<Vec<String>>>) -> kube::Client {
 
 #[tokio::test]
 async fn the_gateway_follows_task_type_resources() {
-    let first = test_type("cluster");
-    let second = test_type("cluster");
+    // TaskTypes of namespace video, as the data path keys them (`video.<name>`).
+    let in_video =
+        |spec: NamedTaskType| NamedTaskType::in_namespace("video", &spec.name, spec.spec);
+    let (first, second) = (
+        in_video(test_type("cluster")),
+        in_video(test_type("cluster")),
+    );
     let publisher = Harness::publisher_for_tests();
     for spec in [&first, &second] {
         publisher.declare_task_type(spec).await.unwrap(); // the operator's job
     }
-    let listed = Arc::new(Mutex::new(vec![first.name.clone()]));
+    let listed = Arc::new(Mutex::new(vec![first.local_name().to_owned()]));
     let client = mock_cluster(listed.clone());
     let harness = Harness::start_with(vec![first.clone(), second.clone()], |config| {
         config.task_types = TaskTypeSource::Cluster {
             client,
             refresh: Duration::from_millis(200),
         };
+        // The harness's client belongs to namespace video.
+        config.tokens = Tokens::parse_pairs(&format!("tests@video={TOKEN}")).unwrap();
     })
     .await;
 
-    harness.submit_ok(&first.name, json!({})).await;
-    let (status, body) = harness.submit(&second.name, json!({}), None).await;
+    harness.submit_ok(first.local_name(), json!({})).await;
+    let (status, body) = harness.submit(second.local_name(), json!({}), None).await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
 
-    listed.lock().unwrap().push(second.name.clone());
+    listed.lock().unwrap().push(second.local_name().to_owned());
     wait_until(
         "second TaskType served",
         Duration::from_secs(10),
-        || async { harness.submit(&second.name, json!({}), None).await.0 == StatusCode::CREATED },
+        || async {
+            harness.submit(second.local_name(), json!({}), None).await.0 == StatusCode::CREATED
+        },
     )
     .await;
     harness.shutdown().await;

@@ -12,6 +12,7 @@ fn new_task(task_type: &str) -> NewTask {
     let id = Uuid::new_v4();
     NewTask {
         id,
+        tenant: "default".into(),
         idempotency_key: id,
         task_type: task_type.to_owned(),
         payload: serde_json::json!({"n": 1}),

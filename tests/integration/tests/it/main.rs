@@ -10,4 +10,5 @@ mod gateway_api;
 mod lifecycle_flows;
 mod outages;
 mod self_healing;
+mod tenancy;
 mod worker_faults;

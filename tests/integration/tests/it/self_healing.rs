@@ -250,6 +250,7 @@ async fn a_task_recorded_by_a_gateway_that_died_before_publishing_runs_by_itself
         .db
         .record_tasks(&[NewTask {
             id,
+            tenant: "default".into(),
             idempotency_key: id,
             task_type: name.clone(),
             payload: serde_json::json!({}),

@@ -14,6 +14,7 @@ use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use conveyor_core::testing::{self, TestDatabase};
 pub use conveyor_core::testing::{assert_valid_chain, states, wait_until};
 use conveyor_core::TaskState;
+use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
 use conveyor_gateway::{GatewayConfig, TaskTypeSource};
@@ -82,6 +83,7 @@ impl Harness {
                 per_second: 100_000.0,
                 burst: 100_000.0,
             },
+            requests: RequestLimits::default(),
             max_body_bytes: 64 * 1024,
             max_batch_bytes: 1024 * 1024,
             max_batch_tasks: 500,

@@ -1,0 +1,293 @@
+//! Tenants through the gateway, on the real services: two namespaces with a type of the
+//! same name, each client bound to its own; and the limits that keep one client from
+//! starving the others (SPEC "Tenancy", issue 11).
+
+use std::time::Duration;
+
+use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
+use conveyor_core::testing;
+use conveyor_gateway::auth::Tokens;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use uuid::Uuid;
+
+use crate::support::{queue, Harness};
+
+const ALPHA: &str = "alpha-token-1";
+const BETA: &str = "beta-token-1";
+
+/// `transcode`-like types of one name in namespaces alpha and beta, and a client of each.
+async fn two_tenants(
+    adjust: impl FnOnce(&mut conveyor_gateway::GatewayConfig),
+) -> (Harness, String) {
+    let name = testing::unique_type("transcode");
+    let types = ["alpha", "beta"]
+        .map(|ns| NamedTaskType::in_namespace(ns, &name, TaskTypeSpec::default()))
+        .to_vec();
+    let harness = Harness::start_with(types, |config| {
+        config.tokens = Tokens::parse_pairs(&format!("a@alpha={ALPHA},b@beta={BETA}")).unwrap();
+        adjust(config);
+    })
+    .await;
+    (harness, name)
+}
+
+async fn submit(h: &Harness, token: &str, body: Value, key: Uuid) -> (StatusCode, Value) {
+    let response = h
+        .http
+        .post(format!("{}/v1/tasks", h.gateway_url))
+        .bearer_auth(token)
+        .header("Idempotency-Key", key.to_string())
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn get(h: &Harness, token: &str, path: &str) -> (StatusCode, String) {
+    let response = h
+        .http
+        .get(format!("{}{path}", h.gateway_url))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    (response.status(), response.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn two_tenants_with_one_type_name_and_one_key_stay_apart() {
+    let (harness, name) = two_tenants(|_| {}).await;
+    let key = Uuid::new_v4();
+    let (status, alpha) = submit(
+        &harness,
+        ALPHA,
+        json!({"taskType": name, "payload": {"n": 1}}),
+        key,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{alpha}");
+    // The same key from another tenant is another task, not a 409 naming alpha's.
+    let (status, beta) = submit(
+        &harness,
+        BETA,
+        json!({"taskType": name, "payload": {"n": 2}}),
+        key,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{beta}");
+    assert_ne!(alpha["id"], beta["id"]);
+    // Each in its own namespace's queue.
+    assert_eq!(
+        harness
+            .ready_count(&queue(&format!("alpha.{name}")).main)
+            .await,
+        1
+    );
+    assert_eq!(
+        harness
+            .ready_count(&queue(&format!("beta.{name}")).main)
+            .await,
+        1
+    );
+
+    // Alpha reads its task by the name it submitted with, in its namespace.
+    let alpha_id = alpha["id"].as_str().unwrap();
+    let (status, body) = get(&harness, ALPHA, &format!("/v1/tasks/{alpha_id}")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let task: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (task["taskType"].as_str(), task["namespace"].as_str()),
+        (Some(name.as_str()), Some("alpha"))
+    );
+    assert_eq!(task["payload"], json!({"n": 1}));
+
+    // Beta learns nothing of it: the same 404 as for an id that does not exist.
+    let (status, body) = get(&harness, BETA, &format!("/v1/tasks/{alpha_id}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    let missing = Uuid::new_v4();
+    let (_, unknown) = get(&harness, BETA, &format!("/v1/tasks/{missing}")).await;
+    assert_eq!(
+        body.replace(alpha_id, "ID"),
+        unknown.replace(&missing.to_string(), "ID")
+    );
+    let (status, body) = get(&harness, BETA, &format!("/v1/tasks/{alpha_id}/events")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    assert!(!body.contains("\"n\""), "{body}");
+
+    // Nor can beta submit into alpha's namespace, or tell its types from missing ones.
+    let (status, into_alpha) = submit(
+        &harness,
+        BETA,
+        json!({"taskType": name, "namespace": "alpha", "payload": {}}),
+        Uuid::new_v4(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{into_alpha}");
+    let (_, no_such) = submit(
+        &harness,
+        BETA,
+        json!({"taskType": "no-such-type", "namespace": "alpha", "payload": {}}),
+        Uuid::new_v4(),
+    )
+    .await;
+    assert_eq!(into_alpha["error"]["code"], no_such["error"]["code"]);
+    assert_eq!(
+        harness
+            .ready_count(&queue(&format!("alpha.{name}")).main)
+            .await,
+        1
+    );
+    harness.shutdown().await;
+}
+
+/// Sends a request's head and the first bytes of a body it says is `length` long, and keeps
+/// the rest back; returns the open connection.
+async fn half_sent(gateway_url: &str, token: Option<&str>, length: usize) -> tokio::net::TcpStream {
+    let addr = gateway_url.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let head = format!(
+        "POST /v1/tasks:batch HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {length}\r\n\r\n{{\"tasks\": ["
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream
+}
+
+/// The status line of the answer on `stream`.
+async fn status_line(stream: &mut tokio::net::TcpStream) -> String {
+    let mut buffer = vec![0u8; 4096];
+    let n = stream.read(&mut buffer).await.unwrap();
+    String::from_utf8_lossy(&buffer[..n])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn an_unauthenticated_16_mib_body_is_refused_before_it_is_read() {
+    let (harness, _) = two_tenants(|config| config.max_batch_bytes = 32 * 1024 * 1024).await;
+    // The body never comes: an answer can only be given without reading it.
+    let mut stream = half_sent(&harness.gateway_url, None, 16 * 1024 * 1024).await;
+    let answer = tokio::time::timeout(Duration::from_secs(30), status_line(&mut stream))
+        .await
+        .expect("answered without waiting for the body");
+    assert!(answer.contains("401"), "{answer}");
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_client_over_its_concurrent_requests_gets_429_and_other_clients_do_not() {
+    let (harness, name) = two_tenants(|config| config.requests.max_in_flight = 2).await;
+    // Two of alpha's requests in flight: each waits for a body that does not come.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(half_sent(&harness.gateway_url, Some(ALPHA), 1024).await);
+    }
+    let payload = |_: ()| json!({"taskType": name, "payload": {}});
+    testing::wait_until(
+        "alpha's third request refused",
+        Duration::from_secs(30),
+        || async {
+            let (status, body) = submit(&harness, ALPHA, payload(()), Uuid::new_v4()).await;
+            status == StatusCode::TOO_MANY_REQUESTS && body["error"]["code"] == "too_many_requests"
+        },
+    )
+    .await;
+    let (status, body) = submit(&harness, BETA, payload(()), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::CREATED, "beta is not held back: {body}");
+    drop(held);
+    testing::wait_until("alpha admitted again", Duration::from_secs(30), || async {
+        submit(&harness, ALPHA, payload(()), Uuid::new_v4()).await.0 == StatusCode::CREATED
+    })
+    .await;
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_catastrophic_backtracking_pattern_does_not_stall_the_gateway() {
+    let mut spec = NamedTaskType::named(testing::unique_type("redos"));
+    spec.schema = Some(json!({
+        "type": "object",
+        "properties": {"name": {"type": "string", "pattern": "^(a+)+$"}}
+    }));
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    // A backtracking engine takes 2^n steps on this; a linear one answers at once.
+    let evil = format!("{}!", "a".repeat(50_000));
+    let sends = (0..8).map(|_| harness.submit(&name, json!({"name": evil}), None));
+    let answers = tokio::time::timeout(
+        Duration::from_secs(60),
+        futures_util::future::join_all(sends),
+    )
+    .await
+    .expect("the gateway answered every evil payload");
+    for (status, body) in answers {
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_payload");
+    }
+    let id = harness.submit_ok(&name, json!({"name": "aaaa"})).await;
+    assert!(harness.db.task(id).await.unwrap().is_some());
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn adopt_moves_a_type_from_before_tenancy_into_its_namespace() {
+    // Type `legacy` as it was before tenancy (queues conveyor.<name>, tenant default), and
+    // the TaskType of the same name applied in namespace media since.
+    let before = crate::support::test_type("legacy");
+    let name = before.name.clone();
+    let after = NamedTaskType::in_namespace("media", &name, before.spec.clone());
+    let key = after.name.clone();
+    let mut harness = Harness::start(vec![before, after]).await;
+    let ids = [
+        harness.submit_ok(&name, json!({})).await,
+        harness.submit_ok(&name, json!({})).await,
+        harness.submit_ok(&name, json!({})).await,
+    ];
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 3);
+
+    let out = harness.conveyorctl(&["adopt", "-n", "media", "--type", &name, "--by", "ops-test"]);
+    assert!(
+        out.contains("rows moved: 3") && out.contains("re-published: 3"),
+        "{out}"
+    );
+    for id in ids {
+        let task = harness.db.task(id).await.unwrap().unwrap();
+        assert_eq!(
+            (task.tenant.as_str(), task.task_type.as_str()),
+            ("media", key.as_str())
+        );
+    }
+    assert_eq!(harness.ready_count(&queue(&key).main).await, 3);
+    let old_queue = conveyor_core::amqp::QueueObserver::new(testing::amqp_url(), "adopt-test")
+        .ready_count(&queue(&name).main)
+        .await;
+    assert!(old_queue.is_err(), "the old queue is deleted");
+    // Again: nothing moves twice.
+    let again = harness.conveyorctl(&["adopt", "-n", "media", "--type", &name, "--by", "ops-test"]);
+    assert!(again.contains("rows moved: 0"), "{again}");
+
+    harness.start_worker(&[&key], conveyor_worker::handler::Handler::Noop, 2);
+    harness
+        .wait_for_state(
+            &key,
+            conveyor_core::TaskState::Completed,
+            3,
+            Duration::from_secs(60),
+        )
+        .await;
+    for chain in harness.chains(&key).await.values() {
+        testing::assert_valid_chain(chain);
+        let completed = chain
+            .iter()
+            .filter(|e| e.to_state == conveyor_core::TaskState::Completed);
+        assert_eq!(completed.count(), 1, "{chain:?}");
+    }
+    harness.shutdown().await;
+}
