@@ -56,10 +56,11 @@ async fn main() -> anyhow::Result<()> {
         rows.push(row);
     }
     let header = format!(
-        "# Chaos report\n\n`conveyor-chaos --tasks {} --outage-seconds {}`, {} UTC",
+        "# Chaos report\n\n`conveyor-chaos --tasks {} --outage-seconds {}`, {} UTC, code at {}",
         args.tasks,
         args.outage_seconds,
-        chrono_free_now()
+        chrono_free_now(),
+        code_version()
     );
     let table = report::markdown(&rows, &header);
     if let Some(dir) = args.report.parent() {
@@ -78,6 +79,28 @@ async fn main() -> anyhow::Result<()> {
         .collect();
     anyhow::ensure!(failed.is_empty(), "scenarios failed: {}", failed.join(", "));
     Ok(())
+}
+
+/// The commit the suite ran from (`+changes` when the tree differed from it), so that a
+/// report says which code it judged.
+fn code_version() -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    let commit = git(&["rev-parse", "--short", "HEAD"]).unwrap_or_else(|| "unknown".into());
+    // The report itself is about to change: it does not count.
+    let changed = git(&["status", "--porcelain", "--", ".", ":!docs/chaos-report.*"])
+        .is_some_and(|s| !s.is_empty());
+    if changed {
+        format!("{commit}+changes")
+    } else {
+        commit
+    }
 }
 
 /// `date -u` without a date crate.

@@ -444,20 +444,18 @@ async fn depth_polls_of_a_missing_queue_leave_publishing_alone() {
     // A TaskType being deleted: its queues vanish while the gateway still knows it, and the
     // depth monitor polls the missing queue every 200 ms.
     testing::delete_queues(&gone_name).await;
-    let started = std::time::Instant::now();
+    // Forty submissions spread over several polls (however slow the machine, each one
+    // overlaps polls of the missing queue): every one must be published.
     let mut refused = 0;
-    let mut accepted = 0;
-    while started.elapsed() < Duration::from_secs(3) {
+    for _ in 0..40 {
         let (status, _) = harness
             .submit(&kept_name, serde_json::json!({}), None)
             .await;
-        if status.is_success() {
-            accepted += 1;
-        } else {
+        if !status.is_success() {
             refused += 1;
         }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(accepted > 10, "{accepted} accepted");
     assert_eq!(refused, 0, "publishes refused while depth polls failed");
     harness.shutdown().await;
 }
