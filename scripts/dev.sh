@@ -30,12 +30,12 @@ submit() { # type, payload → task id; retried while the gateway has not seen t
   local key answer
   key=$(cat /proc/sys/kernel/random/uuid)
   for _ in $(seq 1 30); do
-    if answer=$("$BIN/conveyorctl" submit --type "$1" --payload "$2" --idempotency-key "$key" 2>/dev/null); then
+    if answer=$("$BIN/conveyorctl" -n "$NS" submit --type "$1" --payload "$2" --idempotency-key "$key" 2>/dev/null); then
       printf '%s' "$answer" | sed -n 's/.*"id": "\(.*\)".*/\1/p'; return 0
     fi
     sleep 1
   done
-  "$BIN/conveyorctl" submit --type "$1" --payload "$2" --idempotency-key "$key" >/dev/null
+  "$BIN/conveyorctl" -n "$NS" submit --type "$1" --payload "$2" --idempotency-key "$key" >/dev/null
 }
 
 wait_done() { # id → prints the final state
@@ -69,13 +69,14 @@ up() {
 
   log "submitting a transcode, a thumbnail and a metadata task (the transcode pool scales up from 0)"
   local transcode thumbnail metadata quality output
-  transcode=$(submit transcode "{\"source\":\"$clip\",\"renditions\":[240]}")
-  thumbnail=$(submit thumbnail "{\"source\":\"$clip\",\"atSeconds\":1.5}")
-  metadata=$(submit metadata "{\"source\":\"$clip\"}")
+  # Sources are relative to the handlers' media root (/media in the pods, $media here).
+  transcode=$(submit transcode '{"source":"clip.mp4","renditions":[240]}')
+  thumbnail=$(submit thumbnail '{"source":"clip.mp4","atSeconds":1.5}')
+  metadata=$(submit metadata '{"source":"clip.mp4"}')
   log "transcode: $(wait_done "$transcode")"
   output=$("$BIN/conveyorctl" get "$transcode" | jq -r '.result.outputs[0] // empty')
   if [ -n "$output" ]; then
-    quality=$(submit quality-analysis "{\"source\":\"$output\",\"reference\":\"$clip\",\"metric\":\"ssim\"}")
+    quality=$(submit quality-analysis "{\"source\":\"$output\",\"reference\":\"clip.mp4\",\"metric\":\"ssim\"}")
     log "quality-analysis: $(wait_done "$quality")"
   fi
   log "thumbnail: $(wait_done "$thumbnail"), metadata: $(wait_done "$metadata")"
@@ -90,7 +91,7 @@ Conveyor is running on the local cluster (logs in .dev/, worker logs in .dev/pod
   eval "\$(scripts/stack.sh env)"   # KUBECONFIG, kubectl on PATH, gateway URL and token
   kubectl get taskpools -n $NS -w
   kubectl scale workerpool/media-light -n $NS --replicas=3
-  $BIN/conveyorctl submit --type thumbnail --payload '{"source":"$clip"}'
+  $BIN/conveyorctl -n $NS submit --type thumbnail --payload '{"source":"clip.mp4"}'
   $BIN/conveyorctl events <task id>
   RabbitMQ management UI: http://127.0.0.1:15672 (conveyor / conveyor)
 Stop with: make down

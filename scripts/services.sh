@@ -105,7 +105,8 @@ down() {
 }
 
 case "${1:-up}" in
-  up) pg_up; rabbit_up; log "PostgreSQL on 127.0.0.1:5432, RabbitMQ on 127.0.0.1:5672 (management :15672)";;
+  # jq: the example handlers (and their tests) read payloads with it.
+  up) install_packages jq; pg_up; rabbit_up; log "PostgreSQL on 127.0.0.1:5432, RabbitMQ on 127.0.0.1:5672 (management :15672)";;
   down) down;;
   *) echo "usage: $0 [up|down]" >&2; exit 2;;
 esac

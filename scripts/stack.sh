@@ -81,8 +81,10 @@ up() {
   KUBECONFIG=$(kubeconfig_as conveyor-gateway) \
     start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --task-types-from-cluster \
     --task-types-refresh-seconds 2 --tokens-file examples/dev-tokens.yaml
+  mkdir -p "$DEV/media"
   start pod-runner "$BIN/conveyor-pod-runner" --bin-dir "$BIN" --state-dir "$DEV/pods" \
-    --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers
+    --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
+    --map /media="$DEV/media"
   wait_http operator "http://$OPERATOR/readyz"
   wait_http gateway "http://$GATEWAY/readyz"
 }

@@ -208,6 +208,12 @@ impl NamedTaskType {
     }
 }
 
+/// A type key's tenant and local name. Neither may hold a dot (`validate_name`), so a key
+/// with one is `<namespace>.<name>`, and one without is a file's type in tenant `default`.
+pub fn split_key(key: &str) -> (&str, &str) {
+    key.split_once('.').unwrap_or((DEFAULT_TENANT, key))
+}
+
 /// The local name in a type key: what follows `<tenant>.`, or the whole key.
 pub fn local_name<'a>(key: &'a str, tenant: &str) -> &'a str {
     key.strip_prefix(tenant)

@@ -1,14 +1,15 @@
 #!/bin/sh
-# transcode: {"source": "...", "renditions": [720, ...]} → one MP4 per rendition next to the
-# source. Output names carry the idempotency key, so a re-run overwrites its own files
-# instead of adding new ones.
-set -eu
-src=$(printf '%s' "$CONVEYOR_PAYLOAD" | jq -r .source)
-key=$CONVEYOR_IDEMPOTENCY_KEY
+# transcode MEDIA_ROOT: {"source": "<relative path>", "renditions": [720, ...]} → one MP4 per
+# rendition under the task's output directory (lib.sh says what a payload may name).
+. "$(dirname "$0")/lib.sh"
+src=$(media source)
+dir=$(outdir)
 out=""
-for height in $(printf '%s' "$CONVEYOR_PAYLOAD" | jq -r '.renditions[]'); do
-  dst="${src%.*}-${height}p-${key}.mp4"
-  ffmpeg -nostdin -loglevel error -y -i "$src" -vf "scale=-2:${height}" -c:v libx264 -preset veryfast -c:a aac "$dst"
-  out="$out\"$dst\","
+for height in $(printf '%s' "$CONVEYOR_PAYLOAD" | jq -r '.renditions[]? | numbers'); do
+  dst="$dir/${height%.*}p.mp4"
+  ffmpeg -nostdin -loglevel error -y -protocol_whitelist file -i "file:$src" \
+    -vf "scale=-2:${height%.*}" -c:v libx264 -preset veryfast -c:a aac "file:$dst"
+  out="$out\"$(relative "$dst")\","
 done
+[ -n "$out" ] || refuse "renditions must list at least one height"
 printf '{"outputs": [%s]}\n' "${out%,}"

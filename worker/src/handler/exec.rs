@@ -10,16 +10,40 @@
 //! - `CONVEYOR_PAYLOAD` holds the payload only up to [`MAX_ENV_PAYLOAD`] (Linux refuses a
 //!   larger environment string with E2BIG); larger payloads come on stdin alone, and
 //!   `CONVEYOR_PAYLOAD_ON_STDIN=1` says so.
+//! - The environment is scrubbed: the command gets [`PASSED_ENV`], the names listed in the
+//!   worker's `CONVEYOR_HANDLER_PASS_ENV` (comma-separated; never a `CONVEYOR_` one), and
+//!   the task's own `CONVEYOR_*` variables. The worker's database and broker URLs, with
+//!   their passwords, never reach a handler (SPEC "Tenancy").
 
 use std::process::Stdio;
 
 use conveyor_core::task::TaskMessage;
+use conveyor_core::task_type::split_key;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
 use super::{tail, Failure};
+
+/// Variables of the worker's environment every handler process gets.
+pub const PASSED_ENV: &[&str] = &[
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+];
+
+/// What a handler process inherits from the worker's environment.
+fn inherited() -> impl Iterator<Item = (String, String)> {
+    let listed = std::env::var("CONVEYOR_HANDLER_PASS_ENV").unwrap_or_default();
+    let extra: Vec<String> = listed
+        .split(',')
+        .map(str::trim)
+        .filter(|name| !name.is_empty() && !name.starts_with("CONVEYOR_"))
+        .map(str::to_owned)
+        .collect();
+    std::env::vars().filter(move |(name, _)| {
+        PASSED_ENV.contains(&name.as_str()) || extra.iter().any(|e| e == name)
+    })
+}
 
 /// Largest payload also passed in the environment.
 pub const MAX_ENV_PAYLOAD: usize = 64 * 1024;
@@ -47,10 +71,15 @@ pub async fn run(
     task: &TaskMessage,
 ) -> Result<serde_json::Value, Failure> {
     let payload = task.payload.to_string();
+    // The handler sees the TaskType's own name and its namespace, not the type's key.
+    let (namespace, local) = split_key(&task.task_type);
     let mut cmd = Command::new(command);
     cmd.args(args)
+        .env_clear()
+        .envs(inherited())
         .env("CONVEYOR_TASK_ID", task.id.to_string())
-        .env("CONVEYOR_TASK_TYPE", &task.task_type)
+        .env("CONVEYOR_TASK_TYPE", local)
+        .env("CONVEYOR_NAMESPACE", namespace)
         .env("CONVEYOR_ATTEMPT", task.attempt.to_string())
         .env("CONVEYOR_IDEMPOTENCY_KEY", task.idempotency_key.to_string())
         .stdin(Stdio::piped())
@@ -171,6 +200,39 @@ mod tests {
 
     fn alive(pid: i32) -> bool {
         nix::sys::signal::kill(Pid::from_raw(pid), None).is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_handler_sees_only_its_task_and_a_few_plain_variables() {
+        // This test process has CARGO_* and whatever else the shell gave it; a worker has
+        // CONVEYOR_DATABASE_URL with its password. None of it may reach the handler.
+        let result = sh(
+            "env | cut -d= -f1 | sort | tr '\\n' ' '",
+            serde_json::json!({}),
+        )
+        .await
+        .unwrap();
+        let names = result["stdout"].as_str().unwrap_or_default().to_owned();
+        let task_vars = [
+            "CONVEYOR_TASK_ID",
+            "CONVEYOR_TASK_TYPE",
+            "CONVEYOR_NAMESPACE",
+            "CONVEYOR_ATTEMPT",
+            "CONVEYOR_IDEMPOTENCY_KEY",
+            "CONVEYOR_PAYLOAD",
+        ];
+        // What sh sets for itself.
+        let shell = ["PWD", "SHLVL", "_", "OLDPWD"];
+        for name in names.split_whitespace() {
+            assert!(
+                PASSED_ENV.contains(&name) || task_vars.contains(&name) || shell.contains(&name),
+                "{name} reached the handler: {names}"
+            );
+        }
+        assert!(
+            names.contains("PATH") && names.contains("CONVEYOR_TASK_ID"),
+            "{names}"
+        );
     }
 
     #[tokio::test]

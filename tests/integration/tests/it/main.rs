@@ -6,6 +6,7 @@ mod support;
 mod cluster_task_types;
 mod db_layer;
 mod degraded_mode;
+mod example_handlers;
 mod gateway_api;
 mod lifecycle_flows;
 mod outages;
