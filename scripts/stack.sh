@@ -73,7 +73,8 @@ up() {
   kubectl apply --server-side --field-manager=conveyor-dev -k crds >/dev/null
   kubectl apply --server-side --field-manager=conveyor-dev \
     -f manifests/base/namespace.yaml -f manifests/base/rbac.yaml >/dev/null
-  kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev >/dev/null
+  kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev \
+    crd/clienttokens.conveyor.dev >/dev/null
 
   KUBECONFIG=$(kubeconfig_as conveyor-operator) POD_NAMESPACE=conveyor-system \
     CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use uuid::Uuid;
 
-use crate::auth::{Client, Tokens};
+use crate::auth::{Client, TokenSet};
 use crate::error::ApiError;
 use crate::ingest::{db_error, Accepted, Ingestor, Submission};
 
@@ -49,7 +49,7 @@ impl Default for RequestLimits {
 
 pub struct ApiState {
     pub ingestor: Ingestor,
-    pub tokens: Tokens,
+    pub tokens: Arc<TokenSet>,
     pub max_batch_tasks: usize,
     pub limits: RequestLimits,
     /// One semaphore per client, for [`RequestLimits::max_in_flight`].
@@ -80,7 +80,7 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let Some(client) = state.tokens.client(header).cloned() else {
+    let Some(client) = state.tokens.current().client(header).cloned() else {
         return ApiError::unauthorized().into_response();
     };
     let Some(_permit) = state.admit_one(&client) else {

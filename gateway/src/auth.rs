@@ -4,6 +4,7 @@
 //! (`tokenSha256`), and a plain `token` is hashed as it is read.
 
 use std::path::Path;
+use std::sync::{Arc, RwLock};
 
 use conveyor_core::task_type::DEFAULT_TENANT;
 use serde::Deserialize;
@@ -143,6 +144,20 @@ impl Tokens {
         Ok(())
     }
 
+    /// A token known by its digest (hex), for the namespaces it is listed in: the
+    /// ClientToken resources, where one digest in several namespaces is one client.
+    pub fn add_listed(&mut self, name: &str, digest: &str, tenant: &str) -> Result<(), String> {
+        let digest = parse_digest(digest)
+            .ok_or_else(|| format!("client {name:?}: tokenSha256 must be 64 hex digits"))?;
+        if let Some((client, _)) = self.clients.iter_mut().find(|(_, d)| *d == digest) {
+            if !client.may_use(tenant) {
+                client.tenants.push(tenant.to_owned());
+            }
+            return Ok(());
+        }
+        self.add(name, Credential::Digest(&hex(&digest)), &[tenant])
+    }
+
     pub fn merge(mut self, other: Tokens) -> Tokens {
         self.clients.extend(other.clients);
         self
@@ -167,6 +182,32 @@ impl Tokens {
     }
 }
 
+/// The tokens in force: those of the file and environment, and (in a cluster) those of the
+/// ClientToken resources, replaced as they are listed again.
+#[derive(Default)]
+pub struct TokenSet {
+    current: RwLock<Arc<Tokens>>,
+}
+
+impl TokenSet {
+    pub fn new(tokens: Tokens) -> TokenSet {
+        TokenSet {
+            current: RwLock::new(Arc::new(tokens)),
+        }
+    }
+
+    pub fn current(&self) -> Arc<Tokens> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn replace(&self, tokens: Tokens) {
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(tokens);
+    }
+}
+
 enum Credential<'a> {
     Plain(&'a str),
     Digest(&'a str),
@@ -175,6 +216,10 @@ enum Credential<'a> {
 /// SHA-256 of a token, as `tokenSha256` holds it (hex: `printf %s TOKEN | sha256sum`).
 pub fn sha256(token: &[u8]) -> [u8; 32] {
     Sha256::digest(token).into()
+}
+
+fn hex(digest: &[u8; 32]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn parse_digest(hex: &str) -> Option<[u8; 32]> {
@@ -213,6 +258,17 @@ mod tests {
         assert!(Tokens::parse_pairs("short=abc").is_err());
         assert!(Tokens::parse_pairs("x@Bad_NS=secret-token-1").is_err());
         assert!(!format!("{tokens:?}").contains("secret-token"));
+    }
+
+    #[test]
+    fn one_digest_listed_in_two_namespaces_is_one_client_of_both() {
+        let digest = hex(&sha256(b"shared-secret-1"));
+        let mut tokens = Tokens::default();
+        tokens.add_listed("video/ci", &digest, "video").unwrap();
+        tokens.add_listed("audio/ci", &digest, "audio").unwrap();
+        let client = tokens.client(Some("Bearer shared-secret-1")).unwrap();
+        assert!(client.may_use("video") && client.may_use("audio") && !client.may_use("default"));
+        assert!(tokens.add_listed("x", "not-hex", "video").is_err());
     }
 
     #[test]

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod auth;
 pub mod backpressure;
+pub mod client_tokens;
 pub mod error;
 pub mod ingest;
 pub mod rate_limit;
@@ -26,7 +27,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::ApiState;
-use crate::auth::Tokens;
+use crate::auth::{TokenSet, Tokens};
 use crate::backpressure::DepthMonitor;
 use crate::ingest::{ClientLimits, Ingestor};
 use crate::rate_limit::RateLimiter;
@@ -74,9 +75,11 @@ pub async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
-    if config.tokens.is_empty() {
+    // In a cluster, clients may come from ClientToken resources alone.
+    if config.tokens.is_empty() && matches!(config.task_types, TaskTypeSource::File(_)) {
         anyhow::bail!("no client tokens configured (--tokens-file or CONVEYOR_GATEWAY_TOKENS)");
     }
+    let tokens = Arc::new(TokenSet::new(config.tokens.clone()));
     let db = Db::connect(&config.database).context("database settings")?;
     if config.migrate {
         db.migrate().await.context("migrating the task database")?;
@@ -109,6 +112,17 @@ pub async fn run(
                 .context("listing TaskType resources")?;
             registry.replace(listed);
             declared.store(true, Ordering::Release);
+            let listed = client_tokens::list(client, &config.tokens)
+                .await
+                .context("listing ClientToken resources (are the CRDs of crds/ applied?)")?;
+            tokens.replace(listed);
+            tokio::spawn(client_tokens::follow(
+                tokens.clone(),
+                config.tokens.clone(),
+                client.clone(),
+                *refresh,
+                shutdown.clone(),
+            ));
             tokio::spawn(registry.clone().follow_cluster(
                 client.clone(),
                 *refresh,
@@ -153,7 +167,7 @@ pub async fn run(
             depths,
             metrics: metrics.clone(),
         },
-        tokens: config.tokens.clone(),
+        tokens,
         max_batch_tasks: config.max_batch_tasks,
         limits: config.requests.clone(),
         in_flight: Default::default(),

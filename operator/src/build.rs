@@ -205,6 +205,8 @@ fn worker_args(pool: &WorkerPool, consumed: &[&str]) -> Vec<String> {
         format!("--drain-grace-seconds={}", spec.drain_grace_seconds),
         format!("--metrics-listen=0.0.0.0:{METRICS_PORT}"),
         format!("--buffer-dir={BUFFER_DIR}"),
+        // The operator declares the queues: a TaskType deleted with `Delete` stays deleted.
+        "--no-declare".to_owned(),
         "--log-json".to_owned(),
     ];
     if let (HandlerKind::Http, Some(url)) = (spec.handler.kind, &spec.handler.url) {

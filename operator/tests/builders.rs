@@ -179,7 +179,10 @@ fn the_video_pipeline_example_is_valid_and_builds() {
             .spec
             .unwrap()
             .containers[0];
-        let handler = command.args.as_ref().unwrap().last().unwrap().clone();
+        // `-- <script> <media root>`: the script is the first word after `--`.
+        let args = command.args.as_ref().unwrap();
+        let after = args.iter().position(|a| a == "--").unwrap() + 1;
+        let handler = args[after].clone();
         let script = dir
             .join("handlers")
             .join(handler.rsplit('/').next().unwrap());

@@ -54,7 +54,14 @@ pub struct WorkerConfig {
     pub buffer_max_bytes: u64,
     /// Longest a database call may take before the database counts as unavailable.
     pub db_call_timeout: Duration,
+    /// Declare the queues before consuming (task types from a file). In a cluster the
+    /// operator declares them and deletes them with a `Delete` TaskType; there a worker
+    /// consumes only the queues that exist, so that it never re-makes a deleted one.
+    pub declare_queues: bool,
 }
+
+/// How often a worker that found some of its queues missing looks for them again.
+const MISSING_QUEUE_RECHECK: Duration = Duration::from_secs(30);
 
 impl WorkerConfig {
     /// A third of the shortest heartbeat timeout, so two missed beats still leave margin.
@@ -242,22 +249,41 @@ async fn consume(
                 .create_channel()
                 .await
                 .map_err(amqp::AmqpError::Unavailable)?;
-            for spec in &config.task_types {
-                amqp::declare_task_type(&channel, spec).await?;
-            }
+            let present = if config.declare_queues {
+                for spec in &config.task_types {
+                    amqp::declare_task_type(&channel, spec).await?;
+                }
+                queues.clone()
+            } else {
+                let mut present = Vec::new();
+                for queue in &queues {
+                    if amqp::queue_exists(&conn, queue).await? {
+                        present.push(queue.clone());
+                    } else {
+                        tracing::warn!(queue, "queue missing (its TaskType deleted, or not declared yet); not consuming it");
+                    }
+                }
+                if present.is_empty() {
+                    return Err(amqp::AmqpError::NoQueue {
+                        queue: queues.join(", "),
+                    });
+                }
+                present
+            };
             // The prefetch is per consumer (quorum queues have no channel-wide one): split
             // the concurrency between the types, so that deliveries do not sit unclaimed
             // behind busy permits, where a probe would take their messages for lost
             // (decision 0011).
             let per_type = config
                 .concurrency
-                .div_ceil(queues.len().max(1) as u16)
+                .div_ceil(present.len().max(1) as u16)
                 .max(1);
             let (channel, consumers) =
-                amqp::consume(&conn, &queues, per_type, &config.worker_id).await?;
-            Ok::<_, amqp::AmqpError>((conn, channel, consumers))
+                amqp::consume(&conn, &present, per_type, &config.worker_id).await?;
+            let missing = present.len() < queues.len();
+            Ok::<_, amqp::AmqpError>((conn, channel, consumers, missing))
         };
-        let (conn, channel, consumers) = match session.await {
+        let (conn, channel, consumers, missing) = match session.await {
             Ok(session) => session,
             Err(err) => {
                 tracing::warn!(error = %err, "cannot consume; retrying in {retry_delay:?}");
@@ -270,8 +296,16 @@ async fn consume(
             }
         };
         retry_delay = Duration::from_millis(200);
-        tracing::info!(?queues, "consuming");
+        tracing::info!(?queues, missing, "consuming");
         let mut deliveries = select_all(consumers);
+        let recheck = async {
+            if missing {
+                tokio::time::sleep(MISSING_QUEUE_RECHECK).await
+            } else {
+                std::future::pending().await
+            }
+        };
+        tokio::pin!(recheck);
         loop {
             let permit = tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -284,6 +318,10 @@ async fn consume(
             }
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break,
+                () = &mut recheck => {
+                    tracing::info!("looking for the missing queues again");
+                    break;
+                }
                 next = deliveries.next() => next,
             };
             match next {

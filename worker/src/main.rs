@@ -59,6 +59,10 @@ struct Args {
     /// Address for /metrics, /healthz and /readyz (none when absent).
     #[arg(long, env = "CONVEYOR_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// Do not declare the queues, consume only those that exist: the operator declares
+    /// them (and deletes them with a `Delete` TaskType), as in every pod it runs.
+    #[arg(long, env = "CONVEYOR_NO_DECLARE")]
+    no_declare: bool,
     #[command(flatten)]
     database: DatabaseArgs,
     #[command(flatten)]
@@ -101,6 +105,7 @@ async fn main() -> anyhow::Result<()> {
         drain_grace: seconds(args.drain_grace_seconds),
         buffer_path: args.buffer_dir.join(format!("{}.jsonl", args.worker_name)),
         buffer_max_bytes: args.buffer_max_bytes,
+        declare_queues: !args.no_declare,
         db_call_timeout: seconds(args.database_timeout_seconds).max(Duration::from_millis(100)),
     };
     let admin = match &args.metrics_listen {

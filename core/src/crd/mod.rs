@@ -1,12 +1,15 @@
-//! The custom resources: `TaskType` and `WorkerPool` (group `conveyor.dev`, `v1alpha1`).
+//! The custom resources: `TaskType`, `WorkerPool` and `ClientToken` (group `conveyor.dev`,
+//! `v1alpha1`).
 //! Types only; the operator reconciles them. Every spec field's doc comment becomes the
 //! description `kubectl explain` shows.
 
+pub mod client_token;
 pub mod task_type;
 pub mod worker_pool;
 
 use kube::CustomResourceExt;
 
+pub use client_token::{ClientToken, ClientTokenSpec};
 pub use task_type::{TaskType, TaskTypeSpec, TaskTypeStatus};
 pub use worker_pool::{WorkerPool, WorkerPoolSpec, WorkerPoolStatus};
 
@@ -26,6 +29,7 @@ pub fn crd_documents() -> Vec<(&'static str, String)> {
     vec![
         ("tasktypes.yaml", yaml(TaskType::crd())),
         ("workerpools.yaml", yaml(WorkerPool::crd())),
+        ("clienttokens.yaml", yaml(ClientToken::crd())),
     ]
 }
 

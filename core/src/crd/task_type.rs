@@ -6,8 +6,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// A kind of task (transcode, thumbnail, ...): its payload schema, limits and retry policy.
-/// Conveyor declares its queues `conveyor.<name>`, one retry queue per retry number
-/// (`.retry`, `.retry.1`, ...) and `.remediation`.
+/// Conveyor declares its queues `conveyor.<namespace>.<name>`, one retry queue per retry
+/// number (`.retry`, `.retry.1`, ...) and `.remediation`. The name may not contain a dot.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
     group = "conveyor.dev",
@@ -52,7 +52,7 @@ pub struct TaskTypeSpec {
     #[serde(default = "defaults::max_queue_depth")]
     #[schemars(range(min = 1))]
     pub max_queue_depth: u64,
-    /// Submissions per second accepted for this type across all clients.
+    /// Submissions per second accepted for this type from each client.
     #[serde(default)]
     pub rate_limit: Option<RateLimit>,
     /// What happens to the queues when the TaskType is deleted: Retain (default) keeps them

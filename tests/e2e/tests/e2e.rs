@@ -527,3 +527,93 @@ async fn two_namespaces_with_a_type_of_one_name_work_apart_and_delete_apart() {
     audio.finish().await;
     video.finish().await;
 }
+
+#[tokio::test]
+async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
+    let mut mine = Stack::namespace("token-mine").await;
+    let mut theirs = Stack::namespace("token-theirs").await;
+    let t = mine.task_type("e2e-tokens");
+    theirs.share_task_type(&t);
+    for stack in [&mine, &theirs] {
+        stack.apply(&task_type_yaml(&t, ""));
+    }
+    // The team's own token, as its digest in its own namespace (no Secret involved).
+    let token = format!("team-token-{}", uuid::Uuid::new_v4());
+    let digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(token.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    mine.apply(&format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: ClientToken\nmetadata: {{name: team}}\n\
+         spec: {{tokenSha256: {digest}}}\n"
+    ));
+    let http = reqwest::Client::new();
+    let submit = |token: String, namespace: Option<String>| {
+        let http = http.clone();
+        let url = format!("{}/v1/tasks", mine.gateway);
+        let t = t.clone();
+        async move {
+            let answer = http
+                .post(url)
+                .bearer_auth(token)
+                .json(&json!({"taskType": t, "namespace": namespace, "payload": {}}))
+                .send()
+                .await
+                .unwrap();
+            let status = answer.status();
+            (
+                status,
+                answer.json::<serde_json::Value>().await.unwrap_or_default(),
+            )
+        }
+    };
+    // The gateway lists ClientTokens (and TaskTypes) every few seconds.
+    let accepted = std::cell::RefCell::new(serde_json::Value::Null);
+    wait_until(
+        "the team's token accepted for its namespace",
+        MINUTE,
+        || async {
+            let (status, body) = submit(token.clone(), None).await;
+            *accepted.borrow_mut() = body;
+            status == reqwest::StatusCode::CREATED
+        },
+    )
+    .await;
+    let own_id = accepted.borrow()["id"].as_str().unwrap().to_owned();
+    let (status, body) = submit(token.clone(), Some(theirs.namespace.clone())).await;
+    assert_eq!(status, reqwest::StatusCode::NOT_FOUND, "{body}");
+    let (status, body) = submit(mine.token.clone(), Some(theirs.namespace.clone())).await;
+    assert_eq!(
+        status,
+        reqwest::StatusCode::CREATED,
+        "the admin token may: {body}"
+    );
+    let their_id = body["id"].as_str().unwrap().to_owned();
+    let read = |id: String| {
+        let http = http.clone();
+        let url = format!("{}/v1/tasks/{id}", mine.gateway);
+        let token = token.clone();
+        async move {
+            http.get(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(read(own_id).await, reqwest::StatusCode::OK);
+    assert_eq!(read(their_id).await, reqwest::StatusCode::NOT_FOUND);
+
+    // Deleting the ClientToken takes the token away.
+    mine.kubectl(&["delete", "clienttoken", "team"]);
+    wait_until("the deleted token refused", MINUTE, || async {
+        submit(token.clone(), None).await.0 == reqwest::StatusCode::UNAUTHORIZED
+    })
+    .await;
+    theirs.finish().await;
+    mine.finish().await;
+}

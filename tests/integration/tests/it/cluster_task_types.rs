@@ -15,26 +15,32 @@ use serde_json::json;
 
 use crate::support::*;
 
-/// Answers every request with the current list of TaskTypes.
+/// Answers with the current list of TaskTypes, and no ClientTokens.
 fn mock_cluster(types: Arc<Mutex<Vec<String>>>) -> kube::Client {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
     tokio::spawn(async move {
         while let Some((request, send)) = handle.next_request().await {
-            assert!(request
-                .uri()
-                .path()
-                .ends_with("/apis/conveyor.dev/v1alpha1/tasktypes"));
-            let items: Vec<serde_json::Value> = types
-                .lock()
-                .unwrap()
-                .iter()
-                .map(|name| {
-                    let mut tt = TaskType::new(name, TaskTypeSpec::default());
-                    tt.metadata.namespace = Some("video".into());
-                    serde_json::to_value(tt).unwrap()
-                })
-                .collect();
-            let list = json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {}, "items": items});
+            let path = request.uri().path().to_owned();
+            let list = if path.ends_with("/apis/conveyor.dev/v1alpha1/clienttokens") {
+                // No ClientTokens: the harness's token comes from its configuration.
+                json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "ClientTokenList", "metadata": {}, "items": []})
+            } else {
+                assert!(
+                    path.ends_with("/apis/conveyor.dev/v1alpha1/tasktypes"),
+                    "{path}"
+                );
+                let items: Vec<serde_json::Value> = types
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|name| {
+                        let mut tt = TaskType::new(name, TaskTypeSpec::default());
+                        tt.metadata.namespace = Some("video".into());
+                        serde_json::to_value(tt).unwrap()
+                    })
+                    .collect();
+                json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {}, "items": items})
+            };
             send.send_response(Response::new(Body::from(
                 serde_json::to_vec(&list).unwrap(),
             )));

@@ -459,3 +459,27 @@ async fn depth_polls_of_a_missing_queue_leave_publishing_alone() {
     assert_eq!(refused, 0, "publishes refused while depth polls failed");
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_worker_of_the_operator_never_remakes_a_deleted_queue_and_serves_the_rest() {
+    let kept = test_type("kept");
+    let gone = test_type("gone");
+    let (kept_name, gone_name) = (kept.name.clone(), gone.name.clone());
+    let mut harness = Harness::start(vec![kept, gone]).await;
+    // As a TaskType deleted with `deletionPolicy: Delete` while its pool still runs.
+    testing::delete_queues(&gone_name).await;
+    let id = harness.submit_ok(&kept_name, serde_json::json!({})).await;
+    let mut config = harness.worker_config(&[&kept_name, &gone_name], Handler::Noop, 2);
+    config.declare_queues = false; // as the operator's pods run
+    harness.start_configured(config);
+    harness
+        .wait_for_state(&kept_name, Completed, 1, Duration::from_secs(60))
+        .await;
+    assert_eq!(harness.db.task(id).await.unwrap().unwrap().state, Completed);
+    let observer = amqp::QueueObserver::new(testing::amqp_url(), "conveyor-test/gone");
+    assert!(
+        observer.ready_count(&queue(&gone_name).main).await.is_err(),
+        "the deleted queue was made again"
+    );
+    harness.shutdown().await;
+}

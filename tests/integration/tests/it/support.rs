@@ -213,6 +213,7 @@ impl Harness {
             confirm_timeout: Duration::from_secs(5),
             drain_grace: Duration::from_secs(10),
             buffer_max_bytes: 1 << 20,
+            declare_queues: true,
             db_call_timeout: Duration::from_secs(2),
         }
     }

@@ -1,0 +1,53 @@
+//! Client tokens from the cluster: the ClientToken resources of every namespace (digests
+//! only, so the gateway needs no access to Secrets), merged with the file's tokens and
+//! listed again every refresh.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use conveyor_core::crd::ClientToken;
+use kube::api::{Api, ListParams};
+use kube::ResourceExt;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::{TokenSet, Tokens};
+
+/// `fixed` (file and environment) and every ClientToken, each for its namespace. A
+/// malformed one is left out and logged; the rest serve.
+pub async fn list(client: &kube::Client, fixed: &Tokens) -> Result<Tokens, kube::Error> {
+    let listed = Api::<ClientToken>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    let mut tokens = fixed.clone();
+    for resource in &listed.items {
+        let namespace = resource.namespace().unwrap_or_default();
+        let name = format!("{namespace}/{}", resource.name_any());
+        if let Err(err) = tokens.add_listed(&name, &resource.spec.token_sha256, &namespace) {
+            tracing::warn!(client = name, error = err, "ClientToken refused");
+        }
+    }
+    Ok(tokens)
+}
+
+/// Lists the ClientTokens every `interval` until `shutdown`; a failed list keeps the last
+/// set.
+pub async fn follow(
+    set: Arc<TokenSet>,
+    fixed: Tokens,
+    client: kube::Client,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        match list(&client, &fixed).await {
+            Ok(tokens) => set.replace(tokens),
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot list ClientTokens; keeping the last set")
+            }
+        }
+    }
+}
