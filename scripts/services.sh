@@ -90,8 +90,10 @@ CONF
   local psql=(as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_roles WHERE rolname='$PG_USER'")" ]; then
     log "creating PostgreSQL role $PG_USER"
-    "${psql[@]}" -c "CREATE ROLE $PG_USER LOGIN CREATEDB PASSWORD '$PG_PASSWORD'"
+    "${psql[@]}" -c "CREATE ROLE $PG_USER LOGIN CREATEDB CREATEROLE PASSWORD '$PG_PASSWORD'"
   fi
+  # CREATEROLE: `conveyorctl grant` makes each namespace's least-privilege role.
+  "${psql[@]}" -c "ALTER ROLE $PG_USER CREATEROLE"
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_database WHERE datname='$PG_DATABASE'")" ]; then
     log "creating database $PG_DATABASE"
     "${psql[@]}" -c "CREATE DATABASE $PG_DATABASE OWNER $PG_USER"

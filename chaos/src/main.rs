@@ -31,6 +31,8 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    // Taken before the run: the tree may change while it runs.
+    let code = code_version();
     let chosen: Vec<Scenario> = if args.scenarios.is_empty() {
         scenarios::ALL.to_vec()
     } else {
@@ -60,7 +62,7 @@ async fn main() -> anyhow::Result<()> {
         args.tasks,
         args.outage_seconds,
         chrono_free_now(),
-        code_version()
+        code
     );
     let table = report::markdown(&rows, &header);
     if let Some(dir) = args.report.parent() {

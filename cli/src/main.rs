@@ -2,6 +2,7 @@
 //! against the broker and the database directly.
 
 mod adopt;
+mod grant;
 mod redrive;
 
 use anyhow::{bail, Context};
@@ -11,6 +12,7 @@ use conveyor_core::amqp::Publisher;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret};
 use conveyor_core::db::Db;
 use conveyor_core::task::TaskEvent;
+use conveyor_operator::rabbitmq::ManagementApi;
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
@@ -109,6 +111,34 @@ enum Command {
         /// Who adopts, for the audit log.
         #[arg(long, env = "USER", default_value = "conveyorctl")]
         by: String,
+        #[command(flatten)]
+        database: DatabaseArgs,
+        #[command(flatten)]
+        amqp: AmqpArgs,
+    },
+    /// Least-privilege credentials for the workers of --namespace: a database role that sees
+    /// only its rows and a broker user that reads only its queues. Prints the
+    /// `conveyor-connections` Secret for them: `conveyorctl -n NS grant | kubectl apply -f -`.
+    Grant {
+        /// Name of the Secret printed (the operator's --connection-secret).
+        #[arg(long, default_value = "conveyor-connections")]
+        secret: String,
+        /// RabbitMQ management API base URL.
+        #[arg(
+            long,
+            env = "CONVEYOR_RABBITMQ_MANAGEMENT_URL",
+            default_value = "http://127.0.0.1:15672"
+        )]
+        management_url: String,
+        #[arg(long, env = "CONVEYOR_RABBITMQ_USER", default_value = "conveyor")]
+        management_user: String,
+        #[arg(
+            long,
+            env = "CONVEYOR_RABBITMQ_PASSWORD",
+            default_value = "conveyor",
+            hide_env_values = true
+        )]
+        management_password: Secret<String>,
         #[command(flatten)]
         database: DatabaseArgs,
         #[command(flatten)]
@@ -213,6 +243,29 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 "rows moved: {}  waiting tasks re-published: {}  dead-lettered tasks parked again: {}",
                 report.moved, report.requeued, report.parked
             );
+        }
+        Command::Grant {
+            secret,
+            management_url,
+            management_user,
+            management_password,
+            database,
+            amqp,
+        } => {
+            let Some(namespace) = &cli.namespace else {
+                bail!("give --namespace: the namespace whose workers get the credentials");
+            };
+            let direct = Direct::connect(database, amqp)?;
+            let vhost = grant::vhost_of(&amqp.connection_url())?;
+            let management = ManagementApi::new(
+                management_url,
+                management_user,
+                management_password.expose(),
+                &vhost,
+            );
+            let granted =
+                grant::grant(&direct, &management, &database.options().url, namespace).await?;
+            print!("{}", grant::secret_yaml(namespace, secret, &granted));
         }
         Command::StateAt {
             at,

@@ -507,7 +507,8 @@ pub async fn consume(
 }
 
 /// Whether `queue` exists: a passive declare, on a channel of its own (a missing queue
-/// closes the channel).
+/// closes the channel). RabbitMQ answers it whatever the user's permissions, so `true`
+/// does not mean the user may consume it.
 pub async fn queue_exists(conn: &Connection, queue: &str) -> AmqpResult<bool> {
     let channel = conn
         .create_channel()

@@ -130,6 +130,40 @@ impl ManagementApi {
         .map(drop)
     }
 
+    /// Creates a broker user or gives it a new password (no tags: it cannot use the
+    /// management API).
+    pub async fn put_user(&self, user: &str, password: &str) -> Result<(), ManagementError> {
+        let url = format!("{}/api/users/{}", self.base, encode(user));
+        let body = serde_json::json!({ "password": password, "tags": "" });
+        self.send(format!("user {user}"), self.http.put(url).json(&body))
+            .await
+            .map(drop)
+    }
+
+    /// What `user` may do in this vhost: regular expressions over resource names for
+    /// configure (declare, delete), write (publish to an exchange) and read (consume).
+    pub async fn put_permissions(
+        &self,
+        user: &str,
+        configure: &str,
+        write: &str,
+        read: &str,
+    ) -> Result<(), ManagementError> {
+        let url = format!(
+            "{}/api/permissions/{}/{}",
+            self.base,
+            encode(&self.vhost),
+            encode(user)
+        );
+        let body = serde_json::json!({ "configure": configure, "write": write, "read": read });
+        self.send(
+            format!("permissions of {user}"),
+            self.http.put(url).json(&body),
+        )
+        .await
+        .map(drop)
+    }
+
     /// Deletes a policy; a missing one is fine.
     pub async fn delete_policy(&self, name: &str) -> Result<(), ManagementError> {
         self.delete("policies", name).await

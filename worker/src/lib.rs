@@ -260,7 +260,11 @@ async fn consume(
                     if amqp::queue_exists(&conn, queue).await? {
                         present.push(queue.clone());
                     } else {
-                        tracing::warn!(queue, "queue missing (its TaskType deleted, or not declared yet); not consuming it");
+                        tracing::warn!(
+                            queue,
+                            "queue missing (its TaskType deleted, or not declared yet); not \
+                             consuming it"
+                        );
                     }
                 }
                 if present.is_empty() {

@@ -25,6 +25,7 @@ use crate::task::{NewTask, TaskEvent, TaskRecord};
 use TaskState::*;
 
 mod error;
+mod grants;
 mod partitions;
 mod reads;
 mod requeue;
@@ -32,6 +33,7 @@ mod sweep;
 mod tenancy;
 
 pub use error::{DbError, DbResult};
+pub use grants::TenantRole;
 use requeue::{advance, BackToWork, RetryBudget};
 pub use requeue::{PendingRequeue, Requeued};
 pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};

@@ -8,6 +8,7 @@ mod db_layer;
 mod degraded_mode;
 mod example_handlers;
 mod gateway_api;
+mod least_privilege;
 mod lifecycle_flows;
 mod outages;
 mod self_healing;

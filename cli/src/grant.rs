@@ -1,0 +1,109 @@
+//! `conveyorctl grant -n NS`: least-privilege credentials for one namespace's workers
+//! (decision 0013), printed as the `conveyor-connections` Secret their pods read, so that
+//! `conveyorctl grant -n video | kubectl apply -f -` is the one command.
+//!
+//! - PostgreSQL: role `conveyor-NS`, which reads and changes only NS's rows (row-level
+//!   security) and cannot insert or delete tasks.
+//! - RabbitMQ: user `conveyor-NS`, which may consume and declare only NS's queues
+//!   (`conveyor.NS.…`). Publishing goes through the default exchange, which RabbitMQ
+//!   authorizes per exchange, not per queue: it can put messages into other queues, which
+//!   their workers drop (their rows are not NS's), but it cannot read them.
+
+use anyhow::Context;
+use conveyor_core::db::TenantRole;
+use conveyor_operator::rabbitmq::ManagementApi;
+use reqwest::Url;
+
+use crate::Direct;
+
+/// The workers' connection URLs for one namespace.
+pub struct Granted {
+    pub database_url: String,
+    pub amqp_url: String,
+}
+
+pub async fn grant(
+    direct: &Direct,
+    management: &ManagementApi,
+    database_url: &str,
+    namespace: &str,
+) -> anyhow::Result<Granted> {
+    let role = TenantRole::new(namespace).map_err(anyhow::Error::msg)?;
+    direct
+        .db
+        .grant_tenant(&role)
+        .await
+        .context("creating the namespace's database role (the admin role needs CREATEROLE)")?;
+    let user = role.name();
+    management
+        .put_user(&user, role.password())
+        .await
+        .context("creating the namespace's broker user")?;
+    let own = format!(r"^conveyor\.{namespace}\.");
+    management
+        .put_permissions(
+            &user,
+            &own,
+            &format!(r"^(amq\.default|conveyor\.{namespace}\..*)$"),
+            &own,
+        )
+        .await
+        .context("setting the broker user's permissions")?;
+    Ok(Granted {
+        database_url: with_credentials(database_url, &user, role.password())?,
+        amqp_url: with_credentials(&direct.amqp_url, &user, role.password())?,
+    })
+}
+
+/// `url` with another user and password: the workers reach the same servers as the admin.
+fn with_credentials(url: &str, user: &str, password: &str) -> anyhow::Result<String> {
+    let mut url = Url::parse(url).context("the admin connection URL")?;
+    let scheme = url.scheme().to_owned();
+    let refused = || anyhow::anyhow!("cannot put credentials into a {scheme} URL");
+    url.set_username(user).map_err(|()| refused())?;
+    url.set_password(Some(password)).map_err(|()| refused())?;
+    Ok(url.to_string())
+}
+
+/// The vhost an AMQP URL names (`/%2f` is `/`; none is `/`).
+pub fn vhost_of(amqp_url: &str) -> anyhow::Result<String> {
+    let url = Url::parse(amqp_url).context("the AMQP URL")?;
+    let path = url.path().trim_start_matches('/');
+    Ok(if path.is_empty() {
+        "/".to_owned()
+    } else {
+        path.replace("%2f", "/").replace("%2F", "/")
+    })
+}
+
+/// The Secret the operator's pods read (`--connection-secret`, default
+/// `conveyor-connections`).
+pub fn secret_yaml(namespace: &str, name: &str, granted: &Granted) -> String {
+    format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
+         stringData:\n  database-url: {}\n  amqp-url: {}\n",
+        granted.database_url, granted.amqp_url
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_swapped_and_the_rest_kept() {
+        let url = with_credentials(
+            "postgres://conveyor:conveyor@db.example:5432/conveyor?sslmode=require",
+            "conveyor-video",
+            "abc123",
+        )
+        .unwrap();
+        assert_eq!(
+            url,
+            "postgres://conveyor-video:abc123@db.example:5432/conveyor?sslmode=require"
+        );
+        let amqp =
+            with_credentials("amqp://conveyor:conveyor@127.0.0.1:5672/%2f", "u", "p").unwrap();
+        assert_eq!(amqp, "amqp://u:p@127.0.0.1:5672/%2f");
+    }
+}
