@@ -149,6 +149,13 @@ impl NamedTaskType {
                 "task type name {local:?} must be 1-63 characters of a-z, 0-9, '-' or '_'"
             ));
         }
+        // `conveyor.<ns>.retry` is also the retry queue of a type keyed `<ns>` (a file's, or
+        // one from before tenancy): the queue suffixes are not names.
+        if RESERVED_NAMES.contains(&local) {
+            return Err(format!(
+                "task type name {local:?} is reserved (it names queues of other types)"
+            ));
+        }
         let tenant_ok = !self.tenant.is_empty()
             && self.tenant.len() <= 63
             && self
@@ -213,6 +220,9 @@ impl NamedTaskType {
 pub fn split_key(key: &str) -> (&str, &str) {
     key.split_once('.').unwrap_or((DEFAULT_TENANT, key))
 }
+
+/// Names a task type may not have: the suffixes of a type's queues.
+pub const RESERVED_NAMES: [&str; 2] = ["retry", "remediation"];
 
 /// The local name in a type key: what follows `<tenant>.`, or the whole key.
 pub fn local_name<'a>(key: &'a str, tenant: &str) -> &'a str {
@@ -374,6 +384,9 @@ mod tests {
             NamedTaskType::named("foo.retry"),
             NamedTaskType::in_namespace("video", "foo.retry", TaskTypeSpec::default()),
             NamedTaskType::in_namespace("Bad_NS", "x", TaskTypeSpec::default()),
+            // `conveyor.foo.retry` is type foo's retry queue.
+            NamedTaskType::in_namespace("foo", "retry", TaskTypeSpec::default()),
+            NamedTaskType::in_namespace("foo", "remediation", TaskTypeSpec::default()),
         ] {
             assert!(alias.validate_name().is_err(), "{alias:?}");
         }

@@ -91,6 +91,19 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
         return ApiError::too_many("too_many_requests", message, Duration::from_secs(1))
             .into_response();
     };
+    // A body that says its length is charged against the client's byte rate before a byte
+    // of it is read; one that does not is charged once read.
+    let declared = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if let Some(length) = declared {
+        if let Err(refused) = state.charge_bytes(&client, length) {
+            return refused.into_response();
+        }
+        request.extensions_mut().insert(BodyCharged);
+    }
     request.extensions_mut().insert(client);
     match tokio::time::timeout(state.limits.timeout, next.run(request)).await {
         Ok(response) => response,
@@ -106,6 +119,10 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
     }
 }
 
+/// The request's body was charged against its client's byte rate on admission.
+#[derive(Clone, Copy)]
+struct BodyCharged;
+
 impl ApiState {
     fn admit_one(&self, client: &Client) -> Option<OwnedSemaphorePermit> {
         let semaphore = {
@@ -117,9 +134,9 @@ impl ApiState {
         semaphore.try_acquire_owned().ok()
     }
 
-    /// Charges a body against its client's byte rate.
-    fn charge_bytes(&self, client: &Client, body: &Bytes) -> Result<(), ApiError> {
-        let size = body.len() as f64;
+    /// Charges `length` body bytes against the client's byte rate.
+    fn charge_bytes(&self, client: &Client, length: usize) -> Result<(), ApiError> {
+        let size = length as f64;
         let rate = self.limits.bytes_per_second;
         self.ingestor
             .limiter
@@ -202,11 +219,14 @@ struct SingleRequest {
 async fn submit_one(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
+    charged: Option<Extension<BodyCharged>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = read_body(body)?;
-    state.charge_bytes(&client, &body)?;
+    if charged.is_none() {
+        state.charge_bytes(&client, body.len())?;
+    }
     let key = idempotency_key(&headers)?;
     let request: SingleRequest = parse_json(&body)?;
     let submission = Submission {
@@ -245,10 +265,13 @@ enum BatchAnswer {
 async fn submit_batch(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
+    charged: Option<Extension<BodyCharged>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = read_body(body)?;
-    state.charge_bytes(&client, &body)?;
+    if charged.is_none() {
+        state.charge_bytes(&client, body.len())?;
+    }
     let request: BatchRequest = parse_json(&body)?;
     if request.tasks.is_empty() || request.tasks.len() > state.max_batch_tasks {
         return Err(ApiError::bad_request(

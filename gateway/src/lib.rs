@@ -183,11 +183,13 @@ pub async fn run(
             }
             db.ping().await.map_err(|e| format!("database: {e}"))?;
             if let Some(task_type) = probe_type {
+                // The broker must answer; a missing queue (one tenant's type being made or
+                // deleted) is that tenant's state, not the gateway's.
                 let queue = conveyor_core::amqp::QueueNames::of(&task_type).main;
-                observer
-                    .ready_count(&queue)
-                    .await
-                    .map_err(|e| format!("broker: {e}"))?;
+                match observer.ready_count(&queue).await {
+                    Ok(_) | Err(conveyor_core::amqp::AmqpError::NoQueue { .. }) => {}
+                    Err(e) => return Err(format!("broker: {e}")),
+                }
             }
             Ok(())
         })

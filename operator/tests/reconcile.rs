@@ -156,6 +156,53 @@ async fn a_new_task_type_gets_queues_policies_and_a_ready_status() {
 }
 
 #[tokio::test]
+async fn an_old_finalizer_on_an_aliasing_name_is_released_and_deletes_nothing() {
+    // TaskType `foo`'s retry queue is `conveyor.video.foo.retry`; a TaskType named
+    // `foo.retry` (given a finalizer by an operator from before names were checked) must not
+    // delete it.
+    let foo = testing::unique_type("op");
+    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
+    publisher.declare_task_type(&in_video(&foo)).await.unwrap();
+    let alias = format!("{foo}.retry");
+    let mut deleting = task_type(
+        &alias,
+        TaskTypeSpec {
+            deletion_policy: DeletionPolicy::Delete,
+            ..TaskTypeSpec::default()
+        },
+    );
+    deleting.metadata.finalizers = Some(vec![task_types::FINALIZER.into()]);
+    deleting.metadata.deletion_timestamp = Some(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(k8s_openapi::jiff::Timestamp::now()),
+    );
+    let object = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{alias}");
+    let (client, verifier) = api_server(vec![
+        expect(Method::POST, EVENTS, 201, json!({})),
+        expect(Method::PATCH, &object, 200, status_answer(&deleting)),
+    ]);
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(deleting), ctx.clone())
+        .await
+        .unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(seen[0].2["type"], "Warning");
+    assert!(
+        seen[0].2["note"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no queue is deleted"),
+        "{}",
+        seen[0].2
+    );
+    assert_eq!(seen[1].2["metadata"]["finalizers"], json!([]));
+    assert!(
+        ctx.management.depths(&in_video(&foo)).await.is_ok(),
+        "foo's queues, its retry queue among them, are still there"
+    );
+    testing::delete_queues(&in_video(&foo).name).await;
+}
+
+#[tokio::test]
 async fn delete_policy_adds_a_finalizer_and_deletion_removes_the_queues() {
     let name = testing::unique_type("op");
     let spec = TaskTypeSpec {

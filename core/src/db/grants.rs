@@ -12,16 +12,25 @@ pub struct TenantRole {
     password: String,
 }
 
+/// The longest namespace whose role name fits PostgreSQL's identifiers.
+pub const MAX_TENANT_FOR_ROLE: usize = 63 - "conveyor-".len();
+
 impl TenantRole {
     /// A role for `tenant` (a namespace name) with a fresh random password.
     pub fn new(tenant: &str) -> Result<TenantRole, String> {
         let valid = !tenant.is_empty()
-            && tenant.len() <= 50
             && tenant
                 .chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
         if !valid {
             return Err(format!("{tenant:?} is not a namespace name"));
+        }
+        // PostgreSQL cuts identifiers at 63 bytes: `conveyor-` leaves 54 for the name.
+        if tenant.len() > MAX_TENANT_FOR_ROLE {
+            return Err(format!(
+                "namespace {tenant:?} is longer than the {MAX_TENANT_FOR_ROLE} characters a \
+                 role name `conveyor-<namespace>` can hold"
+            ));
         }
         let password = format!(
             "{}{}",
@@ -45,8 +54,9 @@ impl TenantRole {
 }
 
 impl Db {
-    /// Creates the tenant's role (or gives it a new password): it may read and update the
-    /// tenant's tasks (claim, heartbeat, outcome, re-queue), read and append their audit
+    /// Creates the tenant's role (or gives it a new password): it may read the tenant's
+    /// tasks and update what a worker moves (claim, heartbeat, outcome, re-queue; not their
+    /// tenant, type, payload or key), read and append their audit
     /// rows, and mark the tenant's probes seen; it cannot insert or delete tasks, nor see
     /// another tenant's rows. Runs as the tables' owner, who needs CREATEROLE.
     pub async fn grant_tenant(&self, role: &TenantRole) -> DbResult<()> {
@@ -64,7 +74,11 @@ impl Db {
             ),
             format!("ALTER ROLE \"{name}\" LOGIN PASSWORD '{password}'"),
             format!("GRANT USAGE ON SCHEMA public TO \"{name}\""),
-            format!("GRANT SELECT, UPDATE ON tasks TO \"{name}\""),
+            // Only the columns a worker moves; never tenant, task_type, payload or key.
+            format!(
+                "GRANT SELECT, UPDATE (state, attempt, retries, owner, heartbeat_at, result, \
+                 error, updated_at, suspect) ON tasks TO \"{name}\""
+            ),
             format!("GRANT SELECT, INSERT ON task_events TO \"{name}\""),
             format!("GRANT USAGE ON SEQUENCE task_events_seq_seq TO \"{name}\""),
             format!("GRANT SELECT, UPDATE ON queue_probes TO \"{name}\""),
