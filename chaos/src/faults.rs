@@ -177,8 +177,18 @@ pub async fn inject(
                 .as_ref()
                 .context("the gateway's broker link goes through a proxy")?
                 .black_hole();
-            observe_for(observer, system, Duration::from_secs(2)).await;
-            let stranded = oracle::count_in(&system.db, &system.task_type, &["INGESTED"]).await;
+            // Until some submissions are recorded and stuck behind the silent link (however
+            // slow the machine), or half a minute.
+            let until = Instant::now() + Duration::from_secs(30);
+            let mut stranded = 0;
+            while stranded == 0 && Instant::now() < until {
+                observe_for(observer, system, SAMPLE_EVERY).await;
+                stranded = oracle::count_in(&system.db, &system.task_type, &["INGESTED"]).await;
+            }
+            // A moment more, so that the kill catches requests in flight, not only the first.
+            observe_for(observer, system, Duration::from_millis(500)).await;
+            let stranded =
+                stranded.max(oracle::count_in(&system.db, &system.task_type, &["INGESTED"]).await);
             eprintln!("chaos: gateway killed with {stranded} tasks recorded and unpublished");
             system.kill_gateway().await;
             if let Some(proxy) = &system.gateway_broker {
