@@ -12,7 +12,7 @@ use conveyor_core::amqp::Publisher;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret};
 use conveyor_core::db::Db;
 use conveyor_core::task::TaskEvent;
-use conveyor_operator::rabbitmq::ManagementApi;
+use conveyor_operator::rabbitmq::ManagementArgs;
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
@@ -60,6 +60,14 @@ impl Direct {
 }
 
 impl Cli {
+    /// --namespace, which this command needs: `what` says what it is for.
+    fn namespace(&self, what: &str) -> anyhow::Result<&str> {
+        match &self.namespace {
+            Some(namespace) => Ok(namespace),
+            None => bail!("give --namespace: {what}"),
+        }
+    }
+
     /// What the type's queues and rows are keyed by (`NamedTaskType::name`).
     fn type_key(&self, task_type: &str) -> String {
         match &self.namespace {
@@ -123,22 +131,8 @@ enum Command {
         /// Name of the Secret printed (the operator's --connection-secret).
         #[arg(long, default_value = "conveyor-connections")]
         secret: String,
-        /// RabbitMQ management API base URL.
-        #[arg(
-            long,
-            env = "CONVEYOR_RABBITMQ_MANAGEMENT_URL",
-            default_value = "http://127.0.0.1:15672"
-        )]
-        management_url: String,
-        #[arg(long, env = "CONVEYOR_RABBITMQ_USER", default_value = "conveyor")]
-        management_user: String,
-        #[arg(
-            long,
-            env = "CONVEYOR_RABBITMQ_PASSWORD",
-            default_value = "conveyor",
-            hide_env_values = true
-        )]
-        management_password: Secret<String>,
+        #[command(flatten)]
+        management: ManagementArgs,
         #[command(flatten)]
         database: DatabaseArgs,
         #[command(flatten)]
@@ -234,9 +228,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             database,
             amqp,
         } => {
-            let Some(namespace) = &cli.namespace else {
-                bail!("give --namespace: the namespace of the TaskType that adopts {task_type}");
-            };
+            let namespace = cli.namespace("the namespace of the TaskType that adopts it")?;
             let direct = Direct::connect(database, amqp)?;
             let report = adopt::adopt(&direct, task_type, namespace, by).await?;
             println!(
@@ -246,23 +238,13 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Command::Grant {
             secret,
-            management_url,
-            management_user,
-            management_password,
+            management,
             database,
             amqp,
         } => {
-            let Some(namespace) = &cli.namespace else {
-                bail!("give --namespace: the namespace whose workers get the credentials");
-            };
+            let namespace = cli.namespace("the namespace whose workers get the credentials")?;
             let direct = Direct::connect(database, amqp)?;
-            let vhost = grant::vhost_of(&amqp.connection_url())?;
-            let management = ManagementApi::new(
-                management_url,
-                management_user,
-                management_password.expose(),
-                &vhost,
-            );
+            let management = management.api(&grant::vhost_of(&amqp.connection_url())?);
             let granted =
                 grant::grant(&direct, &management, &database.options().url, namespace).await?;
             print!("{}", grant::secret_yaml(namespace, secret, &granted));

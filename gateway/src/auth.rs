@@ -128,6 +128,11 @@ impl Tokens {
             Credential::Digest(hex) => parse_digest(hex)
                 .ok_or_else(|| format!("client {name:?}: tokenSha256 must be 64 hex digits"))?,
         };
+        self.push(name, digest, tenants)
+    }
+
+    /// Adds a client by its token's digest, once its tenants are known to be valid.
+    fn push(&mut self, name: &str, digest: [u8; 32], tenants: &[&str]) -> Result<(), String> {
         let valid_tenant = |t: &&str| {
             *t == ALL_TENANTS
                 || (!t.is_empty()
@@ -155,7 +160,7 @@ impl Tokens {
             }
             return Ok(());
         }
-        self.add(name, Credential::Digest(&hex(&digest)), &[tenant])
+        self.push(name, digest, &[tenant])
     }
 
     pub fn merge(mut self, other: Tokens) -> Tokens {
@@ -218,10 +223,6 @@ pub fn sha256(token: &[u8]) -> [u8; 32] {
     Sha256::digest(token).into()
 }
 
-fn hex(digest: &[u8; 32]) -> String {
-    digest.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn parse_digest(hex: &str) -> Option<[u8; 32]> {
     let hex = hex.trim();
     if hex.len() != 64 || !hex.is_ascii() {
@@ -241,6 +242,10 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn hex(digest: &[u8; 32]) -> String {
+        digest.iter().map(|b| format!("{b:02x}")).collect()
+    }
 
     #[test]
     fn tokens_identify_clients_and_their_tenants() {

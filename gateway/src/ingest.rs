@@ -118,15 +118,17 @@ impl Ingestor {
     /// Checks one submission against its task type; bad input never reaches the database.
     fn prepare(&self, client: &Client, submission: Submission) -> Result<NewTask, ApiError> {
         let types = self.types.snapshot();
-        let outcome = resolve(&types, client, &submission)
-            .and_then(|known| self.check(client, known, &submission).map(|()| known));
+        let resolved = resolve(&types, client, &submission);
+        let outcome = resolved
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|&known| self.check(client, known, &submission).map(|()| known));
         let known = match outcome {
             Ok(known) => known,
             Err(err) => {
                 // Unknown types are labelled together so that clients cannot blow up label
                 // cardinality.
-                let label = resolve(&types, client, &submission)
-                    .map_or("unknown", |k| k.spec.name.as_str());
+                let label = resolved.map_or("unknown", |k| k.spec.name.as_str());
                 self.metrics
                     .submissions
                     .with_label_values(&[label, err.code])

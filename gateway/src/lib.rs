@@ -5,7 +5,7 @@
 pub mod api;
 pub mod auth;
 pub mod backpressure;
-pub mod client_tokens;
+pub mod cluster;
 pub mod error;
 pub mod ingest;
 pub mod rate_limit;
@@ -112,18 +112,14 @@ pub async fn run(
                 .context("listing TaskType resources")?;
             registry.replace(listed);
             declared.store(true, Ordering::Release);
-            let listed = client_tokens::list(client, &config.tokens)
+            let listed = cluster::list(client, &config.tokens)
                 .await
                 .context("listing ClientToken resources (are the CRDs of crds/ applied?)")?;
             tokens.replace(listed);
-            tokio::spawn(client_tokens::follow(
+            tokio::spawn(cluster::follow(
+                registry.clone(),
                 tokens.clone(),
                 config.tokens.clone(),
-                client.clone(),
-                *refresh,
-                shutdown.clone(),
-            ));
-            tokio::spawn(registry.clone().follow_cluster(
                 client.clone(),
                 *refresh,
                 shutdown.clone(),

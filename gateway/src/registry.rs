@@ -3,12 +3,10 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
 
 use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use kube::api::{Api, ListParams};
-use tokio_util::sync::CancellationToken;
 
 /// A task type with its compiled payload schema.
 pub struct KnownType {
@@ -65,28 +63,6 @@ impl Registry {
             }
         }
         *self.types.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(known);
-    }
-
-    /// Lists the TaskType resources every `interval` until `shutdown`. The first list must
-    /// succeed (the gateway cannot serve without it); later failures keep the last set.
-    pub async fn follow_cluster(
-        self: Arc<Self>,
-        client: kube::Client,
-        interval: Duration,
-        shutdown: CancellationToken,
-    ) {
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(interval) => {}
-            }
-            match list_cluster_types(&client).await {
-                Ok(types) => self.replace(types),
-                Err(err) => {
-                    tracing::warn!(error = %err, "cannot list TaskTypes; keeping the last set")
-                }
-            }
-        }
     }
 }
 

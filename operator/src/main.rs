@@ -9,13 +9,13 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::{Args as ClapArgs, Parser, Subcommand};
 use conveyor_core::amqp::Publisher;
-use conveyor_core::config::{AmqpArgs, Secret, TelemetryArgs};
+use conveyor_core::config::{AmqpArgs, TelemetryArgs};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_operator::build::ConnectionSecret;
 use conveyor_operator::context::{Context, OperatorMetrics};
 use conveyor_operator::error::Error;
 use conveyor_operator::leader::Leader;
-use conveyor_operator::rabbitmq::ManagementApi;
+use conveyor_operator::rabbitmq::ManagementArgs;
 use conveyor_operator::{task_types, worker_pools};
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -59,22 +59,8 @@ struct RunArgs {
     /// Lease duration in seconds.
     #[arg(long, env = "CONVEYOR_LEASE_SECONDS", default_value_t = 15)]
     lease_seconds: u64,
-    /// RabbitMQ management API base URL.
-    #[arg(
-        long,
-        env = "CONVEYOR_RABBITMQ_MANAGEMENT_URL",
-        default_value = "http://127.0.0.1:15672"
-    )]
-    management_url: String,
-    #[arg(long, env = "CONVEYOR_RABBITMQ_USER", default_value = "conveyor")]
-    management_user: String,
-    #[arg(
-        long,
-        env = "CONVEYOR_RABBITMQ_PASSWORD",
-        default_value = "conveyor",
-        hide_env_values = true
-    )]
-    management_password: Secret<String>,
+    #[command(flatten)]
+    management: ManagementArgs,
     /// Secret (in each pool's namespace) with the workers' database-url and amqp-url.
     #[arg(
         long,
@@ -178,12 +164,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let ctx = Arc::new(Context::new(
         client.clone(),
         Recorder::new(client.clone(), reporter),
-        ManagementApi::new(
-            &args.management_url,
-            &args.management_user,
-            args.management_password.expose(),
-            "/",
-        ),
+        args.management.api("/"),
         Publisher::new(
             args.amqp.connection_url(),
             "conveyor-operator",

@@ -60,6 +60,40 @@ struct Rate {
     rate: f64,
 }
 
+/// Where the management API is and who talks to it: the same flags for the operator and
+/// `conveyorctl grant`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ManagementArgs {
+    /// RabbitMQ management API base URL.
+    #[arg(
+        long,
+        env = "CONVEYOR_RABBITMQ_MANAGEMENT_URL",
+        default_value = "http://127.0.0.1:15672"
+    )]
+    pub management_url: String,
+    #[arg(long, env = "CONVEYOR_RABBITMQ_USER", default_value = "conveyor")]
+    pub management_user: String,
+    #[arg(
+        long,
+        env = "CONVEYOR_RABBITMQ_PASSWORD",
+        default_value = "conveyor",
+        hide_env_values = true
+    )]
+    pub management_password: conveyor_core::config::Secret<String>,
+}
+
+impl ManagementArgs {
+    /// A client for `vhost`.
+    pub fn api(&self, vhost: &str) -> ManagementApi {
+        ManagementApi::new(
+            &self.management_url,
+            &self.management_user,
+            self.management_password.expose(),
+            vhost,
+        )
+    }
+}
+
 /// A client of the management API for one vhost.
 #[derive(Clone)]
 pub struct ManagementApi {

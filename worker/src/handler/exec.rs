@@ -31,17 +31,22 @@ pub const PASSED_ENV: &[&str] = &[
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
 ];
 
-/// What a handler process inherits from the worker's environment.
-fn inherited() -> impl Iterator<Item = (String, String)> {
-    let listed = std::env::var("CONVEYOR_HANDLER_PASS_ENV").unwrap_or_default();
-    let extra: Vec<String> = listed
-        .split(',')
-        .map(str::trim)
-        .filter(|name| !name.is_empty() && !name.starts_with("CONVEYOR_"))
-        .map(str::to_owned)
-        .collect();
-    std::env::vars().filter(move |(name, _)| {
-        PASSED_ENV.contains(&name.as_str()) || extra.iter().any(|e| e == name)
+/// What a handler process inherits from the worker's environment, read once: the worker's
+/// environment does not change while it runs.
+fn inherited() -> &'static [(String, String)] {
+    static INHERITED: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+    INHERITED.get_or_init(|| {
+        let listed = std::env::var("CONVEYOR_HANDLER_PASS_ENV").unwrap_or_default();
+        let extra: Vec<&str> = listed
+            .split(',')
+            .map(str::trim)
+            .filter(|name| !name.is_empty() && !name.starts_with("CONVEYOR_"))
+            .collect();
+        std::env::vars()
+            .filter(|(name, _)| {
+                PASSED_ENV.contains(&name.as_str()) || extra.contains(&name.as_str())
+            })
+            .collect()
     })
 }
 
@@ -76,7 +81,7 @@ pub async fn run(
     let mut cmd = Command::new(command);
     cmd.args(args)
         .env_clear()
-        .envs(inherited())
+        .envs(inherited().iter().map(|(k, v)| (k, v)))
         .env("CONVEYOR_TASK_ID", task.id.to_string())
         .env("CONVEYOR_TASK_TYPE", local)
         .env("CONVEYOR_NAMESPACE", namespace)

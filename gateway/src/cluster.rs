@@ -1,6 +1,6 @@
-//! Client tokens from the cluster: the ClientToken resources of every namespace (digests
-//! only, so the gateway needs no access to Secrets), merged with the file's tokens and
-//! listed again every refresh.
+//! The gateway in a cluster: the TaskType and ClientToken resources of every namespace
+//! (ClientTokens hold digests only, so the gateway needs no access to Secrets), listed at
+//! start and again every refresh.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +11,7 @@ use kube::ResourceExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{TokenSet, Tokens};
+use crate::registry::{list_cluster_types, Registry};
 
 /// `fixed` (file and environment) and every ClientToken, each for its namespace. A
 /// malformed one is left out and logged; the rest serve.
@@ -29,10 +30,11 @@ pub async fn list(client: &kube::Client, fixed: &Tokens) -> Result<Tokens, kube:
     Ok(tokens)
 }
 
-/// Lists the ClientTokens every `interval` until `shutdown`; a failed list keeps the last
-/// set.
+/// Lists the TaskTypes and ClientTokens every `interval` until `shutdown`; a failed list
+/// keeps the last set of its kind. `fixed` are the tokens of the file and environment.
 pub async fn follow(
-    set: Arc<TokenSet>,
+    registry: Arc<Registry>,
+    tokens: Arc<TokenSet>,
     fixed: Tokens,
     client: kube::Client,
     interval: Duration,
@@ -43,8 +45,12 @@ pub async fn follow(
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
+        match list_cluster_types(&client).await {
+            Ok(types) => registry.replace(types),
+            Err(err) => tracing::warn!(error = %err, "cannot list TaskTypes; keeping the last set"),
+        }
         match list(&client, &fixed).await {
-            Ok(tokens) => set.replace(tokens),
+            Ok(listed) => tokens.replace(listed),
             Err(err) => {
                 tracing::warn!(error = %err, "cannot list ClientTokens; keeping the last set")
             }
