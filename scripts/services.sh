@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Brings RabbitMQ and PostgreSQL up on loopback for `make dev` and `make test`.
-# Idempotent: installs from Debian packages only when missing, starts only what is stopped,
-# creates users and the database only when absent. `services.sh down` stops both.
+# Brings RabbitMQ and PostgreSQL up on loopback, TLS only, for `make dev` and `make test`.
+# Idempotent: installs from Debian packages only when missing, makes the dev CA and certificate
+# only when absent or expiring, rewrites the config on every run and restarts a service only
+# when its config changed, creates users and the database only when absent.
+# `services.sh down` stops both.
 set -euo pipefail
 
 AMQP_USER=${CONVEYOR_AMQP_USER:-conveyor}
@@ -9,12 +11,33 @@ AMQP_PASSWORD=${CONVEYOR_AMQP_PASSWORD:-conveyor}
 PG_USER=${CONVEYOR_PG_USER:-conveyor}
 PG_PASSWORD=${CONVEYOR_PG_PASSWORD:-conveyor}
 PG_DATABASE=${CONVEYOR_PG_DATABASE:-conveyor}
+# Fixed path: clients and tests find the CA here without anything exported.
+TLS_DIR=/etc/conveyor/dev-tls
 
 # rabbitmqctl starts epmd when none runs: keep it on loopback too.
 export ERL_EPMD_ADDRESS=127.0.0.1
 
 log() { printf 'services: %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Runs a chatty command, showing its output only when it fails.
+quiet() { local out; out=$("$@" 2>&1) || { printf '%s\n' "$out" >&2; return 1; }; }
+
+# Installs stdin as $1 with owner:group $2 and mode $3 unless it is already exactly that, and
+# then sets changed=1 so the caller knows to restart. (A global, not the exit status: set -e
+# does not apply inside a function called as a condition.)
+changed=""
+put_file() {
+  cat >"$work/put"
+  if as_root cmp -s "$work/put" "$1" && [ "$(as_root stat -c '%U:%G %a' "$1")" = "$2 $3" ]; then
+    return 0
+  fi
+  as_root install -o "${2%:*}" -g "${2#*:}" -m "$3" "$work/put" "$1"
+  changed=1
+}
 
 apt_updated=""
 install_packages() {
@@ -27,9 +50,69 @@ install_packages() {
   as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
+tls_up() {
+  install_packages openssl
+  as_root mkdir -p "$TLS_DIR"
+  if ! as_root test -s "$TLS_DIR/ca.key" || ! as_root test -s "$TLS_DIR/ca.crt"; then
+    log "making the dev CA $TLS_DIR/ca.crt"
+    cat >"$work/ca.cnf" <<'CNF'
+[req]
+distinguished_name = dn
+x509_extensions = v3_ca
+[dn]
+[v3_ca]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+CNF
+    # umask: the CA key is never readable by anyone but root, not even for a moment.
+    as_root sh -c 'umask 077 && openssl genpkey -quiet -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$1"' \
+      sh "$TLS_DIR/ca.key"
+    as_root openssl req -x509 -new -key "$TLS_DIR/ca.key" -subj "/CN=Conveyor dev CA" -days 3650 -sha256 \
+      -config "$work/ca.cnf" -out "$TLS_DIR/ca.crt"
+    as_root chmod 600 "$TLS_DIR/ca.key"
+    as_root chmod 644 "$TLS_DIR/ca.crt"
+    as_root rm -f "$TLS_DIR/server.crt"
+  fi
+  # 0644: a dev-only key for loopback, which the test suite's gateway also serves with (as the
+  # user running the tests). The services get their own copies with the modes they insist on.
+  if ! as_root test -s "$TLS_DIR/server.key"; then
+    as_root openssl genpkey -quiet -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$TLS_DIR/server.key"
+    as_root chmod 644 "$TLS_DIR/server.key"
+    as_root rm -f "$TLS_DIR/server.crt"
+  fi
+  # Re-issue when missing, within 30 days of expiry, or not signed by the current CA.
+  if ! as_root openssl x509 -checkend $((30 * 86400)) -noout -in "$TLS_DIR/server.crt" >/dev/null 2>&1 ||
+    ! as_root openssl verify -CAfile "$TLS_DIR/ca.crt" "$TLS_DIR/server.crt" >/dev/null 2>&1; then
+    log "issuing the loopback server certificate $TLS_DIR/server.crt"
+    # v3 end-entity with a SAN and CA:FALSE: rustls/webpki refuse v1 or CA certs as servers.
+    cat >"$work/server.ext" <<'EXT'
+[v3_server]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1, DNS:localhost
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid
+EXT
+    as_root openssl req -new -key "$TLS_DIR/server.key" -subj "/CN=localhost" -out "$work/server.csr"
+    quiet as_root openssl x509 -req -in "$work/server.csr" -CA "$TLS_DIR/ca.crt" -CAkey "$TLS_DIR/ca.key" \
+      -set_serial "0x$(openssl rand -hex 16)" -days 730 -sha256 \
+      -extfile "$work/server.ext" -extensions v3_server -out "$TLS_DIR/server.crt"
+    as_root chmod 644 "$TLS_DIR/server.crt"
+  fi
+}
+
 rabbit_configure() {
+  # No rabbitmq user before the package is installed; the call after installing fixes owners.
+  local owner=rabbitmq:rabbitmq
+  id -u rabbitmq >/dev/null 2>&1 || owner=root:root
+  as_root mkdir -p /etc/rabbitmq/tls
+  put_file /etc/rabbitmq/tls/ca.crt "$owner" 644 <"$TLS_DIR/ca.crt"
+  put_file /etc/rabbitmq/tls/server.crt "$owner" 644 <"$TLS_DIR/server.crt"
+  put_file /etc/rabbitmq/tls/server.key "$owner" 600 <"$TLS_DIR/server.key"
   # Loopback only: the AMQP listener, the management API and epmd.
-  as_root tee /etc/rabbitmq/rabbitmq-env.conf >/dev/null <<'CONF'
+  put_file /etc/rabbitmq/rabbitmq-env.conf root:root 644 <<'CONF'
 NODENAME=rabbit@localhost
 NODE_IP_ADDRESS=127.0.0.1
 export ERL_EPMD_ADDRESS=127.0.0.1
@@ -39,27 +122,57 @@ SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
 # never answered), so take the hard limit.
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 CONF
-  as_root tee /etc/rabbitmq/rabbitmq.conf >/dev/null <<'CONF'
-listeners.tcp.default = 127.0.0.1:5672
-management.tcp.ip = 127.0.0.1
-management.tcp.port = 15672
+  # TLS only: AMQPS on 5671 and the management API over HTTPS on 15671; no plaintext listener
+  # (management opens its default 15672 only when no management.ssl.* is set). No client
+  # certificates: users log in with a password.
+  put_file /etc/rabbitmq/rabbitmq.conf root:root 644 <<'CONF'
+listeners.tcp = none
+listeners.ssl.default = 127.0.0.1:5671
+ssl_options.cacertfile = /etc/rabbitmq/tls/ca.crt
+ssl_options.certfile = /etc/rabbitmq/tls/server.crt
+ssl_options.keyfile = /etc/rabbitmq/tls/server.key
+ssl_options.verify = verify_none
+ssl_options.fail_if_no_peer_cert = false
+ssl_options.versions.1 = tlsv1.3
+ssl_options.versions.2 = tlsv1.2
+management.ssl.ip = 127.0.0.1
+management.ssl.port = 15671
+management.ssl.cacertfile = /etc/rabbitmq/tls/ca.crt
+management.ssl.certfile = /etc/rabbitmq/tls/server.crt
+management.ssl.keyfile = /etc/rabbitmq/tls/server.key
+management.ssl.versions.1 = tlsv1.3
+management.ssl.versions.2 = tlsv1.2
 CONF
-  echo '[rabbitmq_management].' | as_root tee /etc/rabbitmq/enabled_plugins >/dev/null
+  # The broker rewrites this file as its own user when plugins change.
+  put_file /etc/rabbitmq/enabled_plugins "$owner" 644 <<<'[rabbitmq_management].'
 }
 
 rabbit_running() { as_root rabbitmqctl -q status >/dev/null 2>&1; }
 
+# shutdown, not stop: it waits for the VM to exit, so a start right after does not find the
+# node name still taken.
+rabbit_stop() { as_root rabbitmqctl -q shutdown >/dev/null || true; }
+
+rabbit_start() {
+  as_root env ERL_EPMD_ADDRESS=127.0.0.1 sh -c 'nohup rabbitmq-server >/var/log/rabbitmq/conveyor-start.log 2>&1 &'
+  for _ in $(seq 1 120); do rabbit_running && break; sleep 1; done
+  as_root rabbitmqctl -q await_startup >/dev/null
+}
+
 rabbit_up() {
   # Configure before installing: on a machine with systemd the package starts the broker
-  # right away, and it must come up on loopback with the management API.
+  # right away, and it must come up on loopback with TLS only.
   dpkg -s rabbitmq-server >/dev/null 2>&1 || { as_root mkdir -p /etc/rabbitmq; rabbit_configure; }
   install_packages rabbitmq-server
+  changed=""
+  rabbit_configure
   if ! rabbit_running; then
-    rabbit_configure
     log "starting RabbitMQ"
-    as_root env ERL_EPMD_ADDRESS=127.0.0.1 sh -c 'nohup rabbitmq-server >/var/log/rabbitmq/conveyor-start.log 2>&1 &'
-    for _ in $(seq 1 120); do rabbit_running && break; sleep 1; done
-    as_root rabbitmqctl -q await_startup >/dev/null
+    rabbit_start
+  elif [ -n "$changed" ]; then
+    log "restarting RabbitMQ for its new config"
+    rabbit_stop
+    rabbit_start
   fi
   if ! as_root rabbitmqctl -q list_users | awk '{print $1}' | grep -qx "$AMQP_USER"; then
     log "creating RabbitMQ user $AMQP_USER"
@@ -74,23 +187,51 @@ pg_version() { ls /usr/lib/postgresql 2>/dev/null | sort -n | tail -1; }
 pg_up() {
   install_packages postgresql postgresql-contrib
   local ver; ver=$(pg_version)
+  local etc=/etc/postgresql/$ver/main
   if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$ver main"; then
     as_root pg_createcluster "$ver" main >/dev/null
   fi
-  if ! pg_lsclusters -h | awk '$1=="'"$ver"'" && $2=="main" {print $4}' | grep -qx online; then
-    log "starting PostgreSQL $ver"
-    # Loopback only, and enough connections for parallel tests with a database each.
-    as_root tee "/etc/postgresql/$ver/main/conf.d/conveyor.conf" >/dev/null <<'CONF'
+  changed=""
+  # PostgreSQL refuses a key that group or others can read.
+  put_file "$etc/conveyor-server.crt" postgres:postgres 644 <"$TLS_DIR/server.crt"
+  put_file "$etc/conveyor-server.key" postgres:postgres 600 <"$TLS_DIR/server.key"
+  # Loopback only, TLS only, and enough connections for parallel tests with a database each.
+  put_file "$etc/conf.d/conveyor.conf" postgres:postgres 644 <<CONF
 listen_addresses = '127.0.0.1'
 max_connections = 400
 idle_in_transaction_session_timeout = '60s'
+ssl = on
+ssl_cert_file = '$etc/conveyor-server.crt'
+ssl_key_file = '$etc/conveyor-server.key'
+ssl_min_protocol_version = 'TLSv1.2'
 CONF
+  # Our dev cluster, so the whole file: peer on the socket (for `runuser -u postgres -- psql`),
+  # passwords over TLS on loopback TCP, and any TCP connection without TLS refused outright.
+  put_file "$etc/pg_hba.conf" postgres:postgres 640 <<'CONF'
+# Written by scripts/services.sh.
+local     all  postgres                peer
+local     all  all                     peer
+hostssl   all  all       127.0.0.1/32  scram-sha-256
+hostnossl all  all       all           reject
+CONF
+  if ! pg_lsclusters -h | awk '$1=="'"$ver"'" && $2=="main" {print $4}' | grep -qx online; then
+    log "starting PostgreSQL $ver"
     as_root pg_ctlcluster "$ver" main start
+  elif [ -n "$changed" ]; then
+    log "restarting PostgreSQL $ver for its new config"
+    as_root pg_ctlcluster "$ver" main restart
   fi
   local psql=(as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_roles WHERE rolname='$PG_USER'")" ]; then
     log "creating PostgreSQL role $PG_USER"
     "${psql[@]}" -c "CREATE ROLE $PG_USER LOGIN CREATEDB CREATEROLE PASSWORD '$PG_PASSWORD'"
+  fi
+  # scram-sha-256 in pg_hba.conf admits only SCRAM verifiers: re-set a password stored as md5
+  # (or never set) by an older setup.
+  if [ -n "$("${psql[@]}" -c "SELECT 1 FROM pg_authid WHERE rolname='$PG_USER'
+      AND (rolpassword IS NULL OR rolpassword NOT LIKE 'SCRAM-SHA-256\$%')")" ]; then
+    log "storing the password of PostgreSQL role $PG_USER as SCRAM"
+    "${psql[@]}" -c "SET password_encryption = 'scram-sha-256'" -c "ALTER ROLE $PG_USER PASSWORD '$PG_PASSWORD'"
   fi
   # CREATEROLE: `conveyorctl grant` makes each namespace's least-privilege role.
   "${psql[@]}" -c "ALTER ROLE $PG_USER CREATEROLE"
@@ -101,14 +242,20 @@ CONF
 }
 
 down() {
-  rabbit_running && { log "stopping RabbitMQ"; as_root rabbitmqctl -q stop >/dev/null || true; }
+  rabbit_running && { log "stopping RabbitMQ"; rabbit_stop; }
   local ver; ver=$(pg_version)
   [ -n "$ver" ] && as_root pg_ctlcluster "$ver" main stop 2>/dev/null && log "stopped PostgreSQL" || true
 }
 
 case "${1:-up}" in
   # jq: the example handlers (and their tests) read payloads with it.
-  up) install_packages jq; pg_up; rabbit_up; log "PostgreSQL on 127.0.0.1:5432, RabbitMQ on 127.0.0.1:5672 (management :15672)";;
+  up)
+    install_packages jq
+    tls_up
+    pg_up
+    rabbit_up
+    log "PostgreSQL on 127.0.0.1:5432 (TLS only), RabbitMQ on 127.0.0.1:5671 (AMQPS; management https://127.0.0.1:15671), CA $TLS_DIR/ca.crt"
+    ;;
   down) down;;
   *) echo "usage: $0 [up|down]" >&2; exit 2;;
 esac

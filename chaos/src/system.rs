@@ -55,6 +55,8 @@ pub struct System {
     pub task_type: String,
     gateway_port: u16,
     pub gateway_url: String,
+    /// The gateway's /readyz and /metrics.
+    gateway_admin: String,
     /// The suite's own connection (application_name conveyor-chaos, spared by faults).
     pub db: Db,
     pub database: String,
@@ -72,8 +74,7 @@ pub struct System {
     pub worker_database: Option<Proxy>,
 }
 
-const BROKER: &str = "127.0.0.1:5672";
-const DATABASE: &str = "127.0.0.1:5432";
+use testing::{BROKER_ADDRESS as BROKER, DATABASE_ADDRESS as DATABASE};
 
 impl System {
     pub async fn start(
@@ -86,7 +87,7 @@ impl System {
         let database = test_db.name.clone();
         test_db.db.pool().close().await;
         let db_url = test_db.url.clone();
-        let own_url = format!("{db_url}?application_name=conveyor-chaos");
+        let own_url = testing::with_param(&db_url, "application_name", "conveyor-chaos");
         let db = Db::connect(&DbOptions::new(&own_url))?;
         let task_type = testing::unique_type(&format!("chaos-{scenario}"));
         let logs = logs.join(scenario);
@@ -115,8 +116,10 @@ impl System {
 
         let port = free_port();
         let gateway_url = format!("http://127.0.0.1:{port}");
+        let gateway_admin = format!("127.0.0.1:{}", free_port());
         let gateway = spawn_gateway(
             port,
+            &gateway_admin,
             &types_file,
             &db_url,
             &amqp_url(gateway_broker.as_ref()),
@@ -126,6 +129,7 @@ impl System {
             task_type,
             gateway_port: port,
             gateway_url,
+            gateway_admin,
             db,
             database,
             db_url,
@@ -154,7 +158,7 @@ impl System {
     /// (delivery limit, length limit, TTL cap), put the same way.
     async fn put_policies(&self) -> anyhow::Result<()> {
         let spec = self.spec()?;
-        let http = reqwest::Client::new();
+        let http = testing::http_client();
         for policy in task_type_policies(&spec) {
             let url = format!(
                 "{}/api/policies/%2f/{}",
@@ -181,7 +185,7 @@ impl System {
     }
 
     async fn delete_policies(&self) {
-        let http = reqwest::Client::new();
+        let http = testing::http_client();
         for queue in [
             QueueNames::of(&self.task_type).main,
             QueueNames::of(&self.task_type).retry,
@@ -200,6 +204,7 @@ impl System {
     pub async fn restart_gateway(&mut self) -> anyhow::Result<()> {
         self.gateway = spawn_gateway(
             self.gateway_port,
+            &self.gateway_admin,
             &self.types_file,
             &self.db_url,
             &amqp_url(self.gateway_broker.as_ref()),
@@ -212,7 +217,7 @@ impl System {
         let http = reqwest::Client::new();
         for _ in 0..200 {
             let ready = http
-                .get(format!("{}/readyz", self.gateway_url))
+                .get(format!("http://{}/readyz", self.gateway_admin))
                 .send()
                 .await
                 .is_ok_and(|r| r.status().is_success());
@@ -246,9 +251,7 @@ impl System {
             None
         };
         let database_url = match &self.worker_database {
-            Some(proxy) => self
-                .db_url
-                .replacen(":5432/", &format!(":{}/", proxy.port), 1),
+            Some(proxy) => testing::via_port(&self.db_url, DATABASE, proxy.port),
             None => self.db_url.clone(),
         };
         let child = Command::new(binary("conveyor-worker"))
@@ -355,6 +358,7 @@ impl System {
 /// The gateway, with upkeep on the suite's time scale: probes every 2 s, seen-for 1 s.
 fn spawn_gateway(
     port: u16,
+    admin: &str,
     types_file: &Path,
     db_url: &str,
     amqp_url: &str,
@@ -362,6 +366,7 @@ fn spawn_gateway(
 ) -> anyhow::Result<Child> {
     Command::new(binary("conveyor-gateway"))
         .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--admin-listen", admin])
         .arg("--task-types")
         .arg(types_file)
         .args(["--tokens", &format!("chaos={TOKEN}")])
@@ -384,7 +389,7 @@ fn spawn_gateway(
 
 fn amqp_url(proxy: Option<&Proxy>) -> String {
     match proxy {
-        Some(proxy) => format!("amqp://conveyor:conveyor@127.0.0.1:{}/%2f", proxy.port),
+        Some(proxy) => testing::via_port(&testing::amqp_url(), BROKER, proxy.port),
         None => testing::amqp_url(),
     }
 }

@@ -12,6 +12,7 @@ use conveyor_core::amqp::Publisher;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret};
 use conveyor_core::db::Db;
 use conveyor_core::task::TaskEvent;
+use conveyor_core::tls::CaArgs;
 use conveyor_operator::rabbitmq::ManagementArgs;
 use uuid::Uuid;
 
@@ -38,6 +39,8 @@ struct Cli {
     /// it out for task types from a file (tenant `default`).
     #[arg(long, short = 'n', global = true, env = "CONVEYOR_NAMESPACE")]
     namespace: Option<String>,
+    #[command(flatten)]
+    ca: CaArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -244,7 +247,8 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         } => {
             let namespace = cli.namespace("the namespace whose workers get the credentials")?;
             let direct = Direct::connect(database, amqp)?;
-            let management = management.api(&grant::vhost_of(&amqp.connection_url())?);
+            let roots = cli.ca.roots()?;
+            let management = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots);
             let granted =
                 grant::grant(&direct, &management, &database.options().url, namespace).await?;
             print!("{}", grant::secret_yaml(namespace, secret, &granted));
@@ -304,7 +308,10 @@ fn http(cli: &Cli) -> anyhow::Result<reqwest::Client> {
         value.set_sensitive(true);
         headers.insert(reqwest::header::AUTHORIZATION, value);
     }
-    Ok(reqwest::Client::builder()
+    Ok(cli
+        .ca
+        .roots()?
+        .client_builder()
         .default_headers(headers)
         .build()?)
 }

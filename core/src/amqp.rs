@@ -25,8 +25,11 @@ use crate::task_type::NamedTaskType;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
-    #[error("broker unavailable")]
-    Unavailable(#[source] lapin::Error),
+    #[error("broker unavailable: {0}")]
+    Unavailable(lapin::Error),
+    /// The URL's TLS settings cannot be used (its `cacertfile`).
+    #[error("{0}")]
+    Tls(String),
     #[error("queue {queue} does not exist (declare the task type first)")]
     NoQueue { queue: String },
     #[error("broker refused the publish (nack)")]
@@ -48,6 +51,7 @@ impl AmqpError {
     pub fn category(&self) -> &'static str {
         match self {
             AmqpError::Unavailable(_) => "unavailable",
+            AmqpError::Tls(_) => "tls_settings",
             AmqpError::NoQueue { .. } => "no_queue",
             AmqpError::Nacked => "nacked",
             AmqpError::ConfirmTimeout(_) => "confirm_timeout",
@@ -118,13 +122,18 @@ pub fn with_heartbeat(url: &str, seconds: u16) -> String {
 }
 
 /// Opens a connection driven by the tokio runtime. `name` shows in the broker's
-/// connection list (and lets tests find and cut a given process's connection).
+/// connection list (and lets tests find and cut a given process's connection). An
+/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect.
 pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
     let properties = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
         .with_connection_name(name.into());
-    Connection::connect(url, properties)
+    let tls = lapin::tcp::OwnedTLSConfig {
+        identity: None,
+        cert_chain: crate::tls::amqp_ca(url).map_err(|e| AmqpError::Tls(e.to_string()))?,
+    };
+    Connection::connect_with_config(url, properties, tls)
         .await
         .map_err(AmqpError::Unavailable)
 }
@@ -466,6 +475,7 @@ fn clone_error(err: &AmqpError) -> AmqpError {
             source: source.clone(),
         },
         AmqpError::Encode(_) => AmqpError::Nacked,
+        AmqpError::Tls(e) => AmqpError::Tls(e.clone()),
     }
 }
 

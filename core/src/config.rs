@@ -39,6 +39,15 @@ impl std::str::FromStr for Secret<String> {
     }
 }
 
+/// The CA `scripts/services.sh` makes for the local services, which speak TLS only.
+pub const DEV_CA: &str = "/etc/conveyor/dev-tls/ca.crt";
+/// The local database, verified against [`DEV_CA`] (libpq's parameters).
+pub const DEV_DATABASE_URL: &str = "postgres://conveyor:conveyor@127.0.0.1:5432/conveyor\
+     ?sslmode=verify-full&sslrootcert=/etc/conveyor/dev-tls/ca.crt";
+/// The local broker over AMQPS, verified against [`DEV_CA`].
+pub const DEV_AMQP_URL: &str =
+    "amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=/etc/conveyor/dev-tls/ca.crt";
+
 /// Where the task database is.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
@@ -47,7 +56,7 @@ pub struct DatabaseArgs {
         id = "database_url",
         long = "database-url",
         env = "CONVEYOR_DATABASE_URL",
-        default_value = "postgres://conveyor:conveyor@127.0.0.1:5432/conveyor"
+        default_value = DEV_DATABASE_URL
     )]
     pub url: Secret<String>,
     /// Connections in the pool.
@@ -87,7 +96,7 @@ pub struct AmqpArgs {
         id = "amqp_url",
         long = "amqp-url",
         env = "CONVEYOR_AMQP_URL",
-        default_value = "amqp://conveyor:conveyor@127.0.0.1:5672/%2f"
+        default_value = DEV_AMQP_URL
     )]
     pub url: Secret<String>,
     /// Longest wait for a publisher confirm before the publish counts as failed.

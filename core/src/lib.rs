@@ -15,6 +15,7 @@ pub mod task;
 pub mod task_type;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
 pub mod upkeep;
 
 pub use lifecycle::TaskState;

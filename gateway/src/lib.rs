@@ -10,8 +10,10 @@ pub mod error;
 pub mod ingest;
 pub mod rate_limit;
 pub mod registry;
+pub mod tls;
 pub mod upkeep;
 
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,12 +68,22 @@ pub struct GatewayConfig {
     /// The upkeep loop (reaper, orphan sweeper, audit partitions); `None` runs none, for a
     /// gateway beside others that do.
     pub upkeep: Option<upkeep::UpkeepConfig>,
+    /// Serve the API over TLS with this certificate; `None` serves plain HTTP (behind a
+    /// TLS-terminating Ingress, or on loopback).
+    pub tls: Option<tls::TlsFiles>,
 }
 
-/// Serves the gateway on `listener` until `shutdown`, then drains in-flight requests.
+/// Where the gateway answers: the API, and apart from it `/metrics`, `/healthz` and
+/// `/readyz`, which clients of the API have no business reaching.
+pub struct Listeners {
+    pub api: TcpListener,
+    pub admin: TcpListener,
+}
+
+/// Serves the gateway on `listeners` until `shutdown`, then drains in-flight requests.
 pub async fn run(
     config: GatewayConfig,
-    listener: TcpListener,
+    listeners: Listeners,
     metrics: Metrics,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
@@ -80,6 +92,13 @@ pub async fn run(
         anyhow::bail!("no client tokens configured (--tokens-file or CONVEYOR_GATEWAY_TOKENS)");
     }
     let tokens = Arc::new(TokenSet::new(config.tokens.clone()));
+    // Before anything connects: an unusable certificate is a configuration error.
+    let tls = config
+        .tls
+        .clone()
+        .map(|files| tls::ServerTls::start(files, shutdown.clone()))
+        .transpose()
+        .context("gateway TLS settings")?;
     let db = Db::connect(&config.database).context("database settings")?;
     if config.migrate {
         db.migrate().await.context("migrating the task database")?;
@@ -190,13 +209,31 @@ pub async fn run(
             Ok(())
         })
     });
-    let app = api::router(state, config.max_body_bytes, config.max_batch_bytes)
-        .merge(admin::router(metrics.registry.clone(), ready));
-    tracing::info!(addr = ?listener.local_addr().ok(), "gateway listening");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await
-        .context("serving HTTP")?;
+    let api = api::router(state, config.max_body_bytes, config.max_batch_bytes);
+    let admin = admin::router(metrics.registry.clone(), ready);
+    tracing::info!(api = ?listeners.api.local_addr().ok(), tls = tls.is_some(),
+        admin = ?listeners.admin.local_addr().ok(), "gateway listening");
+    let serve_admin = axum::serve(listeners.admin, admin)
+        .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+        .into_future();
+    let serve_api = async {
+        match &tls {
+            Some(tls) => {
+                let listener = tls.listen(listeners.api).context("TLS listener")?;
+                axum::serve(listener, api)
+                    .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+                    .await
+            }
+            None => {
+                axum::serve(listeners.api, api)
+                    .with_graceful_shutdown(shutdown.clone().cancelled_owned())
+                    .await
+            }
+        }
+        .context("serving the API")
+    };
+    let serve_admin = async { serve_admin.await.context("serving the admin routes") };
+    tokio::try_join!(serve_api, serve_admin)?;
     Ok(())
 }
 

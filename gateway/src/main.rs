@@ -10,21 +10,51 @@ use conveyor_core::upkeep::SweepSettings;
 use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
+use conveyor_gateway::tls::TlsFiles;
 use conveyor_gateway::upkeep::UpkeepConfig;
-use conveyor_gateway::{GatewayConfig, TaskTypeSource};
+use conveyor_gateway::{GatewayConfig, Listeners, TaskTypeSource};
 use tokio_util::sync::CancellationToken;
 
 /// Conveyor API gateway and task ingestor.
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-gateway", version)]
 struct Args {
-    /// Address to serve the API, /metrics and health on.
+    /// Address to serve the API on.
     #[arg(
         long,
         env = "CONVEYOR_GATEWAY_LISTEN",
         default_value = "127.0.0.1:8080"
     )]
     listen: String,
+    /// Address to serve /metrics, /healthz and /readyz on (never on the API's port).
+    #[arg(
+        long,
+        env = "CONVEYOR_GATEWAY_ADMIN_LISTEN",
+        default_value = "127.0.0.1:9091"
+    )]
+    admin_listen: String,
+    /// PEM certificate chain to serve the API over HTTPS with (needs --tls-key-file).
+    /// Re-read when it changes, without a restart.
+    #[arg(
+        long,
+        env = "CONVEYOR_GATEWAY_TLS_CERT_FILE",
+        requires = "tls_key_file"
+    )]
+    tls_cert_file: Option<PathBuf>,
+    /// PEM private key of --tls-cert-file.
+    #[arg(
+        long,
+        env = "CONVEYOR_GATEWAY_TLS_KEY_FILE",
+        requires = "tls_cert_file"
+    )]
+    tls_key_file: Option<PathBuf>,
+    /// How often the certificate files are checked for a replacement, in seconds.
+    #[arg(
+        long,
+        env = "CONVEYOR_GATEWAY_TLS_RELOAD_SECONDS",
+        default_value_t = 10
+    )]
+    tls_reload_seconds: u64,
     /// YAML file with the task types (`taskTypes: [...]`).
     #[arg(
         long,
@@ -167,11 +197,27 @@ async fn main() -> anyhow::Result<()> {
         depth_interval: Duration::from_millis(args.depth_interval_ms.max(50)),
         migrate: !args.no_migrate,
         upkeep: (!args.no_upkeep).then(|| upkeep_config(&args)),
+        tls: args
+            .tls_cert_file
+            .clone()
+            .zip(args.tls_key_file.clone())
+            .map(|(cert, key)| TlsFiles {
+                cert,
+                key,
+                reload_every: Duration::from_secs(args.tls_reload_seconds.max(1)),
+            }),
     };
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let listeners = Listeners {
+        api: bind(&args.listen).await?,
+        admin: bind(&args.admin_listen).await?,
+    };
     let shutdown = CancellationToken::new();
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
-    conveyor_gateway::run(config, listener, Metrics::new(), shutdown).await
+    conveyor_gateway::run(config, listeners, Metrics::new(), shutdown).await
+}
+
+async fn bind(address: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(address)
+        .await
+        .with_context(|| format!("cannot listen on {address}"))
 }

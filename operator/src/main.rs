@@ -61,6 +61,8 @@ struct RunArgs {
     lease_seconds: u64,
     #[command(flatten)]
     management: ManagementArgs,
+    #[command(flatten)]
+    ca: conveyor_core::tls::CaArgs,
     /// Secret (in each pool's namespace) with the workers' database-url and amqp-url.
     #[arg(
         long,
@@ -164,7 +166,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let ctx = Arc::new(Context::new(
         client.clone(),
         Recorder::new(client.clone(), reporter),
-        args.management.api("/"),
+        args.management
+            .api("/", &args.ca.roots().context("--ca-file")?),
         Publisher::new(
             args.amqp.connection_url(),
             "conveyor-operator",

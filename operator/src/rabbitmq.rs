@@ -7,6 +7,7 @@ use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::task_type::QueueDepths;
 pub use conveyor_core::policies::{task_type_policies, Policy};
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
+use conveyor_core::tls::TrustedRoots;
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +69,7 @@ pub struct ManagementArgs {
     #[arg(
         long,
         env = "CONVEYOR_RABBITMQ_MANAGEMENT_URL",
-        default_value = "http://127.0.0.1:15672"
+        default_value = "https://127.0.0.1:15671"
     )]
     pub management_url: String,
     #[arg(long, env = "CONVEYOR_RABBITMQ_USER", default_value = "conveyor")]
@@ -83,13 +84,14 @@ pub struct ManagementArgs {
 }
 
 impl ManagementArgs {
-    /// A client for `vhost`.
-    pub fn api(&self, vhost: &str) -> ManagementApi {
+    /// A client for `vhost` that trusts `roots` (the binary's --ca-file).
+    pub fn api(&self, vhost: &str, roots: &TrustedRoots) -> ManagementApi {
         ManagementApi::new(
             &self.management_url,
             &self.management_user,
             self.management_password.expose(),
             vhost,
+            roots,
         )
     }
 }
@@ -105,14 +107,16 @@ pub struct ManagementApi {
 }
 
 impl ManagementApi {
-    /// `base` like `http://127.0.0.1:15672`.
-    pub fn new(base: &str, user: &str, password: &str, vhost: &str) -> Self {
+    /// `base` like `https://127.0.0.1:15671`; an HTTPS server is verified against the
+    /// public roots and `roots`.
+    pub fn new(base: &str, user: &str, password: &str, vhost: &str, roots: &TrustedRoots) -> Self {
         ManagementApi {
             base: base.trim_end_matches('/').to_owned(),
             user: user.to_owned(),
             password: password.to_owned(),
             vhost: vhost.to_owned(),
-            http: reqwest::Client::builder()
+            http: roots
+                .client_builder()
                 .timeout(Duration::from_secs(10))
                 .build()
                 .unwrap_or_default(),

@@ -9,7 +9,13 @@ use conveyor_core::testing;
 use conveyor_operator::rabbitmq::{task_type_policies, ManagementApi};
 
 fn management() -> ManagementApi {
-    ManagementApi::new("http://127.0.0.1:15672", "conveyor", "conveyor", "/")
+    ManagementApi::new(
+        testing::MANAGEMENT_API,
+        "conveyor",
+        "conveyor",
+        "/",
+        &testing::dev_roots(),
+    )
 }
 
 async fn apply(api: &ManagementApi, spec: &NamedTaskType) {

@@ -81,7 +81,13 @@ fn context(client: Client, management_url: &str) -> Arc<Context> {
     Arc::new(Context::new(
         client.clone(),
         Recorder::new(client, reporter),
-        ManagementApi::new(management_url, "conveyor", "conveyor", "/"),
+        ManagementApi::new(
+            management_url,
+            "conveyor",
+            "conveyor",
+            "/",
+            &testing::dev_roots(),
+        ),
         Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5)),
         ConnectionSecret::default(),
         OperatorMetrics::new(),
@@ -107,7 +113,7 @@ fn in_video(name: &str) -> conveyor_core::task_type::NamedTaskType {
 }
 
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/video/events";
-const MANAGEMENT: &str = "http://127.0.0.1:15672";
+const MANAGEMENT: &str = testing::MANAGEMENT_API;
 
 #[tokio::test]
 async fn a_new_task_type_gets_queues_policies_and_a_ready_status() {
@@ -318,7 +324,13 @@ async fn rabbitmq_down_is_an_error_with_a_category() {
     let ctx = Arc::new(Context::new(
         client.clone(),
         Recorder::new(client, reporter),
-        ManagementApi::new("http://127.0.0.1:1", "conveyor", "conveyor", "/"),
+        ManagementApi::new(
+            "http://127.0.0.1:1",
+            "conveyor",
+            "conveyor",
+            "/",
+            &Default::default(),
+        ),
         Publisher::new(
             "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
             "operator-test",
@@ -566,7 +578,13 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         })
         .collect();
     assert!(publisher.publish(&backlog).await.iter().all(Result::is_ok));
-    let ctx_management = ManagementApi::new(MANAGEMENT, "conveyor", "conveyor", "/");
+    let ctx_management = ManagementApi::new(
+        MANAGEMENT,
+        "conveyor",
+        "conveyor",
+        "/",
+        &testing::dev_roots(),
+    );
     // The management API's counts lag the broker (statistics refresh every 5 s).
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while ctx_management.depths(&in_video(&name)).await.unwrap().ready != 250 {

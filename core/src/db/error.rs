@@ -6,10 +6,10 @@ use crate::lifecycle::InvalidTransition;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
-    #[error("invalid database URL")]
-    Url(#[source] sqlx::Error),
-    #[error("database unavailable")]
-    Unavailable(#[source] sqlx::Error),
+    #[error("invalid database URL: {0}")]
+    Url(sqlx::Error),
+    #[error("database unavailable: {0}")]
+    Unavailable(sqlx::Error),
     #[error("database query failed")]
     Query(#[source] sqlx::Error),
     #[error("database migration failed")]

@@ -12,21 +12,76 @@ use crate::db::{Db, DbOptions};
 use crate::task::TaskEvent;
 use crate::TaskState;
 
-/// Where the test services are; `scripts/services.sh up` provides these defaults.
+pub use crate::config::DEV_CA;
+/// The loopback server certificate (127.0.0.1, localhost) and its key, signed by [`DEV_CA`],
+/// for tests that serve HTTPS themselves.
+pub const DEV_SERVER_CERT: &str = "/etc/conveyor/dev-tls/server.crt";
+pub const DEV_SERVER_KEY: &str = "/etc/conveyor/dev-tls/server.key";
+/// Where PostgreSQL and RabbitMQ listen; both speak TLS only.
+pub const DATABASE_ADDRESS: &str = "127.0.0.1:5432";
+pub const BROKER_ADDRESS: &str = "127.0.0.1:5671";
+/// The RabbitMQ management API (HTTPS only), without credentials.
+pub const MANAGEMENT_API: &str = "https://127.0.0.1:15671";
+
+/// Where the test services are; `scripts/services.sh up` provides these defaults, over TLS
+/// verified against [`DEV_CA`].
 pub fn admin_database_url() -> String {
-    std::env::var("CONVEYOR_TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://conveyor:conveyor@127.0.0.1:5432/postgres".to_owned())
+    std::env::var("CONVEYOR_TEST_DATABASE_URL").unwrap_or_else(|_| {
+        format!(
+            "postgres://conveyor:conveyor@{DATABASE_ADDRESS}/postgres\
+             ?sslmode=verify-full&sslrootcert={DEV_CA}"
+        )
+    })
 }
 
 pub fn amqp_url() -> String {
     std::env::var("CONVEYOR_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://conveyor:conveyor@127.0.0.1:5672/%2f".to_owned())
+        .unwrap_or_else(|_| crate::config::DEV_AMQP_URL.to_owned())
 }
 
 /// The RabbitMQ management API, for tests that close connections or read queue counts.
 pub fn management_url() -> String {
     std::env::var("CONVEYOR_TEST_MANAGEMENT_URL")
-        .unwrap_or_else(|_| "http://conveyor:conveyor@127.0.0.1:15672".to_owned())
+        .unwrap_or_else(|_| "https://conveyor:conveyor@127.0.0.1:15671".to_owned())
+}
+
+/// [`DEV_CA`], for HTTPS clients.
+pub fn dev_roots() -> crate::tls::TrustedRoots {
+    crate::tls::TrustedRoots::from_file(std::path::Path::new(DEV_CA))
+        .expect("the dev CA (is `scripts/services.sh up` done?)")
+}
+
+/// An HTTP client that trusts [`DEV_CA`] (for the management API and HTTPS gateways).
+pub fn http_client() -> reqwest::Client {
+    dev_roots().client_builder().build().expect("HTTP client")
+}
+
+/// `url` with its database name replaced (its parameters, such as TLS settings, kept).
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let server = base
+        .rsplit_once('/')
+        .map(|(server, _)| server)
+        .expect("database URL ends in /dbname");
+    match query {
+        Some(query) => format!("{server}/{name}?{query}"),
+        None => format!("{server}/{name}"),
+    }
+}
+
+/// `url` with one more query parameter.
+pub fn with_param(url: &str, key: &str, value: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}{key}={value}")
+}
+
+/// `url` pointed at another port of the same host (a fault proxy in front of a service).
+pub fn via_port(url: &str, address: &str, port: u16) -> String {
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    url.replacen(address, &format!("{host}:{port}"), 1)
 }
 
 /// A fresh, migrated database.
@@ -46,11 +101,7 @@ impl TestDatabase {
             .await
             .expect("create the test database (is `scripts/services.sh up` done?)");
         admin.pool().close().await;
-        let base = admin_url
-            .rsplit_once('/')
-            .map(|(base, _)| base)
-            .expect("database URL ends in /dbname");
-        let url = format!("{base}/{name}");
+        let url = with_database(&admin_url, &name);
         let db = Db::connect(&DbOptions::new(&url)).expect("test database URL");
         db.migrate().await.expect("migrations apply");
         TestDatabase { db, url, name }

@@ -10,6 +10,7 @@ use std::io::Write;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use conveyor_core::config::{DEV_AMQP_URL, DEV_DATABASE_URL};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::task::TaskEvent;
 use conveyor_core::testing::{self, wait_until};
@@ -76,18 +77,12 @@ impl Stack {
             .expect("a cluster (KUBECONFIG); `scripts/stack.sh up` starts one");
         let namespace = unique_type(&format!("e2e-{prefix}"));
         kubectl(&["create", "namespace", &namespace]);
-        let database_url = env_or(
-            "CONVEYOR_DATABASE_URL",
-            "postgres://conveyor:conveyor@127.0.0.1:5432/conveyor",
-        );
+        let database_url = env_or("CONVEYOR_DATABASE_URL", DEV_DATABASE_URL);
         // What the workers' pods get through secretKeyRef. In the local cluster the pods are
         // processes on this machine and the test's own addresses are right; on kind they
         // are the in-cluster services (CONVEYOR_WORKER_*).
         let worker_database_url = env_or("CONVEYOR_WORKER_DATABASE_URL", &database_url);
-        let amqp_url = env_or(
-            "CONVEYOR_AMQP_URL",
-            "amqp://conveyor:conveyor@127.0.0.1:5672/%2f",
-        );
+        let amqp_url = env_or("CONVEYOR_AMQP_URL", DEV_AMQP_URL);
         let worker_amqp_url = env_or("CONVEYOR_WORKER_AMQP_URL", &amqp_url);
         kubectl(&[
             "-n",
@@ -104,8 +99,9 @@ impl Stack {
             namespace,
             client,
             db,
-            http: reqwest::Client::new(),
-            gateway: env_or("CONVEYOR_GATEWAY_URL", "http://127.0.0.1:8080"),
+            // The local stack's gateway serves HTTPS with the dev CA's certificate.
+            http: testing::http_client(),
+            gateway: env_or("CONVEYOR_GATEWAY_URL", "https://127.0.0.1:8080"),
             token: env_or("CONVEYOR_TOKEN", "dev-token-change-me"),
             management: testing::management_url(),
             task_types: Vec::new(),

@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use conveyor_core::testing::proxy::Proxy;
+use conveyor_core::testing::{self, proxy::Proxy};
 use conveyor_core::TaskState::*;
 use conveyor_worker::breaker::Breaker;
 use conveyor_worker::buffer::{Buffer, Outcome, Transition};
@@ -36,10 +36,8 @@ async fn outcomes_buffered_through_an_outage_survive_a_kill_and_are_replayed_onc
     let spec = test_type("degraded");
     let name = spec.name.clone();
     let harness = Harness::start(vec![spec]).await;
-    let database = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
-    let via_proxy = harness
-        .db_url
-        .replace(":5432/", &format!(":{}/", database.port));
+    let database = Proxy::start(testing::DATABASE_ADDRESS.parse().unwrap()).await;
+    let via_proxy = testing::via_port(&harness.db_url, testing::DATABASE_ADDRESS, database.port);
     let dir = std::env::temp_dir().join(format!("conveyor-degraded-{}", Uuid::new_v4()));
     let buffer = dir.join("buffering.jsonl");
     let listen = format!("127.0.0.1:{}", free_port());

@@ -133,7 +133,7 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
             .await
             .unwrap_or_else(|e| panic!("{statement}: {e}"));
     }
-    let _ = reqwest::Client::new()
+    let _ = testing::http_client()
         .delete(format!("{}/api/users/{role}", testing::management_url()))
         .send()
         .await;

@@ -8,17 +8,17 @@ use reqwest::StatusCode;
 use uuid::Uuid;
 
 use crate::support::*;
-use conveyor_core::testing::proxy::Proxy;
+use conveyor_core::testing::{self, proxy::Proxy};
 
 fn amqp_url_via(port: u16) -> String {
-    format!("amqp://conveyor:conveyor@127.0.0.1:{port}/%2f")
+    testing::via_port(&testing::amqp_url(), testing::BROKER_ADDRESS, port)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_connection_loss_answers_503_then_everything_reconnects_without_loss() {
     let spec = test_type("brokerloss");
     let name = spec.name.clone();
-    let broker = Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let broker = Proxy::start(testing::BROKER_ADDRESS.parse().unwrap()).await;
     let via = amqp_url_via(broker.port);
     let mut harness = Harness::start_with(vec![spec], |config| config.amqp_url = via.clone()).await;
     harness.start_worker_via(&[&name], Handler::Noop, 8, &via);
@@ -78,10 +78,10 @@ async fn broker_connection_loss_answers_503_then_everything_reconnects_without_l
 async fn database_outage_answers_503_and_records_nothing_half_way() {
     let spec = test_type("dbloss");
     let name = spec.name.clone();
-    let database = Proxy::start("127.0.0.1:5432".parse().unwrap()).await;
+    let database = Proxy::start(testing::DATABASE_ADDRESS.parse().unwrap()).await;
     let port = database.port;
     let harness = Harness::start_with(vec![spec], |config| {
-        let url = config.database.url.replace(":5432/", &format!(":{port}/"));
+        let url = testing::via_port(&config.database.url, testing::DATABASE_ADDRESS, port);
         config.database.url = url;
         config.database.acquire_timeout = Duration::from_secs(2);
     })
@@ -97,7 +97,7 @@ async fn database_outage_answers_503_and_records_nothing_half_way() {
     assert_eq!(body["error"]["code"], "database_unavailable");
     let ready = harness
         .http
-        .get(format!("{}/readyz", harness.gateway_url))
+        .get(format!("{}/readyz", harness.admin_url))
         .send()
         .await
         .unwrap();

@@ -114,7 +114,7 @@ async fn channel() -> (lapin::Connection, lapin::Channel) {
 /// The main queue's delivery limit, as the operator's policy sets it (decision 0004).
 async fn put_delivery_limit(queue: &str, limit: u32) {
     let url = format!("{}/api/policies/%2f/{}", testing::management_url(), queue);
-    let response = reqwest::Client::new()
+    let response = testing::http_client()
         .put(url)
         .json(&serde_json::json!({
             "pattern": format!("^{}$", queue.replace('.', "\\.")),
@@ -134,7 +134,7 @@ async fn put_delivery_limit(queue: &str, limit: u32) {
 
 async fn delete_policy(queue: &str) {
     let url = format!("{}/api/policies/%2f/{}", testing::management_url(), queue);
-    let _ = reqwest::Client::new().delete(url).send().await;
+    let _ = testing::http_client().delete(url).send().await;
 }
 
 #[tokio::test]
@@ -406,10 +406,9 @@ async fn a_client_that_hangs_up_mid_request_does_not_strand_its_task() {
     let name = spec.name.clone();
     // The gateway reaches the broker through a slow link, so that the client is gone long
     // before the confirm; no upkeep, so only the request itself can finish the job.
-    let proxy = testing::proxy::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let proxy = testing::proxy::Proxy::start(testing::BROKER_ADDRESS.parse().unwrap()).await;
     proxy.delay(Duration::from_millis(400));
-    let amqp_url =
-        testing::amqp_url().replace("127.0.0.1:5672", &format!("127.0.0.1:{}", proxy.port));
+    let amqp_url = testing::via_port(&testing::amqp_url(), testing::BROKER_ADDRESS, proxy.port);
     let harness = Harness::start_with(vec![spec], |config| config.amqp_url = amqp_url).await;
     let key = Uuid::new_v4();
     let body = serde_json::json!({"taskType": name, "payload": {}}).to_string();

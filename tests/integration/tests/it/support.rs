@@ -17,7 +17,7 @@ use conveyor_core::TaskState;
 use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
-use conveyor_gateway::{GatewayConfig, TaskTypeSource};
+use conveyor_gateway::{GatewayConfig, Listeners, TaskTypeSource};
 use conveyor_worker::handler::Handler;
 use conveyor_worker::WorkerConfig;
 use reqwest::StatusCode;
@@ -32,6 +32,8 @@ pub struct Harness {
     pub db_url: String,
     pub types: Vec<NamedTaskType>,
     pub gateway_url: String,
+    /// The gateway's /metrics, /healthz and /readyz.
+    pub admin_url: String,
     pub http: reqwest::Client,
     types_file: PathBuf,
     shutdown: CancellationToken,
@@ -91,16 +93,30 @@ impl Harness {
             migrate: false,
             // Tests that need the reaper or the sweeper in the gateway ask for it.
             upkeep: None,
+            // Plain HTTP on loopback; the gateway's TLS has tests of its own (gateway_tls.rs).
+            tls: None,
         };
         adjust(&mut config);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let gateway_url = format!("http://{}", listener.local_addr().expect("addr"));
+        let bind = || async {
+            tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind")
+        };
+        let listeners = Listeners {
+            api: bind().await,
+            admin: bind().await,
+        };
+        let scheme = if config.tls.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        let gateway_url = format!("{scheme}://{}", listeners.api.local_addr().expect("addr"));
+        let admin_url = format!("http://{}", listeners.admin.local_addr().expect("addr"));
         let shutdown = CancellationToken::new();
         tokio::spawn(conveyor_gateway::run(
             config,
-            listener,
+            listeners,
             Metrics::new(),
             shutdown.clone(),
         ));
@@ -117,7 +133,8 @@ impl Harness {
             db_url: test_db.url,
             types,
             gateway_url,
-            http: reqwest::Client::new(),
+            admin_url,
+            http: testing::http_client(),
             types_file,
             shutdown,
             workers: Vec::new(),
@@ -127,7 +144,7 @@ impl Harness {
     }
 
     async fn wait_ready(&self) {
-        let url = format!("{}/readyz", self.gateway_url);
+        let url = format!("{}/readyz", self.admin_url);
         wait_until("gateway ready", Duration::from_secs(30), || async {
             matches!(self.http.get(&url).send().await, Ok(r) if r.status().is_success())
         })

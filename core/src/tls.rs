@@ -1,0 +1,163 @@
+//! Which certificate authorities the clients trust (decision 0014).
+//!
+//! Each protocol names its CA the way its users already know:
+//! - PostgreSQL: libpq's URL parameters, `sslmode=verify-full&sslrootcert=/path/ca.crt`
+//!   (sqlx reads them; nothing here).
+//! - AMQP: `amqps://…?cacertfile=/path/ca.crt`, the parameter RabbitMQ's own clients take.
+//! - HTTPS (the management API, the gateway): `--ca-file` / `CONVEYOR_CA_FILE`.
+//!
+//! Without one, the public web PKI roots are trusted. Certificates are read when a
+//! connection is made, so a renewed CA file takes effect on the next reconnect.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read the CA file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the CA file {path} holds no PEM certificate")]
+    Empty { path: PathBuf },
+    #[error("the CA file {path} is not valid PEM: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+}
+
+/// Reads a PEM bundle, refusing a file without a certificate in it (a key, a typo'd path
+/// to an empty file): trusting nothing extra by accident shows up later as a vaguer error.
+pub fn read_ca(path: &Path) -> Result<String, TlsError> {
+    let pem = std::fs::read_to_string(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    if !pem.contains("-----BEGIN CERTIFICATE-----") {
+        return Err(TlsError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    Ok(pem)
+}
+
+/// The CA an `amqps://` URL names in its `cacertfile` parameter, read; `None` when it
+/// names none (the public roots are trusted then).
+pub fn amqp_ca(url: &str) -> Result<Option<String>, TlsError> {
+    let Some((_, query)) = url.split_once('?') else {
+        return Ok(None);
+    };
+    query
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(key, _)| *key == "cacertfile")
+        .map(|(_, value)| read_ca(Path::new(&percent_decode(value))))
+        .transpose()
+}
+
+fn percent_decode(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The CA HTTPS clients trust beside the public roots.
+#[derive(Debug, Clone, Default, Args)]
+pub struct CaArgs {
+    /// PEM file of the CA that signed the HTTPS servers Conveyor calls (the RabbitMQ
+    /// management API, the gateway), trusted beside the public roots.
+    #[arg(long = "ca-file", env = "CONVEYOR_CA_FILE", global = true)]
+    pub ca_file: Option<PathBuf>,
+}
+
+impl CaArgs {
+    /// The roots, read now, so that a bad path fails at start and not at the first call.
+    pub fn roots(&self) -> Result<TrustedRoots, TlsError> {
+        match &self.ca_file {
+            None => Ok(TrustedRoots::default()),
+            Some(path) => TrustedRoots::from_file(path),
+        }
+    }
+}
+
+/// Extra roots for HTTPS clients, cheap to clone.
+#[derive(Clone, Default)]
+pub struct TrustedRoots(Vec<reqwest::Certificate>);
+
+impl TrustedRoots {
+    pub fn from_file(path: &Path) -> Result<Self, TlsError> {
+        let pem = read_ca(path)?;
+        reqwest::Certificate::from_pem_bundle(pem.as_bytes())
+            .map(TrustedRoots)
+            .map_err(|err| TlsError::Invalid {
+                path: path.to_owned(),
+                reason: err.to_string(),
+            })
+    }
+
+    /// A client builder that trusts these roots (and the public ones).
+    pub fn client_builder(&self) -> reqwest::ClientBuilder {
+        self.0
+            .iter()
+            .cloned()
+            .fold(reqwest::Client::builder(), |builder, cert| {
+                builder.add_root_certificate(cert)
+            })
+    }
+}
+
+impl std::fmt::Debug for TrustedRoots {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TrustedRoots({} extra)", self.0.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_amqp_url_without_cacertfile_trusts_the_public_roots() {
+        assert!(amqp_ca("amqps://u:p@host:5671/%2f?heartbeat=5")
+            .expect("no CA")
+            .is_none());
+        assert!(amqp_ca("amqp://u:p@host/%2f").expect("no CA").is_none());
+    }
+
+    #[test]
+    fn a_missing_or_empty_ca_file_is_a_clear_error() {
+        let err = amqp_ca("amqps://h/%2f?heartbeat=5&cacertfile=/nonexistent/ca.crt")
+            .expect_err("missing file");
+        assert!(err.to_string().contains("/nonexistent/ca.crt"), "{err}");
+        let empty = std::env::temp_dir().join(format!("empty-ca-{}.pem", std::process::id()));
+        std::fs::write(&empty, "not a certificate").expect("write");
+        let url = format!("amqps://h/%2f?cacertfile={}", empty.display());
+        assert!(matches!(amqp_ca(&url), Err(TlsError::Empty { .. })));
+        let _ = std::fs::remove_file(empty);
+    }
+
+    #[test]
+    fn cacertfile_is_percent_decoded() {
+        assert_eq!(percent_decode("%2Fetc%2Fca.crt"), "/etc/ca.crt");
+        assert_eq!(percent_decode("/a%zz"), "/a%zz");
+    }
+}
