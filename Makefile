@@ -5,8 +5,11 @@
 
 CARGO ?= cargo
 DEV_DIR := .dev
-export CONVEYOR_DATABASE_URL ?= postgres://conveyor:conveyor@127.0.0.1:5432/conveyor
-export CONVEYOR_AMQP_URL ?= amqp://conveyor:conveyor@127.0.0.1:5672/%2f
+# The local services speak TLS only, verified against the CA scripts/services.sh makes.
+DEV_CA := /etc/conveyor/dev-tls/ca.crt
+export CONVEYOR_DATABASE_URL ?= postgres://conveyor:conveyor@127.0.0.1:5432/conveyor?sslmode=verify-full&sslrootcert=$(DEV_CA)
+export CONVEYOR_AMQP_URL ?= amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=$(DEV_CA)
+export CONVEYOR_CA_FILE ?= $(DEV_CA)
 
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"

@@ -9,11 +9,13 @@ cd "$(dirname "$0")/.."
 DEV=$PWD/.dev
 BIN=target/debug
 NS=video
-export CONVEYOR_GATEWAY_URL=http://${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
+export CONVEYOR_GATEWAY_URL=https://${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
+TLS=/etc/conveyor/dev-tls
+export CONVEYOR_CA_FILE=${CONVEYOR_CA_FILE:-$TLS/ca.crt}
 export CONVEYOR_TOKEN=dev-token-change-me
 export KUBECONFIG=$DEV/cluster/kubeconfig
-export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor}
-export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqp://conveyor:conveyor@127.0.0.1:5672/%2f}
+export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor?sslmode=verify-full&sslrootcert=$TLS/ca.crt}
+export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=$TLS/ca.crt}
 
 log() { printf 'dev: %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }

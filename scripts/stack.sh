@@ -11,11 +11,16 @@ cd "$(dirname "$0")/.."
 DEV=${CONVEYOR_DEV_DIR:-$PWD/.dev}
 BIN=$PWD/target/debug
 GATEWAY=${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
+GATEWAY_ADMIN=${CONVEYOR_GATEWAY_ADMIN_LISTEN:-127.0.0.1:8082}
 OPERATOR=${CONVEYOR_OPERATOR_LISTEN:-127.0.0.1:8081}
 export CONVEYOR_CLUSTER_DIR=$DEV/cluster
 export KUBECONFIG=$CONVEYOR_CLUSTER_DIR/kubeconfig
-export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor}
-export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqp://conveyor:conveyor@127.0.0.1:5672/%2f}
+# The services speak TLS only (scripts/services.sh makes the CA and the loopback certificate
+# the gateway serves too).
+TLS=/etc/conveyor/dev-tls
+export CONVEYOR_CA_FILE=${CONVEYOR_CA_FILE:-$TLS/ca.crt}
+export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor?sslmode=verify-full&sslrootcert=$TLS/ca.crt}
+export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=$TLS/ca.crt}
 mkdir -p "$DEV"
 # kubectl comes with the control plane (cluster/build.sh builds it once, cached).
 CONTROL_PLANE_BIN=$(cluster/build.sh)
@@ -80,14 +85,15 @@ up() {
     CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \
     start operator "$BIN/conveyor-operator" run
   KUBECONFIG=$(kubeconfig_as conveyor-gateway) \
-    start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --task-types-from-cluster \
+    start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --admin-listen "$GATEWAY_ADMIN" \
+    --tls-cert-file "$TLS/server.crt" --tls-key-file "$TLS/server.key" --task-types-from-cluster \
     --task-types-refresh-seconds 2 --tokens-file examples/dev-tokens.yaml
   mkdir -p "$DEV/media"
   start pod-runner "$BIN/conveyor-pod-runner" --bin-dir "$BIN" --state-dir "$DEV/pods" \
     --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
     --map /media="$DEV/media"
   wait_http operator "http://$OPERATOR/readyz"
-  wait_http gateway "http://$GATEWAY/readyz"
+  wait_http gateway "http://$GATEWAY_ADMIN/readyz"
 }
 
 down() {
@@ -101,6 +107,6 @@ case "${1:-up}" in
   up) up ;;
   down) down ;;
   # For `eval "$(scripts/stack.sh env)"`: how to reach the stack.
-  env) echo "export KUBECONFIG=$KUBECONFIG PATH=$CONTROL_PLANE_BIN:\$PATH CONVEYOR_GATEWAY_URL=http://$GATEWAY CONVEYOR_TOKEN=dev-token-change-me" ;;
+  env) echo "export KUBECONFIG=$KUBECONFIG PATH=$CONTROL_PLANE_BIN:\$PATH CONVEYOR_GATEWAY_URL=https://$GATEWAY CONVEYOR_CA_FILE=$CONVEYOR_CA_FILE CONVEYOR_TOKEN=dev-token-change-me" ;;
   *) echo "usage: $0 [up|down|env]" >&2; exit 2 ;;
 esac

@@ -13,13 +13,13 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
+/// Each message holds its cause (which is therefore not a `source` too).
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("cannot read the CA file {path}: {source}")]
+    #[error("cannot read the CA file {path}: {cause}")]
     Read {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("the CA file {path} holds no PEM certificate")]
     Empty { path: PathBuf },
@@ -30,9 +30,9 @@ pub enum TlsError {
 /// Reads a PEM bundle, refusing a file without a certificate in it (a key, a typo'd path
 /// to an empty file): trusting nothing extra by accident shows up later as a vaguer error.
 pub fn read_ca(path: &Path) -> Result<String, TlsError> {
-    let pem = std::fs::read_to_string(path).map_err(|source| TlsError::Read {
+    let pem = std::fs::read_to_string(path).map_err(|cause| TlsError::Read {
         path: path.to_owned(),
-        source,
+        cause,
     })?;
     if !pem.contains("-----BEGIN CERTIFICATE-----") {
         return Err(TlsError::Empty {
@@ -45,13 +45,18 @@ pub fn read_ca(path: &Path) -> Result<String, TlsError> {
 /// The CA an `amqps://` URL names in its `cacertfile` parameter, read; `None` when it
 /// names none (the public roots are trusted then).
 pub fn amqp_ca(url: &str) -> Result<Option<String>, TlsError> {
+    url_ca(url, "cacertfile")
+}
+
+/// The CA file a URL names in its query parameter `param`, read.
+pub fn url_ca(url: &str, param: &str) -> Result<Option<String>, TlsError> {
     let Some((_, query)) = url.split_once('?') else {
         return Ok(None);
     };
     query
         .split('&')
         .filter_map(|pair| pair.split_once('='))
-        .find(|(key, _)| *key == "cacertfile")
+        .find(|(key, _)| *key == param)
         .map(|(_, value)| read_ca(Path::new(&percent_decode(value))))
         .transpose()
 }

@@ -33,26 +33,24 @@ pub struct TlsFiles {
     pub reload_every: Duration,
 }
 
+/// Each message holds its cause (which is therefore not a `source` too).
 #[derive(Debug, thiserror::Error)]
 pub enum TlsServeError {
-    #[error("cannot read the certificate {path}: {source}")]
+    #[error("cannot read the certificate {path}: {cause}")]
     Cert {
         path: PathBuf,
-        #[source]
-        source: rustls::pki_types::pem::Error,
+        cause: rustls::pki_types::pem::Error,
     },
-    #[error("cannot read the private key {path}: {source}")]
+    #[error("cannot read the private key {path}: {cause}")]
     Key {
         path: PathBuf,
-        #[source]
-        source: rustls::pki_types::pem::Error,
+        cause: rustls::pki_types::pem::Error,
     },
-    #[error("the certificate {cert} and the key {key} cannot be used: {source}")]
+    #[error("the certificate {cert} and the key {key} cannot be used: {cause}")]
     Unusable {
         cert: PathBuf,
         key: PathBuf,
-        #[source]
-        source: rustls::Error,
+        cause: rustls::Error,
     },
 }
 
@@ -60,18 +58,18 @@ pub enum TlsServeError {
 fn load(files: &TlsFiles) -> Result<CertifiedKey, TlsServeError> {
     let chain = CertificateDer::pem_file_iter(&files.cert)
         .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .map_err(|source| TlsServeError::Cert {
+        .map_err(|cause| TlsServeError::Cert {
             path: files.cert.clone(),
-            source,
+            cause,
         })?;
-    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|source| TlsServeError::Key {
+    let key = PrivateKeyDer::from_pem_file(&files.key).map_err(|cause| TlsServeError::Key {
         path: files.key.clone(),
-        source,
+        cause,
     })?;
-    let unusable = |source| TlsServeError::Unusable {
+    let unusable = |cause| TlsServeError::Unusable {
         cert: files.cert.clone(),
         key: files.key.clone(),
-        source,
+        cause,
     };
     if chain.is_empty() {
         return Err(unusable(rustls::Error::NoCertificatesPresented));
@@ -123,10 +121,10 @@ impl ServerTls {
             rustls::crypto::ring::default_provider(),
         ))
         .with_safe_default_protocol_versions()
-        .map_err(|source| TlsServeError::Unusable {
+        .map_err(|cause| TlsServeError::Unusable {
             cert: files.cert.clone(),
             key: files.key.clone(),
-            source,
+            cause,
         })?
         .with_no_client_auth()
         .with_cert_resolver(resolver.clone());

@@ -10,6 +10,9 @@ pub enum DbError {
     Url(sqlx::Error),
     #[error("database unavailable: {0}")]
     Unavailable(sqlx::Error),
+    /// The URL's `sslrootcert` cannot be used.
+    #[error("database TLS settings: {0}")]
+    Tls(crate::tls::TlsError),
     #[error("database query failed")]
     Query(#[source] sqlx::Error),
     #[error("database migration failed")]
@@ -31,7 +34,7 @@ impl DbError {
     /// Stable label for metrics and logs.
     pub fn category(&self) -> &'static str {
         match self {
-            DbError::Url(_) => "config",
+            DbError::Url(_) | DbError::Tls(_) => "config",
             DbError::Unavailable(_) => "unavailable",
             DbError::Query(_) => "query",
             DbError::Migrate(_) => "migrate",

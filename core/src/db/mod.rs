@@ -108,6 +108,9 @@ impl Db {
     /// Connects lazily: the pool opens connections on first use, so a process can start (and
     /// report not-ready) while the database is down.
     pub fn connect(options: &DbOptions) -> DbResult<Db> {
+        // sqlx reads `sslrootcert` only at the first connection, and reports a missing file
+        // without its name: check it here, at start.
+        crate::tls::url_ca(&options.url, "sslrootcert").map_err(DbError::Tls)?;
         // A session stuck between BEGIN and COMMIT (a worker frozen mid re-queue) must not
         // hold its row locks forever.
         let base = PgConnectOptions::from_str(&options.url)

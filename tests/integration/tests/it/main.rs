@@ -13,4 +13,5 @@ mod lifecycle_flows;
 mod outages;
 mod self_healing;
 mod tenancy;
+mod tls;
 mod worker_faults;
