@@ -95,7 +95,7 @@ Conveyor is running on the local cluster (logs in .dev/, worker logs in .dev/pod
   kubectl scale workerpool/media-light -n $NS --replicas=3
   $BIN/conveyorctl -n $NS submit --type thumbnail --payload '{"source":"clip.mp4"}'
   $BIN/conveyorctl events <task id>
-  RabbitMQ management UI: http://127.0.0.1:15672 (conveyor / conveyor)
+  RabbitMQ management UI: https://127.0.0.1:15671 (conveyor / conveyor; CA $CONVEYOR_CA_FILE)
 Stop with: make down
 MSG
 }

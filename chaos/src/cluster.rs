@@ -7,7 +7,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use conveyor_core::testing::wait_until;
+use conveyor_core::testing::{self, wait_until};
 use conveyor_e2e_tests::{kubectl_with, restart_operator, Stack};
 use serde_json::json;
 
@@ -82,7 +82,7 @@ impl ClusterTarget {
 /// The gateway lists new TaskTypes every few seconds: wait until it validates against this
 /// one's schema (400) rather than not knowing it (404).
 async fn wait_for_gateway(stack: &Stack, task_type: &str) {
-    let http = reqwest::Client::new();
+    let http = testing::http_client();
     wait_until("the gateway knows the task type", MINUTE, || async {
         let answer = http
             .post(format!("{}/v1/tasks", stack.gateway))

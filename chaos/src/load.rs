@@ -81,7 +81,9 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
         task_type,
         namespace,
     } = client;
-    let http = reqwest::Client::builder()
+    // The local stack's gateway serves HTTPS with the dev CA's certificate.
+    let http = conveyor_core::testing::dev_roots()
+        .client_builder()
         .timeout(Duration::from_secs(10))
         .build()
         .unwrap_or_default();

@@ -112,7 +112,11 @@ impl System {
         };
         let worker_broker = proxy(options.worker_broker_proxy, BROKER).await;
         let gateway_broker = proxy(options.gateway_broker_proxy, BROKER).await;
-        let worker_database = proxy(options.worker_database_proxy, DATABASE).await;
+        // TLS ended at the proxy, so that commit-reset can see the statements.
+        let worker_database = match options.worker_database_proxy {
+            true => Some(Proxy::start_postgres_tls(DATABASE.parse().expect("address")).await),
+            false => None,
+        };
 
         let port = free_port();
         let gateway_url = format!("http://127.0.0.1:{port}");

@@ -93,17 +93,21 @@ mod tests {
     #[test]
     fn credentials_are_swapped_and_the_rest_kept() {
         let url = with_credentials(
-            "postgres://conveyor:conveyor@db.example:5432/conveyor?sslmode=require",
+            "postgres://conveyor:conveyor@db.example:5432/conveyor?sslmode=verify-full&sslrootcert=/ca.crt",
             "conveyor-video",
             "abc123",
         )
         .unwrap();
         assert_eq!(
             url,
-            "postgres://conveyor-video:abc123@db.example:5432/conveyor?sslmode=require"
+            "postgres://conveyor-video:abc123@db.example:5432/conveyor?sslmode=verify-full&sslrootcert=/ca.crt"
         );
-        let amqp =
-            with_credentials("amqp://conveyor:conveyor@127.0.0.1:5672/%2f", "u", "p").unwrap();
-        assert_eq!(amqp, "amqp://u:p@127.0.0.1:5672/%2f");
+        let amqp = with_credentials(
+            "amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=/ca.crt",
+            "u",
+            "p",
+        )
+        .unwrap();
+        assert_eq!(amqp, "amqps://u:p@127.0.0.1:5671/%2f?cacertfile=/ca.crt");
     }
 }

@@ -28,7 +28,7 @@ struct Cli {
         long,
         global = true,
         env = "CONVEYOR_GATEWAY_URL",
-        default_value = "http://127.0.0.1:8080"
+        default_value = "https://127.0.0.1:8080"
     )]
     gateway: String,
     /// Bearer token for the gateway (never printed).

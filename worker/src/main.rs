@@ -75,6 +75,11 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     args.telemetry.init();
+    // Handlers run as this uid with a scrubbed environment; without this they could still
+    // read this process's environment (database and broker passwords) in /proc/<ppid>/environ.
+    if let Err(err) = nix::sys::prctl::set_dumpable(false) {
+        tracing::warn!(error = %err, "cannot hide the worker's environment from its handlers");
+    }
     let known = load_task_types(&args.task_types)?;
     let task_types = args
         .consume

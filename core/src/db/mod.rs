@@ -95,6 +95,26 @@ impl DbOptions {
     }
 }
 
+/// libpq's `sslmode`s below `verify-ca` do not check the server's certificate (`prefer`,
+/// the default, even falls back to plaintext). Honoured, since a URL is the operator's
+/// choice, but never silently.
+fn warn_if_unverified(url: &str) {
+    let mode = url
+        .split_once('?')
+        .and_then(|(_, query)| {
+            query
+                .split('&')
+                .find_map(|pair| pair.strip_prefix("sslmode="))
+        })
+        .unwrap_or("prefer");
+    if !matches!(mode, "verify-full" | "verify-ca") {
+        tracing::warn!(
+            sslmode = mode,
+            "the database's certificate is not verified: use sslmode=verify-full"
+        );
+    }
+}
+
 /// The task database.
 #[derive(Clone)]
 pub struct Db {
@@ -111,6 +131,7 @@ impl Db {
         // sqlx reads `sslrootcert` only at the first connection, and reports a missing file
         // without its name: check it here, at start.
         crate::tls::url_ca(&options.url, "sslrootcert").map_err(DbError::Tls)?;
+        warn_if_unverified(&options.url);
         // A session stuck between BEGIN and COMMIT (a worker frozen mid re-queue) must not
         // hold its row locks forever.
         let base = PgConnectOptions::from_str(&options.url)

@@ -6,7 +6,7 @@
 use std::cell::Cell;
 use std::time::Duration;
 
-use conveyor_core::testing::wait_until;
+use conveyor_core::testing::{self, wait_until};
 use conveyor_core::TaskState;
 use conveyor_e2e_tests::{assert_valid_chain, kubectl_with, restart_operator, Stack};
 use k8s_openapi::api::apps::v1::Deployment;
@@ -550,7 +550,7 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
         "apiVersion: conveyor.dev/v1alpha1\nkind: ClientToken\nmetadata: {{name: team}}\n\
          spec: {{tokenSha256: {digest}}}\n"
     ));
-    let http = reqwest::Client::new();
+    let http = testing::http_client();
     let submit = |token: String, namespace: Option<String>| {
         let http = http.clone();
         let url = format!("{}/v1/tasks", mine.gateway);

@@ -93,7 +93,7 @@ impl Harness {
             migrate: false,
             // Tests that need the reaper or the sweeper in the gateway ask for it.
             upkeep: None,
-            // Plain HTTP on loopback; the gateway's TLS has tests of its own (gateway_tls.rs).
+            // Plain HTTP on loopback; the gateway's TLS has tests of its own (tls.rs).
             tls: None,
         };
         adjust(&mut config);
@@ -311,6 +311,7 @@ impl Harness {
             .args(args)
             .env("CONVEYOR_DATABASE_URL", &self.db_url)
             .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+            .env("CONVEYOR_CA_FILE", testing::DEV_CA)
             .output()
             .expect("run conveyorctl");
         let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
