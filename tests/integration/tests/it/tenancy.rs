@@ -236,6 +236,50 @@ async fn a_catastrophic_backtracking_pattern_does_not_stall_the_gateway() {
     harness.shutdown().await;
 }
 
+/// A backtracking engine (jsonschema's default, fancy-regex) would take such a pattern and
+/// stall on a crafted payload; the gateway refuses the type before it serves anything.
+#[test]
+fn a_pattern_that_needs_backtracking_is_refused_at_start() {
+    let types = std::env::temp_dir().join(format!("conveyor-redos-{}.yaml", Uuid::new_v4()));
+    std::fs::write(
+        &types,
+        "taskTypes:\n  - name: lookahead\n    schema:\n      type: object\n      \
+         properties: {name: {type: string, pattern: '^(?=(a+)+$)a'}}\n",
+    )
+    .unwrap();
+    let mut gateway = std::process::Command::new(testing::binary("conveyor-gateway"))
+        .arg("--task-types")
+        .arg(&types)
+        .args(["--tokens", "tests=test-token-123"])
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .env("CONVEYOR_DATABASE_URL", testing::admin_database_url())
+        .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+        .env("CONVEYOR_NO_MIGRATE", "true")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start conveyor-gateway");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = gateway.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = gateway.kill();
+            panic!("the gateway started serving a type whose pattern needs backtracking");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut gateway.stderr.take().unwrap(), &mut stderr).unwrap();
+    let _ = std::fs::remove_file(&types);
+    assert!(!status.success());
+    assert!(
+        stderr.contains("lookahead") && stderr.contains("schema"),
+        "{stderr}"
+    );
+}
+
 #[tokio::test]
 async fn adopt_moves_a_type_from_before_tenancy_into_its_namespace() {
     // Type `legacy` as it was before tenancy (queues conveyor.<name>, tenant default), and
