@@ -248,7 +248,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             let namespace = cli.namespace("the namespace whose workers get the credentials")?;
             let direct = Direct::connect(database, amqp)?;
             let roots = cli.ca.roots()?;
-            let management = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots);
+            let management = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots)?;
             let granted =
                 grant::grant(&direct, &management, &database.options().url, namespace).await?;
             print!("{}", grant::secret_yaml(namespace, secret, &granted));

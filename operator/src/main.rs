@@ -167,7 +167,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         client.clone(),
         Recorder::new(client.clone(), reporter),
         args.management
-            .api("/", &args.ca.roots().context("--ca-file")?),
+            .api("/", &args.ca.roots().context("--ca-file")?)
+            .context("RabbitMQ management API client")?,
         Publisher::new(
             args.amqp.connection_url(),
             "conveyor-operator",

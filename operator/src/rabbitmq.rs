@@ -12,12 +12,12 @@ use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ManagementError {
-    #[error("RabbitMQ management API unreachable at {url}")]
-    Unreachable {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
+    /// The reason holds the whole cause (a refused certificate shows here, not only in a
+    /// source chain that log lines do not print).
+    #[error("RabbitMQ management API unreachable at {url}: {reason}")]
+    Unreachable { url: String, reason: String },
+    #[error("cannot make a client for the RabbitMQ management API: {0}")]
+    Client(String),
     #[error("RabbitMQ management API answered {status} to {what}: {body}")]
     Refused {
         what: String,
@@ -30,6 +30,7 @@ impl ManagementError {
     pub fn category(&self) -> &'static str {
         match self {
             ManagementError::Unreachable { .. } => "RabbitMQUnavailable",
+            ManagementError::Client(_) => "RabbitMQClient",
             ManagementError::Refused { .. } => "RabbitMQRefused",
         }
     }
@@ -85,7 +86,7 @@ pub struct ManagementArgs {
 
 impl ManagementArgs {
     /// A client for `vhost` that trusts `roots` (the binary's --ca-file).
-    pub fn api(&self, vhost: &str, roots: &TrustedRoots) -> ManagementApi {
+    pub fn api(&self, vhost: &str, roots: &TrustedRoots) -> Result<ManagementApi, ManagementError> {
         ManagementApi::new(
             &self.management_url,
             &self.management_user,
@@ -94,6 +95,19 @@ impl ManagementArgs {
             roots,
         )
     }
+}
+
+/// An error and every cause under it: reqwest's own message leaves the reason (a refused
+/// connection, an unknown certificate issuer) to its sources.
+fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(inner) = cause {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cause = inner.source();
+    }
+    text
 }
 
 /// A client of the management API for one vhost.
@@ -109,8 +123,14 @@ pub struct ManagementApi {
 impl ManagementApi {
     /// `base` like `https://127.0.0.1:15671`; an HTTPS server is verified against the
     /// public roots and `roots`.
-    pub fn new(base: &str, user: &str, password: &str, vhost: &str, roots: &TrustedRoots) -> Self {
-        ManagementApi {
+    pub fn new(
+        base: &str,
+        user: &str,
+        password: &str,
+        vhost: &str,
+        roots: &TrustedRoots,
+    ) -> Result<Self, ManagementError> {
+        Ok(ManagementApi {
             base: base.trim_end_matches('/').to_owned(),
             user: user.to_owned(),
             password: password.to_owned(),
@@ -119,8 +139,8 @@ impl ManagementApi {
                 .client_builder()
                 .timeout(Duration::from_secs(10))
                 .build()
-                .unwrap_or_default(),
-        }
+                .map_err(|err| ManagementError::Client(with_causes(&err)))?,
+        })
     }
 
     fn url(&self, path: &str, name: &str) -> String {
@@ -141,9 +161,9 @@ impl ManagementApi {
             .basic_auth(&self.user, Some(&self.password))
             .send()
             .await
-            .map_err(|source| ManagementError::Unreachable {
+            .map_err(|err| ManagementError::Unreachable {
                 url: self.base.clone(),
-                source,
+                reason: with_causes(&err),
             })?;
         let status = response.status();
         if status.is_success() {
@@ -241,9 +261,9 @@ impl ManagementApi {
         response
             .json()
             .await
-            .map_err(|source| ManagementError::Unreachable {
+            .map_err(|err| ManagementError::Unreachable {
                 url: self.base.clone(),
-                source,
+                reason: with_causes(&err),
             })
     }
 

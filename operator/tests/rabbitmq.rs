@@ -16,6 +16,7 @@ fn management() -> ManagementApi {
         "/",
         &testing::dev_roots(),
     )
+    .unwrap()
 }
 
 async fn apply(api: &ManagementApi, spec: &NamedTaskType) {

@@ -87,7 +87,8 @@ fn context(client: Client, management_url: &str) -> Arc<Context> {
             "conveyor",
             "/",
             &testing::dev_roots(),
-        ),
+        )
+        .unwrap(),
         Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5)),
         ConnectionSecret::default(),
         OperatorMetrics::new(),
@@ -330,7 +331,8 @@ async fn rabbitmq_down_is_an_error_with_a_category() {
             "conveyor",
             "/",
             &Default::default(),
-        ),
+        )
+        .unwrap(),
         Publisher::new(
             "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
             "operator-test",
@@ -584,7 +586,8 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         "conveyor",
         "/",
         &testing::dev_roots(),
-    );
+    )
+    .unwrap();
     // The management API's counts lag the broker (statistics refresh every 5 s).
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while ctx_management.depths(&in_video(&name)).await.unwrap().ready != 250 {
