@@ -16,10 +16,51 @@ use reqwest::Url;
 
 use crate::Direct;
 
-/// The workers' connection URLs for one namespace.
+/// The workers' connection URLs for one namespace, and the CA they verify the servers with
+/// (put in the Secret, where the operator mounts it for the pods).
 pub struct Granted {
     pub database_url: String,
     pub amqp_url: String,
+    pub ca: Option<String>,
+}
+
+/// Points the URLs' CA parameters at the CA the pods get mounted
+/// (`sslmode=verify-full&sslrootcert=…`, `cacertfile=…` on `amqps://`).
+pub fn with_pod_ca(granted: Granted, ca_pem: String) -> anyhow::Result<Granted> {
+    let mounted = format!(
+        "{}/{}",
+        conveyor_operator::build::WORKER_CA_DIR,
+        conveyor_operator::build::WORKER_CA_KEY
+    );
+    let database_url = with_params(
+        &granted.database_url,
+        &[("sslmode", "verify-full"), ("sslrootcert", &mounted)],
+    )?;
+    let amqp_url = if granted.amqp_url.starts_with("amqps://") {
+        with_params(&granted.amqp_url, &[("cacertfile", &mounted)])?
+    } else {
+        anyhow::bail!("--worker-ca needs an amqps:// broker URL")
+    };
+    Ok(Granted {
+        database_url,
+        amqp_url,
+        ca: Some(ca_pem),
+    })
+}
+
+/// `url` with `params` set (replaced where present, added where not).
+fn with_params(url: &str, params: &[(&str, &str)]) -> anyhow::Result<String> {
+    let mut url = Url::parse(url).context("a connection URL")?;
+    let kept: Vec<(String, String)> = url
+        .query_pairs()
+        .filter(|(key, _)| params.iter().all(|(k, _)| k != key))
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    url.query_pairs_mut()
+        .clear()
+        .extend_pairs(kept)
+        .extend_pairs(params.iter().copied());
+    Ok(url.to_string())
 }
 
 pub async fn grant(
@@ -52,6 +93,7 @@ pub async fn grant(
     Ok(Granted {
         database_url: with_credentials(database_url, &user, role.password())?,
         amqp_url: with_credentials(&direct.amqp_url, &user, role.password())?,
+        ca: None,
     })
 }
 
@@ -79,11 +121,21 @@ pub fn vhost_of(amqp_url: &str) -> anyhow::Result<String> {
 /// The Secret the operator's pods read (`--connection-secret`, default
 /// `conveyor-connections`).
 pub fn secret_yaml(namespace: &str, name: &str, granted: &Granted) -> String {
-    format!(
+    let mut yaml = format!(
         "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
          stringData:\n  database-url: {}\n  amqp-url: {}\n",
         granted.database_url, granted.amqp_url
-    )
+    );
+    if let Some(ca) = &granted.ca {
+        yaml.push_str(&format!(
+            "  {}: |\n",
+            conveyor_operator::build::WORKER_CA_KEY
+        ));
+        for line in ca.lines() {
+            yaml.push_str(&format!("    {line}\n"));
+        }
+    }
+    yaml
 }
 
 #[cfg(test)]
@@ -109,5 +161,41 @@ mod tests {
         )
         .unwrap();
         assert_eq!(amqp, "amqps://u:p@127.0.0.1:5671/%2f?cacertfile=/ca.crt");
+    }
+
+    #[test]
+    fn a_worker_ca_goes_into_the_secret_and_the_urls_name_its_mount() {
+        let granted = Granted {
+            database_url: "postgres://u:p@db:5432/conveyor?sslmode=require&application_name=w"
+                .to_owned(),
+            amqp_url: "amqps://u:p@mq:5671/%2f?heartbeat=10&cacertfile=/host/ca.crt".to_owned(),
+            ca: None,
+        };
+        let pem = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        let granted = with_pod_ca(granted, pem.to_owned()).unwrap();
+        let mounted = "%2Fvar%2Frun%2Fconveyor%2Ftls%2Fca.crt";
+        assert_eq!(
+            granted.database_url,
+            format!(
+                "postgres://u:p@db:5432/conveyor?application_name=w&sslmode=verify-full\
+                 &sslrootcert={mounted}"
+            )
+        );
+        assert_eq!(
+            granted.amqp_url,
+            format!("amqps://u:p@mq:5671/%2f?heartbeat=10&cacertfile={mounted}")
+        );
+        let secret: serde_yaml::Value =
+            serde_yaml::from_str(&secret_yaml("video", "conveyor-connections", &granted)).unwrap();
+        assert_eq!(secret["stringData"]["ca.crt"].as_str(), Some(pem));
+        assert_eq!(
+            secret["stringData"]["database-url"].as_str(),
+            Some(granted.database_url.as_str())
+        );
+        let plain = Granted {
+            amqp_url: "amqp://u:p@mq/%2f".to_owned(),
+            ..granted
+        };
+        assert!(with_pod_ca(plain, pem.to_owned()).is_err());
     }
 }

@@ -134,6 +134,10 @@ enum Command {
         /// Name of the Secret printed (the operator's --connection-secret).
         #[arg(long, default_value = "conveyor-connections")]
         secret: String,
+        /// PEM CA that signed the database's and broker's certificates, for the pods: put in
+        /// the Secret as `ca.crt`, which the operator mounts, and named by the URLs.
+        #[arg(long)]
+        worker_ca: Option<std::path::PathBuf>,
         #[command(flatten)]
         management: ManagementArgs,
         #[command(flatten)]
@@ -241,6 +245,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Command::Grant {
             secret,
+            worker_ca,
             management,
             database,
             amqp,
@@ -249,8 +254,12 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             let direct = Direct::connect(database, amqp)?;
             let roots = cli.ca.roots()?;
             let management = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots)?;
-            let granted =
+            let mut granted =
                 grant::grant(&direct, &management, &database.options().url, namespace).await?;
+            if let Some(path) = worker_ca {
+                let pem = conveyor_core::tls::read_ca(path)?;
+                granted = grant::with_pod_ca(granted, pem)?;
+            }
             print!("{}", grant::secret_yaml(namespace, secret, &granted));
         }
         Command::StateAt {

@@ -23,6 +23,10 @@ const CONFIG_DIR: &str = "/etc/conveyor";
 /// The worker's degraded-mode buffer: an emptyDir, so it survives a container restart (a
 /// crashed worker replays what it buffered) but not the pod.
 const BUFFER_DIR: &str = "/var/lib/conveyor";
+/// Where a worker finds the CA of its database and broker: the connection Secret's
+/// `ca.crt`, when it has one (URLs name it: `sslrootcert=`, `cacertfile=`; decision 0014).
+pub const WORKER_CA_DIR: &str = "/var/run/conveyor/tls";
+pub const WORKER_CA_KEY: &str = "ca.crt";
 const TASK_TYPES_FILE: &str = "task-types.yaml";
 
 #[derive(Debug, thiserror::Error)]
@@ -292,13 +296,20 @@ fn deployment(
                         "volumeMounts": [
                             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": true},
                             {"name": "tmp", "mountPath": "/tmp"},
-                            {"name": "buffer", "mountPath": BUFFER_DIR}
+                            {"name": "buffer", "mountPath": BUFFER_DIR},
+                            {"name": "tls", "mountPath": WORKER_CA_DIR, "readOnly": true}
                         ]
                     }],
                     "volumes": [
                         {"name": "config", "configMap": {"name": format!("{name}-worker")}},
                         {"name": "tmp", "emptyDir": {}},
-                        {"name": "buffer", "emptyDir": {}}
+                        {"name": "buffer", "emptyDir": {}},
+                        // Optional: a Secret without the key mounts an empty directory.
+                        {"name": "tls", "secret": {
+                            "secretName": secret.name,
+                            "optional": true,
+                            "items": [{"key": WORKER_CA_KEY, "path": WORKER_CA_KEY}]
+                        }}
                     ]
                 }
             }

@@ -64,7 +64,7 @@ pub enum PlanError {
     MissingConfigMap(String),
     #[error("env {var}: {what} is not supported by the local runner")]
     UnsupportedEnv { var: String, what: String },
-    #[error("volume {0:?}: only configMap and emptyDir volumes are supported by the local runner")]
+    #[error("volume {0:?}: only configMap, secret and emptyDir volumes are supported by the local runner")]
     UnsupportedVolume(String),
 }
 
@@ -94,6 +94,9 @@ pub fn references(pod: &Pod) -> Result<References, PlanError> {
         if let Some(map) = &volume.config_map {
             refs.config_maps.insert(map.name.clone());
         }
+        if let Some(name) = volume.secret.as_ref().and_then(|s| s.secret_name.as_ref()) {
+            refs.secrets.insert(name.clone());
+        }
     }
     Ok(refs)
 }
@@ -117,6 +120,12 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
             for (key, value) in data {
                 files.push((dir.join(key), value.clone()));
             }
+        } else if let Some(source) = &volume.secret {
+            files.extend(
+                secret_files(source, objects)?
+                    .into_iter()
+                    .map(|(path, value)| (dir.join(path), value)),
+            );
         } else if volume.empty_dir.is_none() {
             return Err(PlanError::UnsupportedVolume(volume.name.clone()));
         }
@@ -192,6 +201,39 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
         dirs,
         grace: Duration::from_secs(grace.unsigned_abs()),
     })
+}
+
+/// A secret volume's files, as the kubelet makes them: every key, or the listed `items`;
+/// an `optional` volume tolerates a missing Secret or key.
+fn secret_files(
+    source: &k8s_openapi::api::core::v1::SecretVolumeSource,
+    objects: &Objects,
+) -> Result<Vec<(String, String)>, PlanError> {
+    let name = source.secret_name.clone().unwrap_or_default();
+    let optional = source.optional.unwrap_or(false);
+    let missing = |key: &str| PlanError::MissingSecret {
+        name: name.clone(),
+        key: key.to_owned(),
+    };
+    let Some(data) = objects.secrets.get(&name) else {
+        return if optional {
+            Ok(Vec::new())
+        } else {
+            Err(missing("*"))
+        };
+    };
+    let Some(items) = &source.items else {
+        return Ok(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+    };
+    let mut files = Vec::new();
+    for item in items {
+        match data.get(&item.key) {
+            Some(value) => files.push((item.path.clone(), value.clone())),
+            None if optional => {}
+            None => return Err(missing(&item.key)),
+        }
+    }
+    Ok(files)
 }
 
 fn env_from(
@@ -347,6 +389,53 @@ mod tests {
             plan(&pod(), &objects, &host()).unwrap_err().to_string(),
             "secret \"conn\" has no key \"amqp-url\" (or does not exist)"
         );
+    }
+
+    #[test]
+    fn secret_volumes_hold_their_items_and_an_optional_one_may_be_missing() {
+        let secret_volume = |optional: bool| {
+            serde_json::from_value::<k8s_openapi::api::core::v1::Volume>(serde_json::json!({
+                "name": "tls",
+                "secret": {"secretName": "conn", "optional": optional,
+                           "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+            }))
+            .unwrap()
+        };
+        let with = |volume| {
+            let mut pod = pod();
+            pod.spec
+                .as_mut()
+                .unwrap()
+                .volumes
+                .as_mut()
+                .unwrap()
+                .push(volume);
+            pod
+        };
+        let mut objects = objects();
+        let ca = PathBuf::from("/run/pods/video/w-1/volumes/tls/ca.crt");
+        // The key is missing: an optional volume is an empty directory, a required one fails.
+        let launch = plan(&with(secret_volume(true)), &objects, &host()).unwrap();
+        assert!(launch.files.iter().all(|(path, _)| *path != ca));
+        assert!(launch.dirs.contains(&ca.parent().unwrap().to_owned()));
+        assert_eq!(
+            plan(&with(secret_volume(false)), &objects, &host()).unwrap_err(),
+            PlanError::MissingSecret {
+                name: "conn".to_owned(),
+                key: "ca.crt".to_owned()
+            }
+        );
+        objects
+            .secrets
+            .get_mut("conn")
+            .unwrap()
+            .insert("ca.crt".to_owned(), "PEM".to_owned());
+        let launch = plan(&with(secret_volume(true)), &objects, &host()).unwrap();
+        assert!(launch.files.contains(&(ca, "PEM".to_owned())));
+        assert!(references(&with(secret_volume(true)))
+            .unwrap()
+            .secrets
+            .contains("conn"));
     }
 
     #[test]
