@@ -139,3 +139,67 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
         .await;
     harness.shutdown().await;
 }
+
+/// The exec handler's environment is scrubbed, but a handler runs as its worker's user and
+/// could read the worker's own environment (the database and broker URLs, with passwords)
+/// in `/proc/<worker>/environ`, unless the worker is not dumpable. Run as another user than
+/// root, who reads every process's environment.
+#[tokio::test]
+async fn a_handler_cannot_read_its_workers_environment() {
+    let uid = std::process::Command::new("id").arg("-u").output().unwrap();
+    if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+        eprintln!("skipped: needs root to run the worker as another user");
+        return;
+    }
+    let spec = crate::support::test_type("environ");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    let dir = std::env::temp_dir().join(format!("conveyor-environ-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(dir.join("buffers")).unwrap();
+    let script = dir.join("peek.sh");
+    // The handler's parent is the worker: can it read the worker's environment?
+    std::fs::write(
+        &script,
+        "#!/bin/sh\nif grep -q CONVEYOR_DATABASE_URL /proc/$PPID/environ 2>/dev/null; \
+         then echo '{\"read\": true}'; else echo '{\"read\": false}'; fi\n",
+    )
+    .unwrap();
+    let open = |path: &std::path::Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+    open(&dir, 0o755);
+    open(&dir.join("buffers"), 0o777);
+    open(&script, 0o755);
+    let script = script.display().to_string();
+    let mut worker = harness
+        .worker_command(
+            &[
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+            ],
+            "environ",
+            &[&name],
+            &["--handler", "exec", "--", &script],
+        )
+        .env("CONVEYOR_BUFFER_DIR", dir.join("buffers"))
+        .spawn()
+        .expect("start conveyor-worker as nobody");
+    let id = harness.submit_ok(&name, json!({})).await;
+    harness
+        .wait_for_state(&name, TaskState::Completed, 1, Duration::from_secs(60))
+        .await;
+    let task = harness.db.task(id).await.unwrap().expect("the task");
+    let _ = worker.kill();
+    let _ = worker.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        task.result,
+        Some(json!({"read": false})),
+        "{:?}",
+        task.result
+    );
+    harness.shutdown().await;
+}

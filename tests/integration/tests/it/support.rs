@@ -274,7 +274,29 @@ impl Harness {
 
     /// A real `conveyor-worker` process (for signals). Its id starts with `name`.
     pub fn spawn_worker_process(&self, name: &str, types: &[&str], args: &[&str]) -> Child {
-        Command::new(binary("conveyor-worker"))
+        self.worker_command(&[], name, types, args)
+            .spawn()
+            .expect("start conveyor-worker (run `cargo build --bins` first)")
+    }
+
+    /// The command of [`Harness::spawn_worker_process`], run through `wrapper` (`setpriv`
+    /// to drop to another user, say) when it is not empty.
+    pub fn worker_command(
+        &self,
+        wrapper: &[&str],
+        name: &str,
+        types: &[&str],
+        args: &[&str],
+    ) -> Command {
+        let mut command = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut command = Command::new(program);
+                command.args(rest).arg(binary("conveyor-worker"));
+                command
+            }
+            None => Command::new(binary("conveyor-worker")),
+        };
+        command
             .arg("--task-types")
             .arg(&self.types_file)
             .arg("--consume")
@@ -291,9 +313,8 @@ impl Harness {
                 std::env::temp_dir().join("conveyor-it-buffers"),
             )
             .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("start conveyor-worker (run `cargo build --bins` first)")
+            .stdin(Stdio::null());
+        command
     }
 
     pub fn publisher(&self) -> Publisher {
