@@ -87,7 +87,7 @@ impl System {
         let database = test_db.name.clone();
         test_db.db.pool().close().await;
         let db_url = test_db.url.clone();
-        let own_url = testing::with_param(&db_url, "application_name", "conveyor-chaos");
+        let own_url = testing::with_params(&db_url, &[("application_name", "conveyor-chaos")])?;
         let db = Db::connect(&DbOptions::new(&own_url))?;
         let task_type = testing::unique_type(&format!("chaos-{scenario}"));
         let logs = logs.join(scenario);

@@ -11,6 +11,7 @@
 
 use anyhow::Context;
 use conveyor_core::db::TenantRole;
+use conveyor_core::urls::with_params;
 use conveyor_operator::rabbitmq::ManagementApi;
 use reqwest::Url;
 
@@ -46,21 +47,6 @@ pub fn with_pod_ca(granted: Granted, ca_pem: String) -> anyhow::Result<Granted> 
         amqp_url,
         ca: Some(ca_pem),
     })
-}
-
-/// `url` with `params` set (replaced where present, added where not).
-fn with_params(url: &str, params: &[(&str, &str)]) -> anyhow::Result<String> {
-    let mut url = Url::parse(url).context("a connection URL")?;
-    let kept: Vec<(String, String)> = url
-        .query_pairs()
-        .filter(|(key, _)| params.iter().all(|(k, _)| k != key))
-        .map(|(k, v)| (k.into_owned(), v.into_owned()))
-        .collect();
-    url.query_pairs_mut()
-        .clear()
-        .extend_pairs(kept)
-        .extend_pairs(params.iter().copied());
-    Ok(url.to_string())
 }
 
 pub async fn grant(

@@ -112,13 +112,14 @@ impl QueueNames {
     }
 }
 
-/// Adds `heartbeat=<seconds>` to an AMQP URL that does not choose one.
+/// Adds `heartbeat=<seconds>` to an AMQP URL that does not choose one (one that does not
+/// parse is left for the client to report).
 pub fn with_heartbeat(url: &str, seconds: u16) -> String {
-    if url.contains("heartbeat=") {
-        return url.to_owned();
+    match crate::urls::query_param(url, "heartbeat") {
+        Some(_) => url.to_owned(),
+        None => crate::urls::with_params(url, &[("heartbeat", &seconds.to_string())])
+            .unwrap_or_else(|_| url.to_owned()),
     }
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}heartbeat={seconds}")
 }
 
 /// Opens a connection driven by the tokio runtime. `name` shows in the broker's

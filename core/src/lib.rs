@@ -17,8 +17,23 @@ pub mod task_type;
 pub mod testing;
 pub mod tls;
 pub mod upkeep;
+pub mod urls;
 
 pub use lifecycle::TaskState;
+
+/// An error and every cause under it, on one line: some libraries (reqwest) leave the reason
+/// (a refused connection, an unknown certificate issuer) to their sources, which a log line
+/// of the error alone does not print.
+pub fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(inner) = cause {
+        text.push_str(": ");
+        text.push_str(&inner.to_string());
+        cause = inner.source();
+    }
+    text
+}
 
 /// Cancels `token` on SIGTERM or Ctrl-C; the binaries' one shutdown input.
 pub async fn shutdown_on_signals(token: tokio_util::sync::CancellationToken) {

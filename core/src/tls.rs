@@ -50,39 +50,9 @@ pub fn amqp_ca(url: &str) -> Result<Option<String>, TlsError> {
 
 /// The CA file a URL names in its query parameter `param`, read.
 pub fn url_ca(url: &str, param: &str) -> Result<Option<String>, TlsError> {
-    let Some((_, query)) = url.split_once('?') else {
-        return Ok(None);
-    };
-    query
-        .split('&')
-        .filter_map(|pair| pair.split_once('='))
-        .find(|(key, _)| *key == param)
-        .map(|(_, value)| read_ca(Path::new(&percent_decode(value))))
+    crate::urls::query_param(url, param)
+        .map(|path| read_ca(Path::new(&path)))
         .transpose()
-}
-
-fn percent_decode(value: &str) -> String {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = (bytes[i] == b'%')
-            .then(|| bytes.get(i + 1..i + 3))
-            .flatten()
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match hex {
-            Some(byte) => {
-                out.push(byte);
-                i += 3;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// The CA HTTPS clients trust beside the public roots.
@@ -162,7 +132,7 @@ mod tests {
 
     #[test]
     fn cacertfile_is_percent_decoded() {
-        assert_eq!(percent_decode("%2Fetc%2Fca.crt"), "/etc/ca.crt");
-        assert_eq!(percent_decode("/a%zz"), "/a%zz");
+        let err = amqp_ca("amqps://h/%2f?cacertfile=%2Fnonexistent%2Fca.crt").expect_err("missing");
+        assert!(err.to_string().contains("/nonexistent/ca.crt"), "{err}");
     }
 }

@@ -8,6 +8,7 @@ use conveyor_core::crd::task_type::QueueDepths;
 pub use conveyor_core::policies::{task_type_policies, Policy};
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use conveyor_core::tls::TrustedRoots;
+use conveyor_core::with_causes;
 use serde::Deserialize;
 
 #[derive(Debug, thiserror::Error)]
@@ -95,19 +96,6 @@ impl ManagementArgs {
             roots,
         )
     }
-}
-
-/// An error and every cause under it: reqwest's own message leaves the reason (a refused
-/// connection, an unknown certificate issuer) to its sources.
-fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(inner) = cause {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
-        cause = inner.source();
-    }
-    text
 }
 
 /// A client of the management API for one vhost.

@@ -99,15 +99,8 @@ impl DbOptions {
 /// the default, even falls back to plaintext). Honoured, since a URL is the operator's
 /// choice, but never silently.
 fn warn_if_unverified(url: &str) {
-    let mode = url
-        .split_once('?')
-        .and_then(|(_, query)| {
-            query
-                .split('&')
-                .find_map(|pair| pair.strip_prefix("sslmode="))
-        })
-        .unwrap_or("prefer");
-    if !matches!(mode, "verify-full" | "verify-ca") {
+    let mode = crate::urls::query_param(url, "sslmode").unwrap_or_else(|| "prefer".to_owned());
+    if !matches!(mode.as_str(), "verify-full" | "verify-ca") {
         tracing::warn!(
             sslmode = mode,
             "the database's certificate is not verified: use sslmode=verify-full"

@@ -76,11 +76,7 @@ pub fn with_database(url: &str, name: &str) -> String {
     }
 }
 
-/// `url` with one more query parameter.
-pub fn with_param(url: &str, key: &str, value: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}{key}={value}")
-}
+pub use crate::urls::with_params;
 
 /// `url` pointed at another port of the same host (a fault proxy in front of a service).
 pub fn via_port(url: &str, address: &str, port: u16) -> String {

@@ -172,16 +172,17 @@ async fn connect(
     };
     match link {
         Link::Tcp => {
-            if let Some(client) = relay(client, server, mode, trap).await {
-                spring(&client).await;
+            if let Some((client, server)) = relay(client, server, mode, trap).await {
+                spring(client, server).await;
             }
         }
         Link::PostgresTls(ends) => {
             let Some((client, server)) = ends.open(client, server).await else {
                 return;
             };
-            if let Some(client) = relay(client, server, mode, trap).await {
-                spring(client.get_ref().0).await;
+            if let Some((client, server)) = relay(client, server, mode, trap).await {
+                let (client, _session) = client.into_inner();
+                spring(client, server).await;
             }
         }
     }
@@ -189,20 +190,22 @@ async fn connect(
 
 /// Sprung: the client gets a reset (linger 0) at once; the server gets a moment to act on
 /// the request, then a plain close, so the request usually takes effect unheard.
-async fn spring(client: &TcpStream) {
+async fn spring<S>(client: TcpStream, server: S) {
     let _ = client.set_zero_linger();
-    let _ = client.set_nodelay(true);
+    drop(client);
     tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(server);
 }
 
 /// Copies both ways while the mode lets it; holds (reads nothing) while it is BlackHole.
-/// Returns the client's end when the trap sprang (the caller resets it).
+/// Returns both ends when the trap sprang (the caller resets the client, then closes the
+/// server).
 async fn relay<C, S>(
     client: C,
     server: S,
     mut mode: watch::Receiver<Mode>,
     trap: Arc<Trap>,
-) -> Option<C>
+) -> Option<(C, S)>
 where
     C: AsyncRead + AsyncWrite + Unpin,
     S: AsyncRead + AsyncWrite + Unpin,
@@ -244,7 +247,10 @@ where
             changed = mode.changed() => if changed.is_err() { return None },
         }
     }
-    Some(client_read.unsplit(client_write))
+    Some((
+        client_read.unsplit(client_write),
+        server_read.unsplit(server_write),
+    ))
 }
 
 /// PostgreSQL's TLS: the client asks with an SSLRequest before the handshake, and so does

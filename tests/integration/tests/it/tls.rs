@@ -10,6 +10,7 @@ use conveyor_core::amqp;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::testing::{self, binary, wait_until};
 use conveyor_core::tls::TrustedRoots;
+use conveyor_core::with_causes as chain;
 use conveyor_gateway::tls::TlsFiles;
 use reqwest::StatusCode;
 use uuid::Uuid;
@@ -125,18 +126,6 @@ fn client_trusting(ca: &Path) -> reqwest::Client {
         .client_builder()
         .build()
         .unwrap()
-}
-
-/// The error and every cause under it, as one line.
-fn chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 fn mentions_the_certificate(message: &str) -> bool {
