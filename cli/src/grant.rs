@@ -1,6 +1,8 @@
 //! `conveyorctl grant -n NS`: least-privilege credentials for one namespace's workers
 //! (decision 0013), printed as the `conveyor-connections` Secret their pods read, so that
-//! `conveyorctl grant -n video | kubectl apply -f -` is the one command.
+//! `conveyorctl grant -n video | kubectl apply -f -` is the one command. With
+//! `--component gateway|operator`, the same for the components in conveyor-system
+//! (decision 0015).
 //!
 //! - PostgreSQL: role `conveyor-NS`, which reads and changes only NS's rows (row-level
 //!   security) and cannot insert or delete tasks.
@@ -10,7 +12,7 @@
 //!   their workers drop (their rows are not NS's), but it cannot read them.
 
 use anyhow::Context;
-use conveyor_core::db::TenantRole;
+use conveyor_core::db::{ComponentRole, TenantRole};
 use conveyor_core::urls::with_params;
 use conveyor_operator::rabbitmq::ManagementApi;
 use reqwest::Url;
@@ -63,13 +65,13 @@ pub async fn grant(
         .context("creating the namespace's database role (the admin role needs CREATEROLE)")?;
     let user = role.name();
     management
-        .put_user(&user, role.password())
+        .put_user(user, role.password(), "")
         .await
         .context("creating the namespace's broker user")?;
     let own = format!(r"^conveyor\.{namespace}\.");
     management
         .put_permissions(
-            &user,
+            user,
             &own,
             &format!(r"^(amq\.default|conveyor\.{namespace}\..*)$"),
             &own,
@@ -77,10 +79,107 @@ pub async fn grant(
         .await
         .context("setting the broker user's permissions")?;
     Ok(Granted {
-        database_url: with_credentials(database_url, &user, role.password())?,
-        amqp_url: with_credentials(&direct.amqp_url, &user, role.password())?,
+        database_url: with_credentials(database_url, user, role.password())?,
+        amqp_url: with_credentials(&direct.amqp_url, user, role.password())?,
         ca: None,
     })
+}
+
+/// The components that run with credentials of their own, in conveyor-system.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Component {
+    /// A database role that owns nothing and cannot rewrite the audit log, and a broker
+    /// user that declares and publishes only `conveyor.` queues, without the management API.
+    Gateway,
+    /// A broker user (policymaker) for `conveyor.` queues and policies; the operator holds
+    /// no database credentials.
+    Operator,
+}
+
+impl Component {
+    /// The Secret the component's Deployment reads (`manifests/base`).
+    pub fn secret(self) -> &'static str {
+        match self {
+            Component::Gateway => "conveyor-gateway-connections",
+            Component::Operator => "conveyor-operator-connections",
+        }
+    }
+
+    /// Its role and user name unless `--role` gives one; `_` cannot be in a namespace, so
+    /// it never meets a tenant's `conveyor-<namespace>`.
+    pub fn default_role(self) -> &'static str {
+        match self {
+            Component::Gateway => conveyor_core::db::DEFAULT_GATEWAY_ROLE,
+            Component::Operator => "conveyor_operator",
+        }
+    }
+}
+
+/// Every `conveyor.` queue: the components serve every tenant.
+const ALL_QUEUES: &str = r"^conveyor\.";
+const PUBLISH_TO_ALL_QUEUES: &str = r"^(amq\.default|conveyor\..*)$";
+
+/// Makes (or re-keys) the component's role and user; returns the Secret's entries.
+pub async fn grant_component(
+    component: Component,
+    role: &str,
+    direct: &Direct,
+    management: &ManagementApi,
+    management_url: &str,
+    database_url: &str,
+) -> anyhow::Result<Vec<(String, String)>> {
+    match component {
+        Component::Gateway => {
+            let role = ComponentRole::new(role).map_err(anyhow::Error::msg)?;
+            direct.db.grant_gateway(&role).await.context(
+                "creating the gateway's database role (the admin role needs CREATEROLE; run \
+                 `conveyorctl migrate` first)",
+            )?;
+            let (user, password) = (role.name(), role.password());
+            management
+                .put_user(user, password, "")
+                .await
+                .context("creating the gateway's broker user")?;
+            management
+                .put_permissions(user, ALL_QUEUES, PUBLISH_TO_ALL_QUEUES, ALL_QUEUES)
+                .await
+                .context("setting the gateway's broker permissions")?;
+            Ok(vec![
+                (
+                    "database-url".to_owned(),
+                    with_credentials(database_url, user, password)?,
+                ),
+                (
+                    "amqp-url".to_owned(),
+                    with_credentials(&direct.amqp_url, user, password)?,
+                ),
+            ])
+        }
+        Component::Operator => {
+            let user = ComponentRole::new(role).map_err(anyhow::Error::msg)?;
+            let (user, password) = (user.name(), user.password());
+            management
+                .put_user(user, password, "policymaker")
+                .await
+                .context("creating the operator's broker user")?;
+            management
+                .put_permissions(user, ALL_QUEUES, ALL_QUEUES, ALL_QUEUES)
+                .await
+                .context("setting the operator's broker permissions")?;
+            Ok(vec![
+                (
+                    "amqp-url".to_owned(),
+                    with_credentials(&direct.amqp_url, user, password)?,
+                ),
+                (
+                    "rabbitmq-management-url".to_owned(),
+                    management_url.to_owned(),
+                ),
+                ("rabbitmq-user".to_owned(), user.to_owned()),
+                ("rabbitmq-password".to_owned(), password.to_owned()),
+            ])
+        }
+    }
 }
 
 /// `url` with another user and password: the workers reach the same servers as the admin.
@@ -107,18 +206,33 @@ pub fn vhost_of(amqp_url: &str) -> anyhow::Result<String> {
 /// The Secret the operator's pods read (`--connection-secret`, default
 /// `conveyor-connections`).
 pub fn secret_yaml(namespace: &str, name: &str, granted: &Granted) -> String {
+    let mut entries = vec![
+        ("database-url".to_owned(), granted.database_url.clone()),
+        ("amqp-url".to_owned(), granted.amqp_url.clone()),
+    ];
+    if let Some(ca) = &granted.ca {
+        entries.push((
+            conveyor_operator::build::WORKER_CA_KEY.to_owned(),
+            ca.clone(),
+        ));
+    }
+    secret_yaml_of(namespace, name, &entries)
+}
+
+/// A Secret of `stringData` entries, multi-line values as literal blocks.
+pub fn secret_yaml_of(namespace: &str, name: &str, entries: &[(String, String)]) -> String {
     let mut yaml = format!(
         "apiVersion: v1\nkind: Secret\nmetadata:\n  name: {name}\n  namespace: {namespace}\n\
-         stringData:\n  database-url: {}\n  amqp-url: {}\n",
-        granted.database_url, granted.amqp_url
+         stringData:\n"
     );
-    if let Some(ca) = &granted.ca {
-        yaml.push_str(&format!(
-            "  {}: |\n",
-            conveyor_operator::build::WORKER_CA_KEY
-        ));
-        for line in ca.lines() {
-            yaml.push_str(&format!("    {line}\n"));
+    for (key, value) in entries {
+        if value.contains('\n') {
+            yaml.push_str(&format!("  {key}: |\n"));
+            for line in value.lines() {
+                yaml.push_str(&format!("    {line}\n"));
+            }
+        } else {
+            yaml.push_str(&format!("  {key}: {value}\n"));
         }
     }
     yaml

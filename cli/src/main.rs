@@ -130,10 +130,20 @@ enum Command {
     /// Least-privilege credentials for the workers of --namespace: a database role that sees
     /// only its rows and a broker user that reads only its queues. Prints the
     /// `conveyor-connections` Secret for them: `conveyorctl -n NS grant | kubectl apply -f -`.
+    /// With --component, the credentials of the gateway or the operator instead, as the
+    /// Secret its Deployment reads in --namespace (default conveyor-system).
     Grant {
-        /// Name of the Secret printed (the operator's --connection-secret).
-        #[arg(long, default_value = "conveyor-connections")]
-        secret: String,
+        /// Name of the Secret printed (default: conveyor-connections, the operator's
+        /// --connection-secret; conveyor-<component>-connections with --component).
+        #[arg(long)]
+        secret: Option<String>,
+        /// Credentials for a component that serves every tenant, not a namespace's workers.
+        #[arg(long, value_enum, conflicts_with = "worker_ca")]
+        component: Option<grant::Component>,
+        /// The component's role and user name (default conveyor_gateway or
+        /// conveyor_operator): one per Conveyor sharing a database server or broker.
+        #[arg(long, requires = "component")]
+        role: Option<String>,
         /// PEM CA that signed the database's and broker's certificates, for the pods: put in
         /// the Secret as `ca.crt`, which the operator mounts, and named by the URLs.
         #[arg(long)]
@@ -144,6 +154,12 @@ enum Command {
         database: DatabaseArgs,
         #[command(flatten)]
         amqp: AmqpArgs,
+    },
+    /// Applies the database migrations this build holds, as the tables' owner (the gateway
+    /// does it at start unless its role owns nothing: --no-migrate).
+    Migrate {
+        #[command(flatten)]
+        database: DatabaseArgs,
     },
     /// Point in time: the state of tasks at a timestamp, rebuilt from the audit log.
     StateAt {
@@ -245,10 +261,37 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         }
         Command::Grant {
             secret,
+            component: Some(component),
+            role,
+            management,
+            database,
+            amqp,
+            ..
+        } => {
+            let namespace = cli.namespace.as_deref().unwrap_or("conveyor-system");
+            let direct = Direct::connect(database, amqp)?;
+            let roots = cli.ca.roots()?;
+            let api = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots)?;
+            let entries = grant::grant_component(
+                *component,
+                role.as_deref().unwrap_or(component.default_role()),
+                &direct,
+                &api,
+                &management.management_url,
+                &database.options().url,
+            )
+            .await?;
+            let secret = secret.as_deref().unwrap_or(component.secret());
+            print!("{}", grant::secret_yaml_of(namespace, secret, &entries));
+        }
+        Command::Grant {
+            secret,
+            component: None,
             worker_ca,
             management,
             database,
             amqp,
+            ..
         } => {
             let namespace = cli.namespace("the namespace whose workers get the credentials")?;
             let direct = Direct::connect(database, amqp)?;
@@ -260,7 +303,15 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                 let pem = conveyor_core::tls::read_ca(path)?;
                 granted = grant::with_pod_ca(granted, pem)?;
             }
+            let secret = secret.as_deref().unwrap_or("conveyor-connections");
             print!("{}", grant::secret_yaml(namespace, secret, &granted));
+        }
+        Command::Migrate { database } => {
+            let db = Db::connect(&database.options())?;
+            db.migrate()
+                .await
+                .context("migrating the task database (as the tables' owner)")?;
+            println!("the task database holds every migration of this build");
         }
         Command::StateAt {
             at,

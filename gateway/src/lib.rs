@@ -101,7 +101,18 @@ pub async fn run(
         .context("gateway TLS settings")?;
     let db = Db::connect(&config.database).context("database settings")?;
     if config.migrate {
-        db.migrate().await.context("migrating the task database")?;
+        db.migrate_or_check()
+            .await
+            .context("migrating the task database")?;
+    } else {
+        match db.check_schema().await {
+            // Degraded mode starts without the database; the schema is checked by the
+            // statements themselves then.
+            Err(err) if err.is_unavailable() => {
+                tracing::warn!(error = %err, "the database schema is not checked: unreachable")
+            }
+            checked => checked.context("checking the task database's schema")?,
+        }
     }
     let publisher = Arc::new(Publisher::new(
         &config.amqp_url,

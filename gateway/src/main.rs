@@ -106,7 +106,9 @@ struct Args {
     /// How often queue depths are read for backpressure, in milliseconds.
     #[arg(long, env = "CONVEYOR_DEPTH_INTERVAL_MS", default_value_t = 1000)]
     depth_interval_ms: u64,
-    /// Do not run database migrations at start.
+    /// Do not run database migrations at start, only check that the schema has them. (A
+    /// role that owns nothing, as `conveyorctl grant --component gateway` makes, is refused
+    /// the migrations and checks anyway: decision 0015.)
     #[arg(long, env = "CONVEYOR_NO_MIGRATE")]
     no_migrate: bool,
     /// Run no upkeep here (reaper, orphan sweeper, audit partitions): only for a gateway

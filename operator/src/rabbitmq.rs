@@ -176,11 +176,16 @@ impl ManagementApi {
         .map(drop)
     }
 
-    /// Creates a broker user or gives it a new password (no tags: it cannot use the
-    /// management API).
-    pub async fn put_user(&self, user: &str, password: &str) -> Result<(), ManagementError> {
+    /// Creates a broker user or gives it a new password. `tags` name what it may do in the
+    /// management API: none (`""`) keeps it out; `policymaker` lets it set policies.
+    pub async fn put_user(
+        &self,
+        user: &str,
+        password: &str,
+        tags: &str,
+    ) -> Result<(), ManagementError> {
         let url = format!("{}/api/users/{}", self.base, encode(user));
-        let body = serde_json::json!({ "password": password, "tags": "" });
+        let body = serde_json::json!({ "password": password, "tags": tags });
         self.send(format!("user {user}"), self.http.put(url).json(&body))
             .await
             .map(drop)

@@ -17,6 +17,12 @@ pub enum DbError {
     Query(#[source] sqlx::Error),
     #[error("database migration failed")]
     Migrate(#[source] sqlx::migrate::MigrateError),
+    /// The schema lacks migrations this build needs; its owner applies them.
+    #[error(
+        "the database schema is at migration {applied:?}, this build needs {needed}: run \
+         `conveyorctl migrate` as the database's owner"
+    )]
+    SchemaBehind { applied: Option<i64>, needed: i64 },
     #[error(transparent)]
     Lifecycle(#[from] InvalidTransition),
     #[error("unexpected row in the database: {0}")]
@@ -37,7 +43,7 @@ impl DbError {
             DbError::Url(_) | DbError::Tls(_) => "config",
             DbError::Unavailable(_) => "unavailable",
             DbError::Query(_) => "query",
-            DbError::Migrate(_) => "migrate",
+            DbError::Migrate(_) | DbError::SchemaBehind { .. } => "migrate",
             DbError::Lifecycle(_) => "lifecycle",
             DbError::Corrupt(_) => "corrupt",
             DbError::TimedOut(_) => "timeout",
@@ -59,6 +65,18 @@ impl DbError {
         self.is_data_rejected()
             || self.is_integrity_violation()
             || matches!(self, DbError::Lifecycle(_) | DbError::Corrupt(_))
+    }
+
+    /// The role may not do this (SQLSTATE 42501): a role that owns nothing, migrating.
+    pub fn is_permission_denied(&self) -> bool {
+        use sqlx::migrate::MigrateError;
+        let err = match self {
+            DbError::Query(err)
+            | DbError::Migrate(MigrateError::Execute(err))
+            | DbError::Migrate(MigrateError::ExecuteMigration(err, _)) => err,
+            _ => return false,
+        };
+        matches!(err, sqlx::Error::Database(db) if db.code().as_deref() == Some("42501"))
     }
 
     fn is_integrity_violation(&self) -> bool {

@@ -1,15 +1,51 @@
-//! Least privilege for a tenant's workers (decision 0013): a login role that reads and
-//! changes only its tenant's rows, through row-level security policies (migration 7).
+//! Least privilege for data: a login role per tenant for its workers, which reads and
+//! changes only its tenant's rows through row-level security policies (migration 7,
+//! decision 0013), and a login role for the gateway, which serves every tenant but owns
+//! nothing (decision 0015).
 
 use super::{Db, DbResult};
 
-/// The database role of one tenant's workers. Built only from a valid tenant name, so the
-/// identifiers and literals put into the statements below cannot be anything but
-/// `[a-z0-9-]` and hex.
+/// A login role and the fresh password it gets. Built only from names checked below, so
+/// the identifiers and literals put into the statements cannot be anything but
+/// `[a-z0-9_-]` and hex.
+#[derive(Debug, Clone)]
+struct Login {
+    name: String,
+    password: String,
+}
+
+impl Login {
+    fn fresh(name: String) -> Login {
+        let password = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        Login { name, password }
+    }
+
+    /// Creates the role, or gives it the new password, and lets it into the schema.
+    fn statements(&self) -> [String; 3] {
+        let Login { name, password } = self;
+        [
+            format!(
+                "DO $$ BEGIN
+                   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{name}') THEN
+                     CREATE ROLE \"{name}\" LOGIN;
+                   END IF;
+                 END $$"
+            ),
+            format!("ALTER ROLE \"{name}\" LOGIN PASSWORD '{password}'"),
+            format!("GRANT USAGE ON SCHEMA public TO \"{name}\""),
+        ]
+    }
+}
+
+/// The database role of one tenant's workers, `conveyor-<tenant>`.
 #[derive(Debug, Clone)]
 pub struct TenantRole {
     tenant: String,
-    password: String,
+    login: Login,
 }
 
 /// The longest namespace whose role name fits PostgreSQL's identifiers.
@@ -32,24 +68,58 @@ impl TenantRole {
                  role name `conveyor-<namespace>` can hold"
             ));
         }
-        let password = format!(
-            "{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
         Ok(TenantRole {
             tenant: tenant.to_owned(),
-            password,
+            login: Login::fresh(format!("conveyor-{tenant}")),
         })
     }
 
     /// `conveyor-<tenant>`, the same name as its broker user.
-    pub fn name(&self) -> String {
-        format!("conveyor-{}", self.tenant)
+    pub fn name(&self) -> &str {
+        &self.login.name
     }
 
     pub fn password(&self) -> &str {
-        &self.password
+        &self.login.password
+    }
+}
+
+/// The login of a component that serves every tenant: the gateway's database role (and
+/// the gateway's and operator's broker users). Names with `_`, such as the default
+/// `conveyor_gateway`, are never a tenant's (a namespace cannot hold `_`); give each
+/// Conveyor that shares a PostgreSQL server or broker its own.
+#[derive(Debug, Clone)]
+pub struct ComponentRole {
+    login: Login,
+}
+
+pub const DEFAULT_GATEWAY_ROLE: &str = "conveyor_gateway";
+
+impl ComponentRole {
+    /// `name`: lower-case letters, digits and `_`, starting with a letter.
+    pub fn new(name: &str) -> Result<ComponentRole, String> {
+        let valid = name.len() <= 63
+            && name.starts_with(|c: char| c.is_ascii_lowercase())
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !valid {
+            return Err(format!(
+                "{name:?} is not a role name for the gateway: up to 63 lower-case letters, \
+                 digits and `_`, starting with a letter"
+            ));
+        }
+        Ok(ComponentRole {
+            login: Login::fresh(name.to_owned()),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.login.name
+    }
+
+    pub fn password(&self) -> &str {
+        &self.login.password
     }
 }
 
@@ -62,18 +132,7 @@ impl Db {
     pub async fn grant_tenant(&self, role: &TenantRole) -> DbResult<()> {
         let name = role.name();
         let tenant = &role.tenant;
-        let password = &role.password;
-        let mut tx = self.maintenance.begin().await?;
-        let statements = [
-            format!(
-                "DO $$ BEGIN
-                   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{name}') THEN
-                     CREATE ROLE \"{name}\" LOGIN;
-                   END IF;
-                 END $$"
-            ),
-            format!("ALTER ROLE \"{name}\" LOGIN PASSWORD '{password}'"),
-            format!("GRANT USAGE ON SCHEMA public TO \"{name}\""),
+        let grants = [
             // Only the columns a worker moves; never tenant, task_type, payload or key.
             format!(
                 "GRANT SELECT, UPDATE (state, attempt, retries, owner, heartbeat_at, result, \
@@ -99,10 +158,81 @@ impl Db {
                  USING (task_type LIKE '{tenant}.%') WITH CHECK (task_type LIKE '{tenant}.%')"
             ),
         ];
+        self.run_grants(role.login.statements().into_iter().chain(grants))
+            .await
+    }
+
+    /// Creates the gateway's role (or gives it a new password). It serves every tenant, so
+    /// its policies admit every row; what it may not do is what the gateway never does:
+    /// change or delete audit rows (the log is append-only to it), delete tasks, change the
+    /// schema, its policies or roles. Upkeep makes and drops audit partitions through the
+    /// functions migration 8 runs as their owner. Runs as the tables' owner, who needs
+    /// CREATEROLE.
+    pub async fn grant_gateway(&self, role: &ComponentRole) -> DbResult<()> {
+        let name = role.name();
+        let grants = [
+            format!("GRANT SELECT, INSERT, UPDATE ON tasks TO \"{name}\""),
+            format!("GRANT SELECT, INSERT ON task_events TO \"{name}\""),
+            format!("GRANT USAGE ON SEQUENCE task_events_seq_seq TO \"{name}\""),
+            format!("GRANT SELECT, INSERT, UPDATE, DELETE ON queue_probes TO \"{name}\""),
+            // To check that the schema is the one it was built for (`--no-migrate`).
+            format!("GRANT SELECT ON _sqlx_migrations TO \"{name}\""),
+            format!(
+                "GRANT EXECUTE ON FUNCTION conveyor_ensure_event_partitions(integer, date), \
+                 conveyor_drop_event_partitions(integer, date) TO \"{name}\""
+            ),
+        ];
+        let policies = ["tasks", "task_events", "queue_probes"].into_iter().flat_map(|table| {
+            [
+                format!("DROP POLICY IF EXISTS \"{name}\" ON {table}"),
+                format!(
+                    "CREATE POLICY \"{name}\" ON {table} TO \"{name}\" USING (true) WITH CHECK (true)"
+                ),
+            ]
+        });
+        self.run_grants(
+            role.login
+                .statements()
+                .into_iter()
+                .chain(grants)
+                .chain(policies),
+        )
+        .await
+    }
+
+    /// Runs grant statements in one transaction, as the owner (the maintenance pool).
+    async fn run_grants(&self, statements: impl IntoIterator<Item = String>) -> DbResult<()> {
+        let mut tx = self.maintenance.begin().await?;
         for statement in statements {
             sqlx::query(&statement).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn role_names_are_checked_before_they_reach_sql() {
+        assert_eq!(TenantRole::new("video").unwrap().name(), "conveyor-video");
+        assert!(TenantRole::new("Video").is_err());
+        assert!(TenantRole::new("a'b").is_err());
+        assert!(TenantRole::new(&"a".repeat(MAX_TENANT_FOR_ROLE + 1)).is_err());
+        assert_eq!(
+            ComponentRole::new(DEFAULT_GATEWAY_ROLE).unwrap().name(),
+            "conveyor_gateway"
+        );
+        for bad in ["", "1gateway", "conveyor-gateway", "gw\"; DROP", "Gateway"] {
+            assert!(ComponentRole::new(bad).is_err(), "{bad:?}");
+        }
+        assert!(ComponentRole::new(&"g".repeat(64)).is_err());
+        let (a, b) = (
+            ComponentRole::new("g").unwrap(),
+            ComponentRole::new("g").unwrap(),
+        );
+        assert_ne!(a.password(), b.password(), "a fresh password each time");
     }
 }

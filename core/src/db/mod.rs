@@ -33,7 +33,7 @@ mod sweep;
 mod tenancy;
 
 pub use error::{DbError, DbResult};
-pub use grants::TenantRole;
+pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 use requeue::{advance, BackToWork, RetryBudget};
 pub use requeue::{PendingRequeue, Requeued};
 pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};
@@ -157,6 +157,36 @@ impl Db {
             .await
             .map_err(DbError::Migrate)?;
         self.ensure_partitions().await
+    }
+
+    /// Migrates where this role owns the schema. A role that owns nothing (decision 0015)
+    /// is refused; then the schema must already hold every migration, applied by its owner.
+    pub async fn migrate_or_check(&self) -> DbResult<()> {
+        match self.migrate().await {
+            Err(err) if err.is_permission_denied() => {
+                tracing::info!("this role may not migrate; checking the schema instead");
+                self.check_schema().await
+            }
+            migrated => migrated,
+        }
+    }
+
+    /// For a process that does not migrate: the schema must hold every migration this
+    /// build knows.
+    pub async fn check_schema(&self) -> DbResult<()> {
+        let needed = sqlx::migrate!("../migrations")
+            .iter()
+            .map(|migration| migration.version)
+            .max()
+            .unwrap_or(0);
+        let applied: Option<i64> =
+            sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+                .fetch_one(&self.pool)
+                .await?;
+        match applied {
+            Some(version) if version >= needed => Ok(()),
+            applied => Err(DbError::SchemaBehind { applied, needed }),
+        }
     }
 
     /// Creates the audit log's upcoming daily partitions (two weeks ahead) and rescues rows

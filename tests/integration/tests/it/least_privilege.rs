@@ -68,6 +68,11 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
     assert!(!db.claim(their_task, 0, "intruder").await.unwrap());
     let refused = sqlx::query("DELETE FROM tasks").execute(db.pool()).await;
     assert!(refused.is_err(), "a worker's role deleted tasks");
+    // The partition functions run as their owner: only the gateway's role may call them.
+    let refused = sqlx::query("SELECT conveyor_drop_event_partitions(0)")
+        .execute(db.pool())
+        .await;
+    assert!(refused.is_err(), "a worker's role dropped audit partitions");
     let events: i64 = sqlx::query_scalar("SELECT count(*) FROM task_events WHERE task_id = $1")
         .bind(their_task)
         .fetch_one(db.pool())
@@ -202,4 +207,239 @@ async fn a_handler_cannot_read_its_workers_environment() {
         task.result
     );
     harness.shutdown().await;
+}
+
+/// The gateway's and the operator's own credentials (`conveyorctl grant --component`,
+/// decision 0015): a gateway running as its role migrates nothing, serves submissions and
+/// runs its upkeep (probes, audit partitions), but its role cannot change or delete audit
+/// rows, delete tasks, change the schema, or make roles, and its broker user cannot use the
+/// management API; the operator's user sets policies and declares only `conveyor.` queues.
+#[tokio::test]
+async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_history() {
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+    let spec = crate::support::test_type("component");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let role = format!("conveyor_gw_{suffix}");
+    let secret = harness.conveyorctl(&["grant", "--component", "gateway", "--role", &role]);
+    assert!(
+        secret.contains("name: conveyor-gateway-connections")
+            && secret.contains("namespace: conveyor-system"),
+        "{secret}"
+    );
+    let database_url = secret_value(&secret, "database-url");
+    let amqp_url = secret_value(&secret, "amqp-url");
+
+    // A gateway with these credentials alone, asked to migrate as the manifests' does.
+    let mut config = harness.gateway_config();
+    config.database = DbOptions::new(&database_url);
+    config.amqp_url = amqp_url.clone();
+    config.migrate = true;
+    config.upkeep = Some(crate::self_healing::fast_upkeep());
+    let (gateway_url, _) = harness.start_gateway(config).await;
+    let submitted: serde_json::Value = harness
+        .http
+        .post(format!("{gateway_url}/v1/tasks"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"taskType": name, "payload": {}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id: uuid::Uuid = submitted["id"].as_str().unwrap().parse().unwrap();
+    // Its sweeper probes the queue of a task that waits (no worker yet).
+    testing::wait_until(
+        "a probe sent by the gateway",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM queue_probes")
+                .fetch_one(harness.db.pool())
+                .await
+                .unwrap()
+                > 0
+        },
+    )
+    .await;
+    harness.start_worker(&[&name], Handler::Noop, 2);
+    harness
+        .wait_for_state(&name, TaskState::Completed, 1, Duration::from_secs(60))
+        .await;
+    crate::support::assert_valid_chain(&harness.events(id).await);
+
+    let db = Db::connect(&DbOptions::new(&database_url)).unwrap();
+    assert!(
+        db.task(id).await.unwrap().is_some(),
+        "it reads every tenant's rows"
+    );
+    let made = db
+        .ensure_partitions_around(
+            1,
+            Some(chrono::Utc::now().date_naive() + chrono::Days::new(60)),
+        )
+        .await
+        .expect("upkeep makes audit partitions through the owner's function");
+    assert!(!made.is_empty());
+    // Retention through the owner's function, but never of today's partition or later.
+    db.drop_partitions(30)
+        .await
+        .expect("retention as configured");
+    for (keep_days, today) in [
+        (0, None),
+        (
+            30,
+            Some(chrono::Utc::now().date_naive() + chrono::Days::new(400)),
+        ),
+    ] {
+        let err = db
+            .drop_partitions_before(keep_days, today)
+            .await
+            .expect_err("the gateway's role dropped partitions of today or later");
+        assert!(err.is_permission_denied(), "{err:?}");
+    }
+    for refused in [
+        "DELETE FROM task_events",
+        "UPDATE task_events SET detail = 'rewritten'",
+        "DELETE FROM tasks",
+        "DROP TABLE queue_probes",
+        "ALTER TABLE tasks DISABLE ROW LEVEL SECURITY",
+        "CREATE ROLE intruder LOGIN",
+    ] {
+        let err = sqlx::query(refused)
+            .execute(db.pool())
+            .await
+            .expect_err(refused);
+        assert!(
+            err.to_string().contains("permission denied") || err.to_string().contains("must be"),
+            "{refused}: {err}"
+        );
+    }
+    db.pool().close().await;
+    let broker_user = |url: &str| {
+        let url = reqwest::Url::parse(url).unwrap();
+        (
+            url.username().to_owned(),
+            url.password().unwrap().to_owned(),
+        )
+    };
+    let (user, password) = broker_user(&amqp_url);
+    let management = testing::MANAGEMENT_API;
+    let overview = harness
+        .http
+        .get(format!("{management}/api/overview"))
+        .basic_auth(&user, Some(&password))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        overview.status(),
+        401,
+        "the gateway's user in the management API"
+    );
+
+    // The operator's user: policies and `conveyor.` queues, nothing else.
+    let operator_user = format!("conveyor_op_{suffix}");
+    let secret =
+        harness.conveyorctl(&["grant", "--component", "operator", "--role", &operator_user]);
+    assert!(
+        secret.contains("name: conveyor-operator-connections"),
+        "{secret}"
+    );
+    let password = secret_value(&secret, "rabbitmq-password");
+    assert_eq!(secret_value(&secret, "rabbitmq-user"), operator_user);
+    let policy = format!("{management}/api/policies/%2f/conveyor-lp-{suffix}");
+    let put = harness
+        .http
+        .put(&policy)
+        .basic_auth(&operator_user, Some(&password))
+        .json(&json!({"pattern": format!(r"^conveyor\.lp-{suffix}$"),
+                      "definition": {"max-length": 1}, "apply-to": "queues"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        put.status().is_success(),
+        "the operator sets a policy: {}",
+        put.status()
+    );
+    let deleted = harness
+        .http
+        .delete(&policy)
+        .basic_auth(&operator_user, Some(&password))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        deleted.status().is_success(),
+        "and deletes it: {}",
+        deleted.status()
+    );
+    let users = harness
+        .http
+        .get(format!("{management}/api/users"))
+        .basic_auth(&operator_user, Some(&password))
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        !users.status().is_success(),
+        "the operator's user listed users"
+    );
+    let conn = amqp::connect(
+        &secret_value(&secret, "amqp-url"),
+        "least-privilege-operator",
+    )
+    .await
+    .unwrap();
+    let declare = |queue: String| {
+        let conn = &conn;
+        async move {
+            let channel = conn.create_channel().await.unwrap();
+            let options = lapin::options::QueueDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            };
+            channel
+                .queue_declare(&queue, options, Default::default())
+                .await
+                .map(drop)
+        }
+    };
+    declare(format!("conveyor.lp-{suffix}.q"))
+        .await
+        .expect("a conveyor. queue");
+    assert!(
+        declare(format!("other-{suffix}")).await.is_err(),
+        "the operator's user declared a queue outside conveyor."
+    );
+    let _ = conn.close(200, "done").await;
+
+    // Leave no role, user or policy behind (the gateway stopped first: its sessions).
+    let owner = harness.db.clone();
+    harness.shutdown().await;
+    let functions = "conveyor_ensure_event_partitions(integer, date), \
+                     conveyor_drop_event_partitions(integer, date)";
+    for statement in [
+        format!("DROP POLICY \"{role}\" ON tasks"),
+        format!("DROP POLICY \"{role}\" ON task_events"),
+        format!("DROP POLICY \"{role}\" ON queue_probes"),
+        format!("REVOKE ALL ON tasks, task_events, queue_probes, _sqlx_migrations FROM \"{role}\""),
+        format!("REVOKE ALL ON SEQUENCE task_events_seq_seq FROM \"{role}\""),
+        format!("REVOKE ALL ON FUNCTION {functions} FROM \"{role}\""),
+        format!("REVOKE ALL ON SCHEMA public FROM \"{role}\""),
+        format!("DROP ROLE \"{role}\""),
+    ] {
+        sqlx::query(&statement)
+            .execute(owner.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    let admin = testing::http_client();
+    for user in [&user, &operator_user] {
+        let _ = admin
+            .delete(format!("{}/api/users/{user}", testing::management_url()))
+            .send()
+            .await;
+    }
 }

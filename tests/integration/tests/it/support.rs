@@ -55,6 +55,67 @@ impl InProcessWorker {
     }
 }
 
+/// A gateway over `db_url` serving `types` from a file, with the test token.
+fn gateway_config(db_url: &str, types: &[NamedTaskType]) -> GatewayConfig {
+    let task_types: TaskTypes = types.iter().map(|t| (t.name.clone(), t.clone())).collect();
+    GatewayConfig {
+        database: conveyor_core::db::DbOptions::new(db_url),
+        amqp_url: testing::amqp_url(),
+        confirm_timeout: Duration::from_secs(5),
+        task_types: TaskTypeSource::File(task_types),
+        tokens: Tokens::parse_pairs(&format!("tests={TOKEN}")).expect("token"),
+        client_limits: ClientLimits {
+            per_second: 100_000.0,
+            burst: 100_000.0,
+        },
+        requests: RequestLimits::default(),
+        max_body_bytes: 64 * 1024,
+        max_batch_bytes: 1024 * 1024,
+        max_batch_tasks: 500,
+        depth_interval: Duration::from_millis(200),
+        migrate: false,
+        // Tests that need the reaper or the sweeper in the gateway ask for it.
+        upkeep: None,
+        // Plain HTTP on loopback; the gateway's TLS has tests of its own (tls.rs).
+        tls: None,
+    }
+}
+
+/// Runs a gateway in-process on two free loopback ports; returns its API and admin URLs.
+async fn spawn_gateway(config: GatewayConfig, shutdown: CancellationToken) -> (String, String) {
+    let bind = || async {
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind")
+    };
+    let listeners = Listeners {
+        api: bind().await,
+        admin: bind().await,
+    };
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    let gateway_url = format!("{scheme}://{}", listeners.api.local_addr().expect("addr"));
+    let admin_url = format!("http://{}", listeners.admin.local_addr().expect("addr"));
+    tokio::spawn(conveyor_gateway::run(
+        config,
+        listeners,
+        Metrics::new(),
+        shutdown,
+    ));
+    (gateway_url, admin_url)
+}
+
+async fn wait_ready(http: &reqwest::Client, admin_url: &str) {
+    let url = format!("{admin_url}/readyz");
+    wait_until("gateway ready", Duration::from_secs(30), || async {
+        matches!(http.get(&url).send().await, Ok(r) if r.status().is_success())
+    })
+    .await;
+}
+
 /// A type with short timeouts for tests.
 pub fn test_type(prefix: &str) -> NamedTaskType {
     let mut spec = NamedTaskType::named(testing::unique_type(prefix));
@@ -74,52 +135,10 @@ impl Harness {
         adjust: impl FnOnce(&mut GatewayConfig),
     ) -> Harness {
         let test_db = TestDatabase::create().await;
-        let task_types: TaskTypes = types.iter().map(|t| (t.name.clone(), t.clone())).collect();
-        let mut config = GatewayConfig {
-            database: conveyor_core::db::DbOptions::new(&test_db.url),
-            amqp_url: testing::amqp_url(),
-            confirm_timeout: Duration::from_secs(5),
-            task_types: TaskTypeSource::File(task_types),
-            tokens: Tokens::parse_pairs(&format!("tests={TOKEN}")).expect("token"),
-            client_limits: ClientLimits {
-                per_second: 100_000.0,
-                burst: 100_000.0,
-            },
-            requests: RequestLimits::default(),
-            max_body_bytes: 64 * 1024,
-            max_batch_bytes: 1024 * 1024,
-            max_batch_tasks: 500,
-            depth_interval: Duration::from_millis(200),
-            migrate: false,
-            // Tests that need the reaper or the sweeper in the gateway ask for it.
-            upkeep: None,
-            // Plain HTTP on loopback; the gateway's TLS has tests of its own (tls.rs).
-            tls: None,
-        };
+        let mut config = gateway_config(&test_db.url, &types);
         adjust(&mut config);
-        let bind = || async {
-            tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind")
-        };
-        let listeners = Listeners {
-            api: bind().await,
-            admin: bind().await,
-        };
-        let scheme = if config.tls.is_some() {
-            "https"
-        } else {
-            "http"
-        };
-        let gateway_url = format!("{scheme}://{}", listeners.api.local_addr().expect("addr"));
-        let admin_url = format!("http://{}", listeners.admin.local_addr().expect("addr"));
         let shutdown = CancellationToken::new();
-        tokio::spawn(conveyor_gateway::run(
-            config,
-            listeners,
-            Metrics::new(),
-            shutdown.clone(),
-        ));
+        let (gateway_url, admin_url) = spawn_gateway(config, shutdown.clone()).await;
         let types_file =
             std::env::temp_dir().join(format!("conveyor-types-{}.json", Uuid::new_v4()));
         // JSON is YAML: the worker binary reads this file as its --task-types.
@@ -139,16 +158,21 @@ impl Harness {
             shutdown,
             workers: Vec::new(),
         };
-        harness.wait_ready().await;
+        wait_ready(&harness.http, &harness.admin_url).await;
         harness
     }
 
-    async fn wait_ready(&self) {
-        let url = format!("{}/readyz", self.admin_url);
-        wait_until("gateway ready", Duration::from_secs(30), || async {
-            matches!(self.http.get(&url).send().await, Ok(r) if r.status().is_success())
-        })
-        .await;
+    /// The settings of this harness's gateway, for another one beside it.
+    pub fn gateway_config(&self) -> GatewayConfig {
+        gateway_config(&self.db_url, &self.types)
+    }
+
+    /// Another gateway with `config`, stopped with the harness; returns its API and admin
+    /// URLs once it is ready.
+    pub async fn start_gateway(&self, config: GatewayConfig) -> (String, String) {
+        let urls = spawn_gateway(config, self.shutdown.child_token()).await;
+        wait_ready(&self.http, &urls.1).await;
+        urls
     }
 
     pub fn spec(&self, name: &str) -> &NamedTaskType {
