@@ -6,10 +6,9 @@
 //!
 //! - PostgreSQL: role `conveyor-NS`, which reads and changes only NS's rows (row-level
 //!   security) and cannot insert or delete tasks.
-//! - RabbitMQ: user `conveyor-NS`, which may consume and declare only NS's queues
-//!   (`conveyor.NS.…`). Publishing goes through the default exchange, which RabbitMQ
-//!   authorizes per exchange, not per queue: it can put messages into other queues, which
-//!   their workers drop (their rows are not NS's), but it cannot read them.
+//! - RabbitMQ: user `conveyor-NS`, which may consume, declare and publish to only NS's
+//!   queues and exchanges (`conveyor.NS.…`); messages go through each type's own exchange,
+//!   so it cannot put one into another namespace's queue.
 
 use anyhow::Context;
 use conveyor_core::db::{ComponentRole, TenantRole};
@@ -70,12 +69,7 @@ pub async fn grant(
         .context("creating the namespace's broker user")?;
     let own = format!(r"^conveyor\.{namespace}\.");
     management
-        .put_permissions(
-            user,
-            &own,
-            &format!(r"^(amq\.default|conveyor\.{namespace}\..*)$"),
-            &own,
-        )
+        .put_permissions(user, &own, &own, &own)
         .await
         .context("setting the broker user's permissions")?;
     Ok(Granted {
@@ -115,9 +109,8 @@ impl Component {
     }
 }
 
-/// Every `conveyor.` queue: the components serve every tenant.
+/// Every `conveyor.` queue and exchange: the components serve every tenant.
 const ALL_QUEUES: &str = r"^conveyor\.";
-const PUBLISH_TO_ALL_QUEUES: &str = r"^(amq\.default|conveyor\..*)$";
 
 /// Makes (or re-keys) the component's role and user; returns the Secret's entries.
 pub async fn grant_component(
@@ -141,7 +134,7 @@ pub async fn grant_component(
                 .await
                 .context("creating the gateway's broker user")?;
             management
-                .put_permissions(user, ALL_QUEUES, PUBLISH_TO_ALL_QUEUES, ALL_QUEUES)
+                .put_permissions(user, ALL_QUEUES, ALL_QUEUES, ALL_QUEUES)
                 .await
                 .context("setting the gateway's broker permissions")?;
             Ok(vec![

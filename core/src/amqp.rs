@@ -1,21 +1,27 @@
 //! The AMQP layer: every connection, topology and publish/consume call Conveyor makes.
 //!
-//! Per task type T there are three quorum queues on the default exchange:
-//! `conveyor.T` (work), `conveyor.T.retry` (per-message TTL, dead-letters back to the work
-//! queue) and `conveyor.T.remediation` (parked tasks, and the work queue's dead letters).
-//! Publishes are persistent, `mandatory` and confirmed; a nack, a return (no such queue) or
-//! a missing confirm is an error, and the channel is replaced on the next publish.
+//! Per task type T there are three quorum queues: `conveyor.T` (work), `conveyor.T.retry`
+//! (per-message TTL, dead-letters back to the work queue) and `conveyor.T.remediation`
+//! (parked tasks, and the work queue's dead letters). Messages are published to the type's
+//! own direct exchange, `conveyor.T` (exchanges and queues are named apart), where each
+//! queue is bound by its name: RabbitMQ authorizes a publish by exchange, so a tenant's
+//! broker user, which may write only `conveyor.<namespace>.` exchanges, cannot put a message
+//! into another tenant's queue (decision 0013). The broker's own dead-lettering between a
+//! type's queues goes through the default exchange, which no permission governs.
+//! Publishes are persistent, `mandatory` and confirmed; a nack, a return (no such queue), a
+//! missing exchange or a missing confirm is an error, and the channel is replaced on the
+//! next publish.
 
 use std::time::Duration;
 
 use futures_util::future::join_all;
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::Mutex;
 use uuid::Uuid;
@@ -79,6 +85,12 @@ impl QueueNames {
             remediation: format!("{main}.remediation"),
             main,
         }
+    }
+
+    /// The type's exchange, named as its work queue: every queue of the type is bound to it
+    /// by its own name.
+    pub fn exchange(&self) -> &str {
+        &self.main
     }
 
     pub fn route(&self, route: Requeue) -> &str {
@@ -172,25 +184,50 @@ pub fn queue_arguments(names: &QueueNames, retry_tiers: u32) -> Vec<(String, Fie
     queues
 }
 
-/// Declares a task type's queues: work, its retry queues, remediation. Idempotent; a queue
-/// that exists with other arguments is reported as [`AmqpError::Mismatch`] (and closes the
-/// channel).
+/// Declares a task type's queues (work, its retry queues, remediation), its exchange, and
+/// each queue's binding to it. Idempotent; a queue that exists with other arguments is
+/// reported as [`AmqpError::Mismatch`] (and closes the channel).
 pub async fn declare_task_type(channel: &Channel, spec: &NamedTaskType) -> AmqpResult<()> {
     let names = QueueNames::of(&spec.name);
+    let durable = || QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    let exchange = names.exchange();
+    let exchange_options = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            exchange,
+            ExchangeKind::Direct,
+            exchange_options,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(AmqpError::Unavailable)?;
     for (queue, args) in queue_arguments(&names, spec.retry_tiers()) {
-        let options = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
         channel
-            .queue_declare(&queue, options, args)
+            .queue_declare(&queue, durable(), args)
             .await
             .map_err(|source| match &source {
-                lapin::Error::ProtocolError(e) if e.get_id() == 406 => {
-                    AmqpError::Mismatch { queue, source }
-                }
+                lapin::Error::ProtocolError(e) if e.get_id() == 406 => AmqpError::Mismatch {
+                    queue: queue.clone(),
+                    source,
+                },
                 _ => AmqpError::Unavailable(source),
             })?;
+        channel
+            .queue_bind(
+                &queue,
+                exchange,
+                &queue,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(AmqpError::Unavailable)?;
     }
     Ok(())
 }
@@ -331,17 +368,22 @@ impl Publisher {
     /// confirm. A worker that takes it off the queue reports it seen.
     pub async fn publish_probe(&self, task_type: &str, id: Uuid) -> AmqpResult<()> {
         let channel = self.channel().await?;
-        let queue = QueueNames::of(task_type).main;
+        let names = QueueNames::of(task_type);
         let body =
             serde_json::to_vec(&serde_json::json!({ "probe": id })).map_err(AmqpError::Encode)?;
         let properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_type(ShortString::from(PROBE_KIND))
             .with_message_id(ShortString::from(id.to_string()));
-        let result = self.confirmed(&channel, &queue, &body, properties).await;
+        let result = self
+            .confirmed(&channel, names.exchange(), &names.main, &body, properties)
+            .await;
+        // A missing exchange closes the channel, too.
         if matches!(
             result,
-            Err(AmqpError::Unavailable(_) | AmqpError::ConfirmTimeout(_))
+            Err(AmqpError::Unavailable(_)
+                | AmqpError::ConfirmTimeout(_)
+                | AmqpError::NoQueue { .. })
         ) {
             self.reset().await;
         }
@@ -385,13 +427,16 @@ impl Publisher {
             properties =
                 properties.with_expiration(ShortString::from(delay.as_millis().to_string()));
         }
-        self.confirmed(channel, queue, &body, properties).await
+        self.confirmed(channel, names.exchange(), queue, &body, properties)
+            .await
     }
 
-    /// One mandatory publish, confirmed within the confirm timeout.
+    /// One mandatory publish through `exchange` to `queue`, confirmed within the confirm
+    /// timeout.
     async fn confirmed(
         &self,
         channel: &Channel,
+        exchange: &str,
         queue: &str,
         body: &[u8],
         properties: BasicProperties,
@@ -402,12 +447,18 @@ impl Publisher {
         };
         let confirm = async {
             channel
-                .basic_publish("", queue, options, body, properties)
+                .basic_publish(exchange, queue, options, body, properties)
                 .await?
                 .await
         };
         match tokio::time::timeout(self.confirm_timeout, confirm).await {
             Err(_) => Err(AmqpError::ConfirmTimeout(self.confirm_timeout)),
+            // No such exchange: the type is not declared (or was deleted), as for a return.
+            Ok(Err(lapin::Error::ProtocolError(e))) if e.get_id() == 404 => {
+                Err(AmqpError::NoQueue {
+                    queue: queue.to_owned(),
+                })
+            }
             Ok(Err(err)) => Err(AmqpError::Unavailable(err)),
             Ok(Ok(Confirmation::Ack(None))) => Ok(()),
             Ok(Ok(Confirmation::Ack(Some(_returned)))) => Err(AmqpError::NoQueue {
@@ -546,6 +597,15 @@ pub async fn delete_queues(conn: &Connection, queues: &[String]) {
         if let Ok(channel) = conn.create_channel().await {
             let _ = channel.queue_delete(queue, Default::default()).await;
         }
+    }
+}
+
+/// Deletes a type's exchange (its queues' bindings went with them); a missing one is fine.
+pub async fn delete_exchange(conn: &Connection, names: &QueueNames) {
+    if let Ok(channel) = conn.create_channel().await {
+        let _ = channel
+            .exchange_delete(names.exchange(), Default::default())
+            .await;
     }
 }
 

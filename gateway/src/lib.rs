@@ -34,6 +34,12 @@ use crate::backpressure::DepthMonitor;
 use crate::ingest::{ClientLimits, Ingestor};
 use crate::rate_limit::RateLimiter;
 
+/// The task types once checked, before anything connects: a file's read and compiled.
+enum Checked<'a> {
+    File(Registry),
+    Cluster(&'a kube::Client, Duration),
+}
+
 /// Where the gateway learns its task types.
 #[derive(Clone)]
 pub enum TaskTypeSource {
@@ -99,6 +105,13 @@ pub async fn run(
         .map(|files| tls::ServerTls::start(files, shutdown.clone()))
         .transpose()
         .context("gateway TLS settings")?;
+    // So is a task type from a file that cannot be served (a schema that does not compile).
+    let source = match &config.task_types {
+        TaskTypeSource::File(types) => {
+            Checked::File(Registry::from_file(types).map_err(anyhow::Error::msg)?)
+        }
+        TaskTypeSource::Cluster { client, refresh } => Checked::Cluster(client, *refresh),
+    };
     let db = Db::connect(&config.database).context("database settings")?;
     if config.migrate {
         db.migrate_or_check()
@@ -120,9 +133,8 @@ pub async fn run(
         config.confirm_timeout,
     ));
     let declared = Arc::new(AtomicBool::new(false));
-    let types = match &config.task_types {
-        TaskTypeSource::File(types) => {
-            let registry = Registry::from_file(types).map_err(anyhow::Error::msg)?;
+    let types = match source {
+        Checked::File(registry) => {
             tokio::spawn(declare_topology(
                 publisher.clone(),
                 registry
@@ -135,7 +147,7 @@ pub async fn run(
             ));
             Arc::new(registry)
         }
-        TaskTypeSource::Cluster { client, refresh } => {
+        Checked::Cluster(client, refresh) => {
             let registry = Arc::new(Registry::default());
             let listed = registry::list_cluster_types(client)
                 .await
@@ -151,7 +163,7 @@ pub async fn run(
                 tokens.clone(),
                 config.tokens.clone(),
                 client.clone(),
-                *refresh,
+                refresh,
                 shutdown.clone(),
             ));
             registry

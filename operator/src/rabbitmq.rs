@@ -225,6 +225,11 @@ impl ManagementApi {
         self.delete("queues", queue).await
     }
 
+    /// Deletes an exchange; a missing one is fine.
+    pub async fn delete_exchange(&self, exchange: &str) -> Result<(), ManagementError> {
+        self.delete("exchanges", exchange).await
+    }
+
     /// Deletes a queue only while it holds no messages: `false` when it holds some and
     /// stays. A missing one counts as deleted. Quorum queues refuse `if-empty`, so this reads
     /// the count first: a message published in between is lost with the queue, and the

@@ -117,6 +117,7 @@ async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {
     for queue in queues.all(MAX_RETRY_TIERS) {
         ctx.management.delete_queue(&queue).await?;
     }
+    ctx.management.delete_exchange(queues.exchange()).await?;
     ctx.event(
         task_type,
         false,

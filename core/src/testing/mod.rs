@@ -118,8 +118,9 @@ pub async fn delete_queues(task_type: &str) {
     let Ok(conn) = amqp::connect(&amqp_url(), "conveyor-test-cleanup").await else {
         return;
     };
-    let queues = QueueNames::of(task_type).all(crate::task_type::MAX_RETRY_TIERS);
-    amqp::delete_queues(&conn, &queues).await;
+    let names = QueueNames::of(task_type);
+    amqp::delete_queues(&conn, &names.all(crate::task_type::MAX_RETRY_TIERS)).await;
+    amqp::delete_exchange(&conn, &names).await;
     let _ = conn.close(200, "test cleanup").await;
 }
 

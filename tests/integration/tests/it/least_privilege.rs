@@ -102,6 +102,29 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
             .is_err(),
         "read another namespace's queue"
     );
+    // Nor can it put a message into one: not through the default exchange, nor through
+    // the other type's exchange (before, the default exchange let it).
+    for exchange in ["", queue(&their_key).exchange()] {
+        let channel = conn.create_channel().await.unwrap();
+        channel.confirm_select(Default::default()).await.unwrap();
+        let published = async {
+            channel
+                .basic_publish(
+                    exchange,
+                    &queue(&their_key).main,
+                    Default::default(),
+                    b"{}",
+                    Default::default(),
+                )
+                .await?
+                .await
+        }
+        .await;
+        assert!(
+            matches!(&published, Err(lapin::Error::ProtocolError(e)) if e.get_id() == 403),
+            "published into another namespace's queue through {exchange:?}: {published:?}"
+        );
+    }
     let _ = conn.close(200, "done").await;
 
     // A worker of the namespace (its pool consumes its namespace's types) runs its task
