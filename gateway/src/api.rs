@@ -83,7 +83,7 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
     let Some(client) = state.tokens.current().client(header).cloned() else {
         return ApiError::unauthorized().into_response();
     };
-    let Some(_permit) = state.admit_one(&client) else {
+    let Some(permit) = state.admit_one(&client) else {
         let message = format!(
             "client {} has {} requests in flight already",
             client.name, state.limits.max_in_flight
@@ -105,6 +105,10 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
         request.extensions_mut().insert(BodyCharged);
     }
     request.extensions_mut().insert(client);
+    // A submission outlives a timed-out request (`submit_detached`), and so does its permit.
+    request.extensions_mut().insert(InFlight {
+        _permit: Arc::new(permit),
+    });
     match tokio::time::timeout(state.limits.timeout, next.run(request)).await {
         Ok(response) => response,
         Err(_) => ApiError::unavailable(
@@ -122,6 +126,13 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
 /// The request's body was charged against its client's byte rate on admission.
 #[derive(Clone, Copy)]
 struct BodyCharged;
+
+/// The client's in-flight permit for this request, released when the request and any
+/// submission it started are both done.
+#[derive(Clone)]
+struct InFlight {
+    _permit: Arc<OwnedSemaphorePermit>,
+}
 
 impl ApiState {
     fn admit_one(&self, client: &Client) -> Option<OwnedSemaphorePermit> {
@@ -191,20 +202,25 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<Uuid>, ApiError> {
 async fn submit_detached(
     state: &Arc<ApiState>,
     client: &Client,
+    in_flight: InFlight,
     submissions: Vec<Submission>,
 ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
     let state = state.clone();
     let client = client.clone();
-    tokio::spawn(async move { state.ingestor.submit(&client, submissions).await })
-        .await
-        .unwrap_or_else(|join| {
-            tracing::error!(error = %join, "submission task failed");
-            Err(ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "the submission failed inside the gateway",
-            ))
-        })
+    tokio::spawn(async move {
+        let answers = state.ingestor.submit(&client, submissions).await;
+        drop(in_flight);
+        answers
+    })
+    .await
+    .unwrap_or_else(|join| {
+        tracing::error!(error = %join, "submission task failed");
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the submission failed inside the gateway",
+        ))
+    })
 }
 
 #[derive(Deserialize)]
@@ -219,6 +235,7 @@ struct SingleRequest {
 async fn submit_one(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
+    Extension(in_flight): Extension<InFlight>,
     charged: Option<Extension<BodyCharged>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
@@ -235,7 +252,7 @@ async fn submit_one(
         payload: request.payload,
         idempotency_key: key,
     };
-    let mut answers = submit_detached(&state, &client, vec![submission]).await?;
+    let mut answers = submit_detached(&state, &client, in_flight, vec![submission]).await?;
     let accepted = answers
         .pop()
         .unwrap_or_else(|| Err(ApiError::bad_request("empty", "no task")))?;
@@ -265,6 +282,7 @@ enum BatchAnswer {
 async fn submit_batch(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
+    Extension(in_flight): Extension<InFlight>,
     charged: Option<Extension<BodyCharged>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -279,7 +297,7 @@ async fn submit_batch(
             format!("a batch holds 1 to {} tasks", state.max_batch_tasks),
         ));
     }
-    let answers = submit_detached(&state, &client, request.tasks).await?;
+    let answers = submit_detached(&state, &client, in_flight, request.tasks).await?;
     let results: Vec<BatchAnswer> = answers
         .into_iter()
         .map(|answer| match answer {

@@ -70,7 +70,9 @@ struct ClientEntry {
 
 impl Tokens {
     /// Entries separated by commas, as in `CONVEYOR_GATEWAY_TOKENS`: `name=token` (tenant
-    /// `default`) or `name@ns1+ns2=token` (those namespaces; `@*` for all of them).
+    /// `default`) or `name@ns1+ns2=token` (those namespaces; `@*` for all of them). The
+    /// token may be given as its digest, `sha256:<64 hex digits>`, so that the Secret the
+    /// variable comes from holds no usable token.
     pub fn parse_pairs(pairs: &str) -> Result<Tokens, String> {
         let mut tokens = Tokens::default();
         for pair in pairs.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -81,7 +83,12 @@ impl Tokens {
                 Some((name, list)) => (name, list.split('+').map(str::trim).collect()),
                 None => (who, vec![DEFAULT_TENANT]),
             };
-            tokens.add(name.trim(), Credential::Plain(token.trim()), &tenants)?;
+            let token = token.trim();
+            let credential = match token.strip_prefix("sha256:") {
+                Some(digest) => Credential::Digest(digest),
+                None => Credential::Plain(token),
+            };
+            tokens.add(name.trim(), credential, &tenants)?;
         }
         Ok(tokens)
     }
@@ -263,6 +270,19 @@ mod tests {
         assert!(Tokens::parse_pairs("short=abc").is_err());
         assert!(Tokens::parse_pairs("x@Bad_NS=secret-token-1").is_err());
         assert!(!format!("{tokens:?}").contains("secret-token"));
+    }
+
+    #[test]
+    fn an_entry_may_hold_only_the_digest() {
+        let digest = hex(&sha256(b"secret-token-4"));
+        let tokens = Tokens::parse_pairs(&format!("ci@video=sha256:{digest}")).unwrap();
+        let ci = tokens.client(Some("Bearer secret-token-4")).unwrap();
+        assert!(ci.may_use("video"));
+        assert_eq!(
+            tokens.client(Some(&format!("Bearer sha256:{digest}"))),
+            None
+        );
+        assert!(Tokens::parse_pairs("ci=sha256:abc").is_err());
     }
 
     #[test]

@@ -4,9 +4,12 @@
 
 use std::time::Duration;
 
+use conveyor_core::db::DbOptions;
 use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
-use conveyor_core::testing;
+use conveyor_core::testing::{self, proxy::Proxy};
+use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
+use conveyor_worker::handler::Handler;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -60,7 +63,7 @@ async fn get(h: &Harness, token: &str, path: &str) -> (StatusCode, String) {
 
 #[tokio::test]
 async fn two_tenants_with_one_type_name_and_one_key_stay_apart() {
-    let (harness, name) = two_tenants(|_| {}).await;
+    let (mut harness, name) = two_tenants(|_| {}).await;
     let key = Uuid::new_v4();
     let (status, alpha) = submit(
         &harness,
@@ -141,6 +144,35 @@ async fn two_tenants_with_one_type_name_and_one_key_stay_apart() {
             .await,
         1
     );
+
+    // Side by side: each namespace's worker runs its own task (its result is its payload).
+    let echo = || Handler::Exec {
+        command: "cat".to_owned(),
+        args: Vec::new(),
+    };
+    let (alpha_key, beta_key) = (format!("alpha.{name}"), format!("beta.{name}"));
+    let alpha_worker = harness.start_worker(&[&alpha_key], echo(), 2);
+    let beta_worker = harness.start_worker(&[&beta_key], echo(), 2);
+    for key in [&alpha_key, &beta_key] {
+        harness
+            .wait_for_state(key, TaskState::Completed, 1, Duration::from_secs(60))
+            .await;
+    }
+    for (answer, worker, payload) in [
+        (&alpha, &alpha_worker, json!({"n": 1})),
+        (&beta, &beta_worker, json!({"n": 2})),
+    ] {
+        let id: Uuid = answer["id"].as_str().unwrap().parse().unwrap();
+        let task = harness.db.task(id).await.unwrap().unwrap();
+        assert_eq!(task.result, Some(payload));
+        let ran_by: Vec<_> = harness
+            .events(id)
+            .await
+            .into_iter()
+            .filter_map(|e| e.worker_id)
+            .collect();
+        assert!(ran_by.iter().all(|w| w == worker), "{ran_by:?}");
+    }
     harness.shutdown().await;
 }
 
@@ -205,6 +237,57 @@ async fn a_client_over_its_concurrent_requests_gets_429_and_other_clients_do_not
     testing::wait_until("alpha admitted again", Duration::from_secs(30), || async {
         submit(&harness, ALPHA, payload(()), Uuid::new_v4()).await.0 == StatusCode::CREATED
     })
+    .await;
+    harness.shutdown().await;
+}
+
+/// A request that runs past the timeout is answered 503, but its submission runs on (so
+/// that a recorded task is published): it keeps the client's in-flight permit until it
+/// ends, or a client could pile up submissions past its limit by timing out.
+#[tokio::test]
+async fn a_timed_out_submission_keeps_its_clients_permit_until_it_ends() {
+    let spec = crate::support::test_type("timeout");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    let database = Proxy::start(testing::DATABASE_ADDRESS.parse().unwrap()).await;
+    let mut config = harness.gateway_config();
+    config.database = DbOptions::new(testing::via_port(
+        &harness.db_url,
+        testing::DATABASE_ADDRESS,
+        database.port,
+    ));
+    // The hung submission outlasts the second request by far: it waits up to 60 s.
+    config.database.acquire_timeout = Duration::from_secs(60);
+    config.requests.max_in_flight = 1;
+    config.requests.timeout = Duration::from_millis(500);
+    let (gateway_url, _) = harness.start_gateway(config).await;
+    let submit = || {
+        harness
+            .http
+            .post(format!("{gateway_url}/v1/tasks"))
+            .bearer_auth(crate::support::TOKEN)
+            .json(&json!({"taskType": name, "payload": {}}))
+            .send()
+    };
+    // The database goes silent: the first submission hangs on it past the timeout.
+    database.black_hole();
+    let first = submit().await.unwrap();
+    assert_eq!(first.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = first.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+    // Its submission still waits on the database, holding the one permit.
+    let second = submit().await.unwrap();
+    assert_eq!(
+        second.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a second request was let in while the first's submission ran"
+    );
+    database.restore();
+    testing::wait_until(
+        "the client admitted again",
+        Duration::from_secs(60),
+        || async { matches!(submit().await, Ok(r) if r.status() == StatusCode::CREATED) },
+    )
     .await;
     harness.shutdown().await;
 }
