@@ -27,14 +27,13 @@ pub struct AdoptReport {
     pub parked: usize,
 }
 
-/// Most tasks read at once.
-const PAGE: i64 = 100_000;
-
+/// Moves the type's rows and messages, reading `page` tasks at a time.
 pub async fn adopt(
     direct: &Direct,
     name: &str,
     namespace: &str,
     by: &str,
+    page: i64,
 ) -> anyhow::Result<AdoptReport> {
     let Direct {
         db,
@@ -60,38 +59,54 @@ pub async fn adopt(
         moved: db.adopt_type(name, namespace, &spec.name).await?,
         ..AdoptReport::default()
     };
-    let waiting = db
-        .tasks_in(&spec.name, &[TaskState::Ingested, TaskState::Queued], PAGE)
-        .await?;
     let why = format!(
         "adopted into namespace {namespace} by {by}: re-published to {}",
         new.main
     );
-    for task in waiting {
-        if let Some(pending) = db.begin_return(task.id, task.attempt, &why).await? {
-            publish_and_commit(publisher, pending, &spec)
-                .await
-                .with_context(|| format!("re-publishing task {}", task.id))?;
-            report.requeued += 1;
+    // Every page after the last id seen: a re-published task stays QUEUED.
+    let mut after = None;
+    loop {
+        let waiting = db
+            .tasks_in(
+                &spec.name,
+                &[TaskState::Ingested, TaskState::Queued],
+                after,
+                page,
+            )
+            .await?;
+        let Some(last) = waiting.last() else { break };
+        after = Some(last.id);
+        for task in waiting {
+            if let Some(pending) = db.begin_return(task.id, task.attempt, &why).await? {
+                publish_and_commit(publisher, pending, &spec)
+                    .await
+                    .with_context(|| format!("re-publishing task {}", task.id))?;
+                report.requeued += 1;
+            }
         }
     }
-    let parked = db
-        .tasks_in(&spec.name, &[TaskState::DeadLetter], PAGE)
-        .await?;
-    let copies: Vec<Outgoing> = parked
-        .iter()
-        .map(|task| Outgoing {
-            message: task.message(),
-            route: Requeue::Remediation,
-            delay: None,
-            retry_tier: 0,
-        })
-        .collect();
-    for (task, result) in parked.iter().zip(publisher.publish(&copies).await) {
-        result.with_context(|| {
-            format!("copying task {}'s message to {}", task.id, new.remediation)
-        })?;
-        report.parked += 1;
+    let mut after = None;
+    loop {
+        let parked = db
+            .tasks_in(&spec.name, &[TaskState::DeadLetter], after, page)
+            .await?;
+        let Some(last) = parked.last() else { break };
+        after = Some(last.id);
+        let copies: Vec<Outgoing> = parked
+            .iter()
+            .map(|task| Outgoing {
+                message: task.message(),
+                route: Requeue::Remediation,
+                delay: None,
+                retry_tier: 0,
+            })
+            .collect();
+        for (task, result) in parked.iter().zip(publisher.publish(&copies).await) {
+            result.with_context(|| {
+                format!("copying task {}'s message to {}", task.id, new.remediation)
+            })?;
+            report.parked += 1;
+        }
     }
 
     amqp::delete_queues(&conn, &old.all(MAX_RETRY_TIERS)).await;

@@ -122,6 +122,9 @@ enum Command {
         /// Who adopts, for the audit log.
         #[arg(long, env = "USER", default_value = "conveyorctl")]
         by: String,
+        /// Tasks read and re-published at a time.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..))]
+        page_size: i64,
         #[command(flatten)]
         database: DatabaseArgs,
         #[command(flatten)]
@@ -248,12 +251,13 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
         Command::Adopt {
             task_type,
             by,
+            page_size,
             database,
             amqp,
         } => {
             let namespace = cli.namespace("the namespace of the TaskType that adopts it")?;
             let direct = Direct::connect(database, amqp)?;
-            let report = adopt::adopt(&direct, task_type, namespace, by).await?;
+            let report = adopt::adopt(&direct, task_type, namespace, by, *page_size).await?;
             println!(
                 "rows moved: {}  waiting tasks re-published: {}  dead-lettered tasks parked again: {}",
                 report.moved, report.requeued, report.parked

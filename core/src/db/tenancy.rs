@@ -4,6 +4,7 @@ use super::{task_from_row, Db, DbResult, TASK_COLUMNS};
 use crate::lifecycle::TaskState;
 use crate::task::TaskRecord;
 use crate::task_type::DEFAULT_TENANT;
+use uuid::Uuid;
 
 impl Db {
     /// Moves the rows of a type recorded before tenancy (keyed by its bare name `old_key`,
@@ -36,20 +37,24 @@ impl Db {
         Ok(moved)
     }
 
-    /// Up to `limit` tasks of `task_type` in one of `states`, oldest first.
+    /// Up to `limit` tasks of `task_type` in one of `states` with ids above `after`, by id:
+    /// pages that a change of the rows in between cannot make skip or repeat one.
     pub async fn tasks_in(
         &self,
         task_type: &str,
         states: &[TaskState],
+        after: Option<Uuid>,
         limit: i64,
     ) -> DbResult<Vec<TaskRecord>> {
         let states: Vec<&str> = states.iter().map(|s| s.as_str()).collect();
         let rows = sqlx::query(&format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE task_type = $1 AND state = ANY($2)
-             ORDER BY created_at LIMIT $3"
+            "SELECT {TASK_COLUMNS} FROM tasks
+             WHERE task_type = $1 AND state = ANY($2) AND ($3::uuid IS NULL OR id > $3)
+             ORDER BY id LIMIT $4"
         ))
         .bind(task_type)
         .bind(&states)
+        .bind(after)
         .bind(limit)
         .fetch_all(&self.pool)
         .await?;

@@ -2,7 +2,8 @@
 # set in the WorkerPool's command, never by a payload).
 #
 # A payload names input files only relative to the media root: no URL, no absolute path,
-# nothing that resolves outside the root, nothing that ffmpeg could read as an option.
+# nothing that resolves outside the root or into another namespace's outputs, nothing that
+# ffmpeg could read as an option.
 # Outputs go to <root>/out/<namespace>/<idempotency key>/ under names the handler chooses,
 # and results name them relative to the root (so they can be the input of a later task).
 set -eu
@@ -19,6 +20,11 @@ media() {
   esac
   path=$(realpath -e -- "$root/$rel" 2>/dev/null) || refuse "$1: no file $rel under the media root"
   case "$path" in "$root"/*) ;; *) refuse "$1: $rel leaves the media root" ;; esac
+  # Outputs are per namespace: another namespace's are not this task's to read.
+  case "$path" in
+    "$root/out/${CONVEYOR_NAMESPACE:-default}"/*) ;;
+    "$root"/out/*) refuse "$1: $rel is another namespace's output" ;;
+  esac
   printf '%s' "$path"
 }
 

@@ -36,6 +36,10 @@ fn payloads_cannot_point_the_example_handlers_outside_their_media_root() {
     std::fs::create_dir_all(&root).unwrap();
     std::fs::write(base.join("secret.mp4"), b"not yours").unwrap();
     std::os::unix::fs::symlink(base.join("secret.mp4"), root.join("link.mp4")).unwrap();
+    // Another namespace's output (the handlers run in namespace video).
+    let theirs = root.join("out/audio/key");
+    std::fs::create_dir_all(&theirs).unwrap();
+    std::fs::write(theirs.join("a.mp4"), b"audio's").unwrap();
     let refused = [
         (
             "transcode.sh",
@@ -66,6 +70,11 @@ fn payloads_cannot_point_the_example_handlers_outside_their_media_root() {
         ("light.sh", "metadata", r#"{"source": "missing.mp4"}"#),
         ("light.sh", "thumbnail", r#"{"source": ["a.mp4"]}"#),
         (
+            "light.sh",
+            "metadata",
+            r#"{"source": "out/audio/key/a.mp4"}"#,
+        ),
+        (
             "quality.sh",
             "quality-analysis",
             r#"{"source": "a.mp4", "reference": "/etc/shadow"}"#,
@@ -78,7 +87,8 @@ fn payloads_cannot_point_the_example_handlers_outside_their_media_root() {
         assert!(!stderr.is_empty(), "{script} {payload} says why");
     }
     // Nothing was written anywhere, least of all beside the secret.
-    assert!(!root.join("out").exists());
+    let outputs: Vec<_> = std::fs::read_dir(root.join("out")).unwrap().collect();
+    assert_eq!(outputs.len(), 1, "only audio's output is there");
     assert_eq!(std::fs::read_dir(&base).unwrap().count(), 2);
     std::fs::remove_dir_all(&base).unwrap();
 }

@@ -379,7 +379,18 @@ async fn adopt_moves_a_type_from_before_tenancy_into_its_namespace() {
     ];
     assert_eq!(harness.ready_count(&queue(&name).main).await, 3);
 
-    let out = harness.conveyorctl(&["adopt", "-n", "media", "--type", &name, "--by", "ops-test"]);
+    // Pages of two: the three waiting tasks take two pages.
+    let out = harness.conveyorctl(&[
+        "adopt",
+        "-n",
+        "media",
+        "--type",
+        &name,
+        "--by",
+        "ops-test",
+        "--page-size",
+        "2",
+    ]);
     assert!(
         out.contains("rows moved: 3") && out.contains("re-published: 3"),
         "{out}"
