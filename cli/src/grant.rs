@@ -79,6 +79,26 @@ pub async fn grant(
     })
 }
 
+/// Withdraws what `grant` made for a namespace: the database role (in this database) and
+/// the broker user. Returns whether the role existed.
+pub async fn revoke(
+    direct: &Direct,
+    management: &ManagementApi,
+    namespace: &str,
+) -> anyhow::Result<bool> {
+    let role = TenantRole::new(namespace).map_err(anyhow::Error::msg)?;
+    let existed = direct
+        .db
+        .revoke_tenant(namespace)
+        .await
+        .context("removing the namespace's database role")?;
+    management
+        .delete_user(role.name())
+        .await
+        .context("removing the namespace's broker user")?;
+    Ok(existed)
+}
+
 /// The components that run with credentials of their own, in conveyor-system.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 pub enum Component {

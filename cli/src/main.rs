@@ -71,6 +71,20 @@ impl Cli {
         }
     }
 
+    /// The database, the broker and its management API, as their administrator: what
+    /// `grant` and `revoke` work with.
+    fn administer(
+        &self,
+        database: &DatabaseArgs,
+        amqp: &AmqpArgs,
+        management: &ManagementArgs,
+    ) -> anyhow::Result<(Direct, conveyor_operator::rabbitmq::ManagementApi)> {
+        let direct = Direct::connect(database, amqp)?;
+        let roots = self.ca.roots()?;
+        let api = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots)?;
+        Ok((direct, api))
+    }
+
     /// What the type's queues and rows are keyed by (`NamedTaskType::name`).
     fn type_key(&self, task_type: &str) -> String {
         match &self.namespace {
@@ -151,6 +165,17 @@ enum Command {
         /// the Secret as `ca.crt`, which the operator mounts, and named by the URLs.
         #[arg(long)]
         worker_ca: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        management: ManagementArgs,
+        #[command(flatten)]
+        database: DatabaseArgs,
+        #[command(flatten)]
+        amqp: AmqpArgs,
+    },
+    /// Withdraws the credentials `grant` made for --namespace: its database role and its
+    /// broker user (the broker disconnects workers still running with them; their database
+    /// sessions may do nothing more).
+    Revoke {
         #[command(flatten)]
         management: ManagementArgs,
         #[command(flatten)]
@@ -273,9 +298,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             ..
         } => {
             let namespace = cli.namespace.as_deref().unwrap_or("conveyor-system");
-            let direct = Direct::connect(database, amqp)?;
-            let roots = cli.ca.roots()?;
-            let api = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots)?;
+            let (direct, api) = cli.administer(database, amqp, management)?;
             let entries = grant::grant_component(
                 *component,
                 role.as_deref().unwrap_or(component.default_role()),
@@ -298,9 +321,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             ..
         } => {
             let namespace = cli.namespace("the namespace whose workers get the credentials")?;
-            let direct = Direct::connect(database, amqp)?;
-            let roots = cli.ca.roots()?;
-            let management = management.api(&grant::vhost_of(&amqp.connection_url())?, &roots)?;
+            let (direct, management) = cli.administer(database, amqp, management)?;
             let mut granted =
                 grant::grant(&direct, &management, &database.options().url, namespace).await?;
             if let Some(path) = worker_ca {
@@ -309,6 +330,23 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             }
             let secret = secret.as_deref().unwrap_or("conveyor-connections");
             print!("{}", grant::secret_yaml(namespace, secret, &granted));
+        }
+        Command::Revoke {
+            management,
+            database,
+            amqp,
+        } => {
+            let namespace = cli.namespace("the namespace whose credentials are withdrawn")?;
+            let (direct, management) = cli.administer(database, amqp, management)?;
+            let existed = grant::revoke(&direct, &management, namespace).await?;
+            println!(
+                "namespace {namespace}: {}",
+                if existed {
+                    "database role and broker user removed"
+                } else {
+                    "no database role (broker user removed if there was one)"
+                }
+            );
         }
         Command::Migrate { database } => {
             let db = Db::connect(&database.options())?;

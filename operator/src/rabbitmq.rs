@@ -191,6 +191,19 @@ impl ManagementApi {
             .map(drop)
     }
 
+    /// Deletes a broker user (its connections are closed by the broker); a missing one is
+    /// fine.
+    pub async fn delete_user(&self, user: &str) -> Result<(), ManagementError> {
+        let url = format!("{}/api/users/{}", self.base, encode(user));
+        match self
+            .send(format!("delete user {user}"), self.http.delete(url))
+            .await
+        {
+            Err(ManagementError::Refused { status: 404, .. }) | Ok(_) => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
     /// What `user` may do in this vhost: regular expressions over resource names for
     /// configure (declare, delete), write (publish to an exchange) and read (consume).
     pub async fn put_permissions(

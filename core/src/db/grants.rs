@@ -3,7 +3,7 @@
 //! decision 0013), and a login role for the gateway, which serves every tenant but owns
 //! nothing (decision 0015).
 
-use super::{Db, DbResult};
+use super::{Db, DbError, DbResult};
 
 /// A login role and the fresh password it gets. Built only from names checked below, so
 /// the identifiers and literals put into the statements cannot be anything but
@@ -198,6 +198,34 @@ impl Db {
                 .chain(policies),
         )
         .await
+    }
+
+    /// Removes a tenant's role: its policies, its privileges in this database, then the
+    /// role (a namespace gone, or its credentials to be withdrawn). Sessions of the role
+    /// still open can do nothing from then on (privileges are checked per statement) and
+    /// no new one logs in; a missing role is fine. Returns whether there was one.
+    pub async fn revoke_tenant(&self, tenant: &str) -> DbResult<bool> {
+        let role = TenantRole::new(tenant).map_err(DbError::Corrupt)?;
+        let name = role.name();
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_roles WHERE rolname = $1)")
+                .bind(name)
+                .fetch_one(&self.maintenance)
+                .await?;
+        if !exists {
+            return Ok(false);
+        }
+        let statements = [
+            format!("DROP POLICY IF EXISTS \"{name}\" ON tasks"),
+            format!("DROP POLICY IF EXISTS \"{name}\" ON task_events"),
+            format!("DROP POLICY IF EXISTS \"{name}\" ON queue_probes"),
+            format!("REVOKE ALL ON tasks, task_events, queue_probes FROM \"{name}\""),
+            format!("REVOKE ALL ON SEQUENCE task_events_seq_seq FROM \"{name}\""),
+            format!("REVOKE ALL ON SCHEMA public FROM \"{name}\""),
+            format!("DROP ROLE \"{name}\""),
+        ];
+        self.run_grants(statements).await?;
+        Ok(true)
     }
 
     /// Runs grant statements in one transaction, as the owner (the maintenance pool).

@@ -67,6 +67,11 @@ pub struct Stack {
     pub token: String,
     management: String,
     task_types: Vec<String>,
+    /// The admin URLs this test reaches the services with.
+    database_url: String,
+    amqp_url: String,
+    /// The namespace's Secret holds credentials `conveyorctl grant` made.
+    granted: bool,
 }
 
 impl Stack {
@@ -105,7 +110,41 @@ impl Stack {
             token: env_or("CONVEYOR_TOKEN", "dev-token-change-me"),
             management: testing::management_url(),
             task_types: Vec::new(),
+            database_url,
+            amqp_url,
+            granted: false,
         }
+    }
+
+    /// Replaces the namespace's connection Secret with the least-privilege credentials
+    /// `conveyorctl grant` makes for it (decision 0013), withdrawn at `finish`. `false`
+    /// where the pods reach the services by other addresses than this test (kind).
+    pub fn use_granted_credentials(&mut self) -> bool {
+        if std::env::var_os("CONVEYOR_WORKER_DATABASE_URL").is_some() {
+            return false;
+        }
+        let secret = self.conveyorctl(&["-n", &self.namespace, "grant"]);
+        kubectl_with(&["apply", "-f", "-"], Some(&secret))
+            .unwrap_or_else(|err| panic!("applying the granted Secret: {err}"));
+        self.granted = true;
+        true
+    }
+
+    /// Runs `conveyorctl` with this test's admin URLs; returns what it printed.
+    fn conveyorctl(&self, args: &[&str]) -> String {
+        let output = Command::new(testing::binary("conveyorctl"))
+            .args(args)
+            .env("CONVEYOR_DATABASE_URL", &self.database_url)
+            .env("CONVEYOR_AMQP_URL", &self.amqp_url)
+            .env("CONVEYOR_CA_FILE", testing::DEV_CA)
+            .output()
+            .expect("run conveyorctl");
+        assert!(
+            output.status.success(),
+            "conveyorctl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).into_owned()
     }
 
     /// A TaskType name for this test (its queues are deleted at `finish`). The stack's
@@ -299,6 +338,9 @@ impl Stack {
         );
         for task_type in &self.task_types {
             testing::delete_queues(&self.key(task_type)).await;
+        }
+        if self.granted {
+            self.conveyorctl(&["-n", &self.namespace, "revoke"]);
         }
     }
 }

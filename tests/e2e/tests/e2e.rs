@@ -148,6 +148,63 @@ async fn an_applied_pool_runs_workers_that_process_tasks() {
     stack.finish().await;
 }
 
+/// The operator's pods with nothing but the credentials `conveyorctl grant` made for their
+/// namespace (decisions 0013, 0015): they consume, complete, retry (a publish through the
+/// type's exchange) and dead-letter with them.
+#[tokio::test]
+async fn pools_run_with_their_namespaces_granted_credentials_alone() {
+    let mut stack = Stack::namespace("granted").await;
+    if !stack.use_granted_credentials() {
+        eprintln!("skipped: the pods reach the services by other addresses (kind)");
+        stack.finish().await;
+        return;
+    }
+    let (ok, bad) = (
+        stack.task_type("e2e-granted-ok"),
+        stack.task_type("e2e-granted-bad"),
+    );
+    stack.apply(&task_type_yaml(&ok, ""));
+    stack.apply(&task_type_yaml(
+        &bad,
+        "  backoff: {initialSeconds: 0.2, maxSeconds: 0.5, multiplier: 2}\n",
+    ));
+    stack.apply(&pool_yaml("ok", &ok, "  replicas: 1\n"));
+    stack.apply(&format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: bad}}\nspec:\n  \
+         taskTypes: [{bad}]\n  image: conveyor:dev\n  handler: {{type: fail}}\n  replicas: 1\n"
+    ));
+    stack.wait_for_workers(&ok, 1).await;
+    stack.wait_for_workers(&bad, 1).await;
+    let done = stack
+        .submit_all(&ok, vec![json!({"sleepMs": 10}); 10])
+        .await;
+    let failing = stack.submit_all(&bad, vec![json!({}); 3]).await;
+    stack
+        .wait_for_state(&ok, TaskState::Completed, 10, MINUTE)
+        .await;
+    stack
+        .wait_for_state(&bad, TaskState::DeadLetter, 3, MINUTE)
+        .await;
+    for id in done.into_iter().chain(failing.iter().copied()) {
+        assert_valid_chain(&stack.events(id).await);
+    }
+    for id in failing {
+        let retried = stack
+            .events(id)
+            .await
+            .iter()
+            .filter(|e| (e.from_state, e.to_state) == (Some(TaskState::Failed), TaskState::Queued))
+            .count();
+        assert_eq!(retried, 2, "task {id} retried maxRetries times");
+    }
+    wait_until("the dead letters parked in remediation", MINUTE, || async {
+        let queue = stack.queue(&stack.queue_of(&bad, ".remediation")).await;
+        queue.and_then(|q| q["messages"].as_u64()) == Some(3)
+    })
+    .await;
+    stack.finish().await;
+}
+
 #[tokio::test]
 async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
     let autoscaling = "  concurrency: 4\n  drainGraceSeconds: 30\n  autoscaling:\n    \

@@ -142,29 +142,26 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
         TaskState::Queued
     );
 
-    // Leave no role or user behind.
+    // `revoke` withdraws both: the credentials stop working.
     harness.take_worker(&worker).stop().await;
     db.pool().close().await;
-    let role = format!("conveyor-{mine}");
-    let cleanup = [
-        format!("DROP POLICY \"{role}\" ON tasks"),
-        format!("DROP POLICY \"{role}\" ON task_events"),
-        format!("DROP POLICY \"{role}\" ON queue_probes"),
-        format!("REVOKE ALL ON tasks, task_events, queue_probes FROM \"{role}\""),
-        format!("REVOKE ALL ON SEQUENCE task_events_seq_seq FROM \"{role}\""),
-        format!("REVOKE ALL ON SCHEMA public FROM \"{role}\""),
-        format!("DROP ROLE \"{role}\""),
-    ];
-    for statement in cleanup {
-        sqlx::query(&statement)
-            .execute(harness.db.pool())
+    let revoked = harness.conveyorctl(&["revoke", "-n", &mine]);
+    assert!(revoked.contains("removed"), "{revoked}");
+    let gone = Db::connect(&DbOptions::new(&database_url)).unwrap();
+    assert!(gone.ping().await.is_err(), "the revoked role still logs in");
+    assert!(
+        amqp::connect(&amqp_url, "least-privilege-revoked")
             .await
-            .unwrap_or_else(|e| panic!("{statement}: {e}"));
-    }
-    let _ = testing::http_client()
-        .delete(format!("{}/api/users/{role}", testing::management_url()))
-        .send()
-        .await;
+            .is_err(),
+        "the revoked broker user still connects"
+    );
+    let policies: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_policies WHERE $1 = ANY(roles::text[])")
+            .bind(format!("conveyor-{mine}"))
+            .fetch_one(harness.db.pool())
+            .await
+            .unwrap();
+    assert_eq!(policies, 0);
     harness.shutdown().await;
 }
 
