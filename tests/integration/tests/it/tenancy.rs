@@ -241,6 +241,67 @@ async fn a_client_over_its_concurrent_requests_gets_429_and_other_clients_do_not
     harness.shutdown().await;
 }
 
+/// Bytes are a client's own budget too: a client over its byte rate gets 429 before its
+/// body is read, and another client's requests of the same size go through.
+#[tokio::test]
+async fn a_client_over_its_byte_rate_gets_429_and_other_clients_do_not() {
+    // 200 bytes/s: a 1,500-byte request empties the bucket for 7.5 s.
+    let (harness, name) = two_tenants(|config| config.requests.bytes_per_second = 200.0).await;
+    let big = || json!({"taskType": name, "payload": {"pad": "x".repeat(1400)}});
+    let (status, body) = submit(&harness, ALPHA, big(), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, body) = submit(&harness, ALPHA, big(), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert_eq!(body["error"]["code"], "rate_limited", "{body}");
+    let (status, body) = submit(&harness, BETA, big(), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::CREATED, "beta is not held back: {body}");
+    testing::wait_until("alpha admitted again", Duration::from_secs(60), || async {
+        submit(&harness, ALPHA, big(), Uuid::new_v4()).await.0 == StatusCode::CREATED
+    })
+    .await;
+    harness.shutdown().await;
+}
+
+/// A type's `rateLimit` is each client's: one client spending it leaves another of the same
+/// namespace its own, and a payload the schema refuses spends nothing.
+#[tokio::test]
+async fn a_types_rate_limit_is_each_clients_and_refused_payloads_spend_none() {
+    let mut spec = TaskTypeSpec {
+        rate_limit: Some(conveyor_core::task_type::RateLimit {
+            per_second: 0.01,
+            burst: Some(1.0),
+        }),
+        ..TaskTypeSpec::default()
+    };
+    spec.schema = Some(json!({"type": "object", "required": ["source"]}));
+    let name = testing::unique_type("limited");
+    let types = vec![NamedTaskType::in_namespace("alpha", &name, spec)];
+    let harness = Harness::start_with(types, |config| {
+        config.tokens = Tokens::parse_pairs(&format!("a@alpha={ALPHA},a2@alpha={BETA}")).unwrap();
+    })
+    .await;
+    let valid = || json!({"taskType": name, "payload": {"source": "a.mp4"}});
+    // Refused payloads first: they must not spend alpha's one task.
+    for _ in 0..3 {
+        let (status, body) = submit(
+            &harness,
+            ALPHA,
+            json!({"taskType": name, "payload": {}}),
+            Uuid::new_v4(),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    }
+    let (status, body) = submit(&harness, ALPHA, valid(), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, body) = submit(&harness, ALPHA, valid(), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    // Another client of the namespace has its own.
+    let (status, body) = submit(&harness, BETA, valid(), Uuid::new_v4()).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    harness.shutdown().await;
+}
+
 /// A request that runs past the timeout is answered 503, but its submission runs on (so
 /// that a recorded task is published): it keeps the client's in-flight permit until it
 /// ends, or a client could pile up submissions past its limit by timing out.
