@@ -110,6 +110,7 @@ pub async fn adopt(
     }
 
     amqp::delete_queues(&conn, &old.all(MAX_RETRY_TIERS)).await;
+    amqp::delete_exchange(&conn, &old).await;
     let _ = conn.close(200, "adopt done").await;
     Ok(report)
 }

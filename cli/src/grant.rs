@@ -131,6 +131,10 @@ impl Component {
 
 /// Every `conveyor.` queue and exchange: the components serve every tenant.
 const ALL_QUEUES: &str = r"^conveyor\.";
+/// Writes to those and to the default exchange: RabbitMQ lets a queue whose dead-letter
+/// exchange is the default one (every work and retry queue) be declared only by a user who
+/// may write to it. The components declare queues; a tenant's workers do not.
+const DECLARE_ALL_QUEUES: &str = r"^(amq\.default|conveyor\..*)$";
 
 /// Makes (or re-keys) the component's role and user; returns the Secret's entries.
 pub async fn grant_component(
@@ -154,7 +158,7 @@ pub async fn grant_component(
                 .await
                 .context("creating the gateway's broker user")?;
             management
-                .put_permissions(user, ALL_QUEUES, ALL_QUEUES, ALL_QUEUES)
+                .put_permissions(user, ALL_QUEUES, DECLARE_ALL_QUEUES, ALL_QUEUES)
                 .await
                 .context("setting the gateway's broker permissions")?;
             Ok(vec![
@@ -176,7 +180,7 @@ pub async fn grant_component(
                 .await
                 .context("creating the operator's broker user")?;
             management
-                .put_permissions(user, ALL_QUEUES, ALL_QUEUES, ALL_QUEUES)
+                .put_permissions(user, ALL_QUEUES, DECLARE_ALL_QUEUES, ALL_QUEUES)
                 .await
                 .context("setting the operator's broker permissions")?;
             Ok(vec![

@@ -9,6 +9,7 @@ use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
 use conveyor_core::testing;
 use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
+use conveyor_gateway::TaskTypeSource;
 use conveyor_worker::handler::Handler;
 use lapin::options::BasicNackOptions;
 use serde_json::json;
@@ -256,7 +257,21 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
     config.amqp_url = amqp_url.clone();
     config.migrate = true;
     config.upkeep = Some(crate::self_healing::fast_upkeep());
+    // And a type nobody has declared yet: its queues are this gateway's to make.
+    let fresh = crate::support::test_type("component-new");
+    if let TaskTypeSource::File(types) = &mut config.task_types {
+        types.insert(fresh.name.clone(), fresh.clone());
+    }
     let (gateway_url, _) = harness.start_gateway(config).await;
+    let accepted = harness
+        .http
+        .post(format!("{gateway_url}/v1/tasks"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"taskType": fresh.name, "payload": {}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(accepted.status(), 201, "a task of the type it declared");
     let submitted: serde_json::Value = harness
         .http
         .post(format!("{gateway_url}/v1/tasks"))
@@ -293,14 +308,30 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
         db.task(id).await.unwrap().is_some(),
         "it reads every tenant's rows"
     );
+    // Upkeep makes the partitions it needs through the owner's function: the one two weeks
+    // ahead, dropped by the owner, is made again by the gateway's role.
+    let ahead = format!(
+        "task_events_{}",
+        (chrono::Utc::now().date_naive() + chrono::Days::new(14)).format("%Y%m%d")
+    );
+    sqlx::query(&format!("DROP TABLE {ahead}"))
+        .execute(harness.db.pool())
+        .await
+        .unwrap();
     let made = db
-        .ensure_partitions_around(
-            1,
-            Some(chrono::Utc::now().date_naive() + chrono::Days::new(60)),
-        )
+        .ensure_partitions_around(14, None)
         .await
         .expect("upkeep makes audit partitions through the owner's function");
-    assert!(!made.is_empty());
+    assert_eq!(made, vec![ahead]);
+    // No more than that: neither another date nor a flood of partitions.
+    let later = chrono::Utc::now().date_naive() + chrono::Days::new(400);
+    for (days_ahead, today) in [(14, Some(later)), (100_000, None)] {
+        let err = db
+            .ensure_partitions_around(days_ahead, today)
+            .await
+            .expect_err("the gateway's role chose the partitions' dates");
+        assert!(err.is_permission_denied(), "{err:?}");
+    }
     // Retention through the owner's function, but never of today's partition or later.
     db.drop_partitions(30)
         .await
@@ -429,15 +460,23 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
     declare(format!("conveyor.lp-{suffix}.q"))
         .await
         .expect("a conveyor. queue");
+    // A whole type: queues whose dead-letter exchange is the default one, and bindings.
+    let operated = NamedTaskType::named(testing::unique_type("lp-operated"));
+    let channel = conn.create_channel().await.unwrap();
+    amqp::declare_task_type(&channel, &operated)
+        .await
+        .expect("the operator's user declares a type's queues and exchange");
     assert!(
         declare(format!("other-{suffix}")).await.is_err(),
         "the operator's user declared a queue outside conveyor."
     );
     let _ = conn.close(200, "done").await;
 
-    // Leave no role, user or policy behind (the gateway stopped first: its sessions).
+    // Leave no role, user, policy or queue behind (the gateway stopped first: its sessions).
     let owner = harness.db.clone();
     harness.shutdown().await;
+    testing::delete_queues(&fresh.name).await;
+    testing::delete_queues(&operated.name).await;
     let functions = "conveyor_ensure_event_partitions(integer, date), \
                      conveyor_drop_event_partitions(integer, date)";
     for statement in [
