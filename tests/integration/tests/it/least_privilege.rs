@@ -309,20 +309,25 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
         "it reads every tenant's rows"
     );
     // Upkeep makes the partitions it needs through the owner's function: the one two weeks
-    // ahead, dropped by the owner, is made again by the gateway's role.
+    // ahead, dropped by the owner, is there again once the gateway's role asked for it
+    // (this call or the gateway's own upkeep, both as that role).
     let ahead = format!(
         "task_events_{}",
         (chrono::Utc::now().date_naive() + chrono::Days::new(14)).format("%Y%m%d")
     );
-    sqlx::query(&format!("DROP TABLE {ahead}"))
+    sqlx::query(&format!("DROP TABLE IF EXISTS {ahead}"))
         .execute(harness.db.pool())
         .await
         .unwrap();
-    let made = db
-        .ensure_partitions_around(14, None)
+    db.ensure_partitions_around(14, None)
         .await
         .expect("upkeep makes audit partitions through the owner's function");
-    assert_eq!(made, vec![ahead]);
+    let there: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&ahead)
+        .fetch_one(harness.db.pool())
+        .await
+        .unwrap();
+    assert!(there, "{ahead} made again");
     // No more than that: neither another date nor a flood of partitions.
     let later = chrono::Utc::now().date_naive() + chrono::Days::new(400);
     for (days_ahead, today) in [(14, Some(later)), (100_000, None)] {
