@@ -14,7 +14,7 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all build services services-down stack lint test unit integration e2e e2e-kind chaos dev down
+.PHONY: all build services services-down stack lint test unit integration e2e e2e-kind chaos bench dev down
 
 all: build
 
@@ -54,6 +54,12 @@ e2e: stack
 # PostgreSQL); writes docs/chaos-report.md (+ .jsonl). `make test` runs a short variant.
 chaos: stack
 	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md
+
+# Release binaries, the raw floor of this machine and Conveyor end to end, in one run; writes
+# docs/benchmarks.md (+ .jsonl). Needs a quiet machine: nothing else building or running.
+bench: services
+	$(CARGO) build --release -p conveyor-gateway -p conveyor-worker -p conveyor-bench
+	target/release/conveyor-bench --report docs/benchmarks.md
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
 e2e-kind:

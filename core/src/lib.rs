@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod amqp;
+pub mod batch;
 pub mod config;
 pub mod crd;
 pub mod db;

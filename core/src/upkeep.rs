@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use crate::amqp::{AmqpError, Publisher};
-use crate::db::{Db, DbError, OrphanRule, ProbePolicy};
+use crate::db::{Db, DbError, OrphanRule, ProbePolicy, Reap};
 use crate::metrics::Metrics;
 use crate::requeue::{publish_and_commit, RequeueError};
 use crate::task::Requeue;
@@ -47,13 +47,13 @@ pub async fn reap_once(
     metrics: &Metrics,
 ) -> Result<usize, UpkeepError> {
     let pending = db
-        .begin_reap(
-            &spec.name,
-            spec.heartbeat_timeout(),
-            spec.max_retries as i32,
+        .begin_reap(&Reap {
+            task_type: &spec.name,
+            timeout: spec.heartbeat_timeout(),
+            max_retries: spec.max_retries as i32,
             reaper,
-            BATCH,
-        )
+            limit: BATCH,
+        })
         .await?;
     let Some(pending) = pending else {
         return Ok(0);

@@ -198,6 +198,7 @@ pub async fn run(
     let state = Arc::new(ApiState {
         ingestor: Ingestor {
             db: db.clone(),
+            writes: db.ingest_writes(),
             publisher: publisher.clone(),
             types: types.clone(),
             limiter: RateLimiter::new(),

@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use conveyor_core::db::Fence;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -70,21 +71,25 @@ pub async fn heartbeat_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let (mut ids, mut attempts): (Vec<Uuid>, Vec<i32>) = in_flight.claims().into_iter().unzip();
-        let mut owners = vec![worker_id.clone(); ids.len()];
-        for (id, attempt, owner) in recorder.buffer.claims() {
-            ids.push(id);
-            attempts.push(attempt);
-            owners.push(owner);
-        }
-        let beat = recorder.db.heartbeat(&ids, &attempts, &owners);
+        let mine = in_flight.claims().into_iter().map(|(id, attempt)| Fence {
+            id,
+            attempt,
+            owner: worker_id.clone(),
+        });
+        let buffered = recorder
+            .buffer
+            .claims()
+            .into_iter()
+            .map(|(id, attempt, owner)| Fence { id, attempt, owner });
+        let owned: Vec<Fence> = mine.chain(buffered).collect();
+        let beat = recorder.db.heartbeat(&owned);
         if let Err(err) = recorder.breaker.call(beat).await {
             recorder
                 .metrics
                 .errors
                 .with_label_values(&["database", err.category()])
                 .inc();
-            tracing::warn!(error = %err, tasks = ids.len(), "heartbeat failed");
+            tracing::warn!(error = %err, tasks = owned.len(), "heartbeat failed");
         }
     }
 }

@@ -123,6 +123,7 @@ pub async fn run(
     ));
     let recorder = Recorder {
         db: db.clone(),
+        writes: db.owner_writes(&config.worker_id),
         publisher: publisher.clone(),
         breaker: breaker.clone(),
         buffer,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use conveyor_core::amqp::{AmqpError, Publisher};
-use conveyor_core::db::{Db, DbError};
+use conveyor_core::db::{Completion, Db, DbError, Fence, OwnerWrites};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::requeue;
 use conveyor_core::task::Requeue;
@@ -22,6 +22,8 @@ use crate::buffer::{Buffer, BufferError, Outcome, Transition};
 #[derive(Clone)]
 pub struct Recorder {
     pub db: Db,
+    /// Claims and completions, group-committed with the worker's other deliveries.
+    pub writes: OwnerWrites,
     pub publisher: Arc<Publisher>,
     pub breaker: Arc<Breaker>,
     pub buffer: Buffer,
@@ -72,12 +74,18 @@ impl Recorder {
     /// timed by the breaker.
     pub async fn apply(&self, spec: &NamedTaskType, t: &Transition) -> Result<Applied, ApplyError> {
         let (db, breaker) = (&self.db, &self.breaker);
+        let fence = Fence {
+            id: t.id,
+            attempt: t.attempt,
+            owner: t.owner.clone(),
+        };
         match &t.outcome {
             Outcome::Completed { result } => {
-                match breaker
-                    .call(db.complete(t.id, t.attempt, &t.owner, result))
-                    .await
-                {
+                let completion = Completion {
+                    fence,
+                    result: result.clone(),
+                };
+                match breaker.call(self.writes.complete(completion)).await {
                     Ok(true) => Ok(Applied::Completed),
                     Ok(false) => Ok(Applied::NotOwned),
                     // The database will never take this result (a NUL character in it, say):
@@ -100,7 +108,7 @@ impl Recorder {
             }
             Outcome::Failed { error } => {
                 let max_retries = spec.max_retries as i32;
-                let failure = db.begin_failure(t.id, t.attempt, &t.owner, error, max_retries);
+                let failure = db.begin_failure(&fence, error, max_retries);
                 let Some(pending) = breaker.call(failure).await? else {
                     return Ok(Applied::NotOwned);
                 };

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use conveyor_core::amqp;
-use conveyor_core::db::DbError;
+use conveyor_core::db::{Claim, DbError, Fence};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::requeue;
 use conveyor_core::task::TaskMessage;
@@ -100,15 +100,16 @@ impl Processor {
             return Settle::Requeue;
         };
         let name = spec.name.as_str();
-        let (db, breaker) = (&self.recorder.db, &self.recorder.breaker);
+        let breaker = &self.recorder.breaker;
         if !breaker.is_closed() {
             // Degraded: take no new work; the task waits in the queue.
             return Settle::Requeue;
         }
-        match breaker
-            .call(db.claim(task.id, task.attempt, &self.worker_id))
-            .await
-        {
+        let claim = Claim {
+            id: task.id,
+            attempt: task.attempt,
+        };
+        match breaker.call(self.recorder.writes.claim(claim)).await {
             Ok(true) => {}
             Ok(false) => {
                 // Done, owned by someone else, or an older attempt: this copy is redundant.
@@ -234,7 +235,12 @@ impl Processor {
     async fn release(&self, spec: &NamedTaskType, task: &TaskMessage) -> Settle {
         let name = spec.name.as_str();
         let (db, breaker) = (&self.recorder.db, &self.recorder.breaker);
-        let release = db.begin_release(task.id, task.attempt, &self.worker_id);
+        let fence = Fence {
+            id: task.id,
+            attempt: task.attempt,
+            owner: self.worker_id.clone(),
+        };
+        let release = db.begin_release(&fence);
         let pending = match breaker.call(release).await {
             Ok(Some(pending)) => pending,
             Ok(None) => return self.fenced(name),

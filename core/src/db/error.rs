@@ -34,12 +34,20 @@ pub enum DbError {
     /// chose it as a deadlock or serialization victim: nothing was written; try again.
     #[error("the database gave up on the statement")]
     Cancelled(#[source] sqlx::Error),
+    /// One statement written for several callers failed: each of them gets this.
+    #[error(transparent)]
+    Shared(std::sync::Arc<DbError>),
+    /// The statement's group-commit flushers are gone (the process is shutting down).
+    #[error("the database writer stopped")]
+    Stopped,
 }
 
 impl DbError {
     /// Stable label for metrics and logs.
     pub fn category(&self) -> &'static str {
         match self {
+            DbError::Shared(err) => err.category(),
+            DbError::Stopped => "unavailable",
             DbError::Url(_) | DbError::Tls(_) => "config",
             DbError::Unavailable(_) => "unavailable",
             DbError::Query(_) => "query",
@@ -53,24 +61,45 @@ impl DbError {
 
     /// The database could not be reached or dropped the connection: worth retrying later.
     pub fn is_unavailable(&self) -> bool {
-        matches!(
-            self,
-            DbError::Unavailable(_) | DbError::TimedOut(_) | DbError::Cancelled(_)
-        )
+        match self {
+            DbError::Shared(err) => err.is_unavailable(),
+            err => matches!(
+                err,
+                DbError::Unavailable(_)
+                    | DbError::TimedOut(_)
+                    | DbError::Cancelled(_)
+                    | DbError::Stopped
+            ),
+        }
+    }
+
+    /// The one error of a statement written for `n` callers, for each of them.
+    pub fn share(self, n: usize) -> Vec<DbError> {
+        let shared = std::sync::Arc::new(self);
+        (0..n).map(|_| DbError::Shared(shared.clone())).collect()
+    }
+
+    /// The error itself, whether or not several callers share it.
+    fn own(&self) -> &DbError {
+        match self {
+            DbError::Shared(err) => err.own(),
+            err => err,
+        }
     }
 
     /// The same write will never succeed: the database refused the value or the step
     /// itself (a data or integrity error, a transition outside the lifecycle).
     pub fn is_permanent(&self) -> bool {
-        self.is_data_rejected()
-            || self.is_integrity_violation()
-            || matches!(self, DbError::Lifecycle(_) | DbError::Corrupt(_))
+        let this = self.own();
+        this.is_data_rejected()
+            || this.is_integrity_violation()
+            || matches!(this, DbError::Lifecycle(_) | DbError::Corrupt(_))
     }
 
     /// The role may not do this (SQLSTATE 42501): a role that owns nothing, migrating.
     pub fn is_permission_denied(&self) -> bool {
         use sqlx::migrate::MigrateError;
-        let err = match self {
+        let err = match self.own() {
             DbError::Query(err)
             | DbError::Migrate(MigrateError::Execute(err))
             | DbError::Migrate(MigrateError::ExecuteMigration(err, _)) => err,
@@ -80,7 +109,7 @@ impl DbError {
     }
 
     fn is_integrity_violation(&self) -> bool {
-        match self {
+        match self.own() {
             DbError::Query(sqlx::Error::Database(db)) => {
                 db.code().is_some_and(|code| code.starts_with("23"))
             }
@@ -91,7 +120,7 @@ impl DbError {
     /// The database refused a value itself (SQLSTATE class 22, "data exception": a NUL
     /// character in JSON, say): the same write will never succeed.
     pub fn is_data_rejected(&self) -> bool {
-        match self {
+        match self.own() {
             DbError::Query(sqlx::Error::Database(db)) => {
                 db.code().is_some_and(|code| code.starts_with("22"))
             }

@@ -4,7 +4,8 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 use uuid::Uuid;
 
-use super::{event_from_row, parse_state, task_from_row, Db, DbResult, TASK_COLUMNS};
+use super::rows::{event_from_row, parse_state, task_from_row, TASK_COLUMNS};
+use super::{Db, DbResult};
 use crate::lifecycle::TaskState;
 use crate::task::{TaskEvent, TaskRecord};
 

@@ -8,7 +8,9 @@ use chrono::{DateTime, Utc};
 use sqlx::{Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use super::{append_events, storable, task_from_row, Db, DbResult, EventRow, TASK_COLUMNS};
+use super::audit::{append_events, storable, EventRow};
+use super::rows::{task_from_row, TASK_COLUMNS};
+use super::{Db, DbResult, Fence};
 use crate::lifecycle::TaskState::{self, *};
 use crate::task::{Requeue, TaskMessage, TaskRecord};
 
@@ -40,14 +42,12 @@ impl Db {
     /// are used up. `None` when the worker was fenced off.
     pub async fn begin_failure(
         &self,
-        id: Uuid,
-        attempt: i32,
-        worker: &str,
+        fence: &Fence,
         error: &str,
         max_retries: i32,
     ) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool.begin().await?;
-        let Some(task) = lock_owned(&mut tx, id, attempt, worker).await? else {
+        let Some(task) = lock_owned(&mut tx, fence).await? else {
             return Ok(None);
         };
         let route = if task.retries < max_retries {
@@ -55,16 +55,14 @@ impl Db {
         } else {
             Requeue::Remediation
         };
-        let requeued = requeue(
-            &mut tx,
-            &task,
-            (Processing, Failed),
-            Some(worker),
-            error,
+        let step = Step {
+            edge: (Processing, Failed),
+            by: Some(&fence.owner),
+            detail: error,
             route,
-            RetryBudget::Consume,
-        )
-        .await?;
+            budget: RetryBudget::Consume,
+        };
+        let requeued = requeue(&mut tx, &task, step).await?;
         Ok(Some(PendingRequeue {
             tx,
             tasks: vec![requeued],
@@ -73,26 +71,19 @@ impl Db {
 
     /// PROCESSING → RETRY_CLAIMED → QUEUED for a task a draining worker cannot finish.
     /// Does not consume a retry: the task did nothing wrong.
-    pub async fn begin_release(
-        &self,
-        id: Uuid,
-        attempt: i32,
-        worker: &str,
-    ) -> DbResult<Option<PendingRequeue>> {
+    pub async fn begin_release(&self, fence: &Fence) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool.begin().await?;
-        let Some(task) = lock_owned(&mut tx, id, attempt, worker).await? else {
+        let Some(task) = lock_owned(&mut tx, fence).await? else {
             return Ok(None);
         };
-        let requeued = requeue(
-            &mut tx,
-            &task,
-            (Processing, RetryClaimed),
-            Some(worker),
-            "released by a worker shutting down",
-            Requeue::Main,
-            RetryBudget::Keep,
-        )
-        .await?;
+        let step = Step {
+            edge: (Processing, RetryClaimed),
+            by: Some(&fence.owner),
+            detail: "released by a worker shutting down",
+            route: Requeue::Main,
+            budget: RetryBudget::Keep,
+        };
+        let requeued = requeue(&mut tx, &task, step).await?;
         Ok(Some(PendingRequeue {
             tx,
             tasks: vec![requeued],
@@ -107,14 +98,14 @@ impl Db {
     /// beside others does not, because any of them may have crashed the worker. Each comes
     /// back as a suspect, which runs alone next time: a task that crashes every worker then
     /// runs out of retries, and its healthy neighbours do not.
-    pub async fn begin_reap(
-        &self,
-        task_type: &str,
-        timeout: Duration,
-        max_retries: i32,
-        reaper: &str,
-        limit: i64,
-    ) -> DbResult<Option<PendingRequeue>> {
+    pub async fn begin_reap(&self, reap: &Reap<'_>) -> DbResult<Option<PendingRequeue>> {
+        let Reap {
+            task_type,
+            timeout,
+            max_retries,
+            reaper,
+            limit,
+        } = *reap;
         let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(&format!(
             "SELECT {TASK_COLUMNS}, heartbeat_at,
@@ -156,9 +147,14 @@ impl Db {
                 (true, true) => (Requeue::Retry, RetryBudget::Consume),
                 (true, false) => (Requeue::Remediation, RetryBudget::Consume),
             };
-            let edge = (task.state, RetryClaimed);
-            let mut requeued =
-                requeue(&mut tx, &task, edge, Some(reaper), &detail, route, budget).await?;
+            let step = Step {
+                edge: (task.state, RetryClaimed),
+                by: Some(reaper),
+                detail: &detail,
+                route,
+                budget,
+            };
+            let mut requeued = requeue(&mut tx, &task, step).await?;
             requeued.message.suspect = true;
             tasks.push(requeued);
         }
@@ -250,37 +246,61 @@ pub(super) enum RetryBudget {
     Reset,
 }
 
-/// Locks a task that `worker` owns at `attempt` while PROCESSING.
+/// Locks a task its fence's owner holds at its attempt while PROCESSING.
 async fn lock_owned(
     tx: &mut Transaction<'static, Postgres>,
-    id: Uuid,
-    attempt: i32,
-    worker: &str,
+    fence: &Fence,
 ) -> DbResult<Option<TaskRecord>> {
     let row = sqlx::query(&format!(
         "SELECT {TASK_COLUMNS} FROM tasks
          WHERE id = $1 AND attempt = $2 AND owner = $3 AND state = $4
          FOR UPDATE"
     ))
-    .bind(id)
-    .bind(attempt)
-    .bind(worker)
+    .bind(fence.id)
+    .bind(fence.attempt)
+    .bind(&fence.owner)
     .bind(Processing.as_str())
     .fetch_optional(&mut **tx)
     .await?;
     row.as_ref().map(task_from_row).transpose()
 }
 
-/// Moves a locked task along `edge` and on to QUEUED (bumping the attempt) or DEAD_LETTER.
+/// How a locked task leaves its owner: the edge it takes, who says so and why, where it goes
+/// next and what becomes of its retries.
+struct Step<'a> {
+    edge: (TaskState, TaskState),
+    by: Option<&'a str>,
+    detail: &'a str,
+    route: Requeue,
+    budget: RetryBudget,
+}
+
+/// Which tasks a reaper takes back: those of `task_type` silent for `timeout`, at most
+/// `limit` at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Reap<'a> {
+    pub task_type: &'a str,
+    pub timeout: Duration,
+    pub max_retries: i32,
+    /// Who reaps, for the audit log.
+    pub reaper: &'a str,
+    pub limit: i64,
+}
+
+/// Moves a locked task along `step.edge` and on to QUEUED (bumping the attempt) or
+/// DEAD_LETTER.
 async fn requeue(
     tx: &mut Transaction<'static, Postgres>,
     task: &TaskRecord,
-    edge: (TaskState, TaskState),
-    worker: Option<&str>,
-    detail: &str,
-    route: Requeue,
-    budget: RetryBudget,
+    step: Step<'_>,
 ) -> DbResult<Requeued> {
+    let Step {
+        edge,
+        by: worker,
+        detail,
+        route,
+        budget,
+    } = step;
     let target = match route {
         Requeue::Main | Requeue::Retry => Queued,
         Requeue::Remediation => DeadLetter,

@@ -7,10 +7,10 @@ use chrono::{DateTime, Utc};
 use sqlx::Row;
 use uuid::Uuid;
 
-use super::{
-    advance, append_events, task_from_row, BackToWork, Db, DbResult, EventRow, PendingRequeue,
-    Requeued, RetryBudget, TASK_COLUMNS,
-};
+use super::audit::{append_events, EventRow};
+use super::requeue::{advance, BackToWork, RetryBudget};
+use super::rows::{task_from_row, TASK_COLUMNS};
+use super::{Db, DbResult, PendingRequeue, Requeued};
 use crate::lifecycle::TaskState::*;
 use crate::task::Requeue;
 

@@ -1,6 +1,7 @@
 //! Moving a task type from before tenancy into its namespace (decision 0012).
 
-use super::{task_from_row, Db, DbResult, TASK_COLUMNS};
+use super::rows::{task_from_row, TASK_COLUMNS};
+use super::{Db, DbResult};
 use crate::lifecycle::TaskState;
 use crate::task::TaskRecord;
 use crate::task_type::DEFAULT_TENANT;

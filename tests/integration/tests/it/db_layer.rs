@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::Recorded;
+use conveyor_core::db::{Fence, Reap, Recorded};
 use conveyor_core::task::{NewTask, Requeue};
 use conveyor_core::testing::{unique_type, TestDatabase};
 use conveyor_core::TaskState::*;
@@ -98,7 +98,7 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
     let timeout = Duration::from_millis(300);
     // Fresh by a margin no slow machine eats up.
     assert!(
-        db.begin_reap(&task_type, Duration::from_secs(60), 3, "r", 10)
+        db.begin_reap(&reap(&task_type, Duration::from_secs(60), "r"))
             .await
             .unwrap()
             .is_none(),
@@ -107,13 +107,13 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     let pending = db
-        .begin_reap(&task_type, timeout, 3, "r1", 10)
+        .begin_reap(&reap(&task_type, timeout, "r1"))
         .await
         .unwrap()
         .unwrap();
     // A second reaper skips the locked row instead of waiting or double-handling it.
     assert!(db
-        .begin_reap(&task_type, timeout, 3, "r2", 10)
+        .begin_reap(&reap(&task_type, timeout, "r2"))
         .await
         .unwrap()
         .is_none());
@@ -140,7 +140,7 @@ async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
     let (db, task_type, task) = one_claimed_task("paused").await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     let pending = db
-        .begin_reap(&task_type, Duration::from_millis(300), 3, "reaper", 10)
+        .begin_reap(&reap(&task_type, Duration::from_millis(300), "reaper"))
         .await
         .unwrap()
         .unwrap();
@@ -173,7 +173,7 @@ async fn reaped_tasks_use_a_retry_only_when_they_ran_alone() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     let pending = db
-        .begin_reap(&task_type, Duration::from_millis(300), 3, "reaper", 10)
+        .begin_reap(&reap(&task_type, Duration::from_millis(300), "reaper"))
         .await
         .unwrap()
         .unwrap();
@@ -194,7 +194,7 @@ async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
     db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
     assert!(db.claim(task.id, 0, "w1").await.unwrap());
     let pending = db
-        .begin_failure(task.id, 0, "w1", "boom", 3)
+        .begin_failure(&fence(task.id, 0, "w1"), "boom", 3)
         .await
         .unwrap()
         .unwrap();
@@ -398,7 +398,7 @@ async fn a_heartbeat_for_an_older_attempt_does_not_keep_a_newer_claim_alive() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     // (The re-queue's message does not matter here: the claim below takes attempt 1.)
     let pending = db
-        .begin_reap(&task_type, timeout, 3, "r", 10)
+        .begin_reap(&reap(&task_type, timeout, "r"))
         .await
         .unwrap();
     pending.expect("reaped").commit().await.unwrap();
@@ -406,12 +406,12 @@ async fn a_heartbeat_for_an_older_attempt_does_not_keep_a_newer_claim_alive() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     // Only the stale attempt is beaten: the claim of attempt 1 is not renewed.
     let renewed = db
-        .heartbeat(&[task.id], &[0], &["beater".to_owned()])
+        .heartbeat(&[fence(task.id, 0, "beater")])
         .await
         .unwrap();
     assert_eq!(renewed, 0, "a beat for attempt 0 renewed attempt 1");
     assert_eq!(
-        db.heartbeat(&[task.id], &[1], &["beater".to_owned()])
+        db.heartbeat(&[fence(task.id, 1, "beater")])
             .await
             .unwrap(),
         1
@@ -454,4 +454,23 @@ async fn a_partition_rescue_beside_live_writers_loses_no_row_and_leaves_none_beh
     assert_eq!(all, written, "every row kept");
     assert_eq!(in_default, 0, "rows left in the default partition");
     assert!(made.len() >= 5, "the far days got partitions: {made:?}");
+}
+
+fn fence(id: Uuid, attempt: i32, owner: &str) -> Fence {
+    Fence {
+        id,
+        attempt,
+        owner: owner.to_owned(),
+    }
+}
+
+/// A reap of `task_type`'s tasks silent for `timeout`, three retries, ten at once.
+fn reap<'a>(task_type: &'a str, timeout: Duration, reaper: &'a str) -> Reap<'a> {
+    Reap {
+        task_type,
+        timeout,
+        max_retries: 3,
+        reaper,
+        limit: 10,
+    }
 }

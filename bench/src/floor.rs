@@ -1,0 +1,145 @@
+//! The raw floor of this machine, with no application in the way: what RabbitMQ does for a
+//! confirmed publish, a consume and an ack on a quorum queue, and what PostgreSQL does for
+//! batched audit inserts. Conveyor's figures are read as ratios to these, measured in the
+//! same run (the machine's speed varies from day to day). The links are the product's own:
+//! AMQPS and PostgreSQL over TLS.
+
+use std::time::Instant;
+
+use anyhow::Context as _;
+use conveyor_core::amqp;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::BasicProperties;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// Confirms outstanding at once: the publisher pipelines, as the gateway does.
+const CONFIRM_WINDOW: usize = 1000;
+/// The consumer's prefetch.
+const PREFETCH: u16 = 500;
+/// A message about the size of a task message.
+const BODY_BYTES: usize = 320;
+
+/// Messages per second through one quorum queue: publish (persistent, confirmed) → consume
+/// → ack each, from the first publish to the last ack.
+pub async fn broker(url: &str, messages: usize) -> anyhow::Result<f64> {
+    let queue = format!("conveyor-bench.floor.{}", Uuid::new_v4().simple());
+    let publisher = amqp::connect(url, "conveyor-bench/floor-publish").await?;
+    let consumer = amqp::connect(url, "conveyor-bench/floor-consume").await?;
+    let channel = publisher.create_channel().await?;
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        ShortString::from("x-queue-type"),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel.queue_declare(&queue, durable, arguments).await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let consuming = consumer.create_channel().await?;
+    consuming
+        .basic_qos(PREFETCH, BasicQosOptions::default())
+        .await?;
+    let mut deliveries = consuming
+        .basic_consume(
+            &queue,
+            "floor",
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+
+    let started = Instant::now();
+    let consume = async {
+        for _ in 0..messages {
+            let delivery = deliveries
+                .next()
+                .await
+                .context("the floor queue's consumer ended")??;
+            delivery.acker.ack(BasicAckOptions::default()).await?;
+        }
+        anyhow::Ok(())
+    };
+    let publish = async {
+        let body = vec![b'x'; BODY_BYTES];
+        let mut pending = FuturesUnordered::new();
+        for _ in 0..messages {
+            if pending.len() >= CONFIRM_WINDOW {
+                confirmed(pending.next().await)?;
+            }
+            let confirm = channel
+                .basic_publish(
+                    "",
+                    &queue,
+                    BasicPublishOptions::default(),
+                    &body,
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await?;
+            pending.push(confirm);
+        }
+        while let Some(confirm) = pending.next().await {
+            confirmed(Some(confirm))?;
+        }
+        anyhow::Ok(())
+    };
+    let (published, consumed) = tokio::join!(publish, consume);
+    published.context("floor publish")?;
+    consumed.context("floor consume")?;
+    let rate = messages as f64 / started.elapsed().as_secs_f64();
+    let _ = channel
+        .queue_delete(&queue, QueueDeleteOptions::default())
+        .await;
+    let _ = publisher.close(200, "floor measured").await;
+    let _ = consumer.close(200, "floor measured").await;
+    Ok(rate)
+}
+
+fn confirmed(
+    confirm: Option<Result<lapin::publisher_confirm::Confirmation, lapin::Error>>,
+) -> anyhow::Result<()> {
+    match confirm.context("no confirm")?? {
+        lapin::publisher_confirm::Confirmation::Ack(_) => Ok(()),
+        other => anyhow::bail!("the broker did not confirm a floor message: {other:?}"),
+    }
+}
+
+/// Rows per second of audit-shaped inserts (the audit log's columns and indexes, on a plain
+/// table), `batch` rows per statement, each statement its own commit.
+pub async fn audit_inserts(pool: &PgPool, rows: usize, batch: usize) -> anyhow::Result<f64> {
+    sqlx::raw_sql(
+        "CREATE TABLE bench_audit (LIKE task_events INCLUDING DEFAULTS);
+         CREATE INDEX ON bench_audit (task_id, at, seq);
+         CREATE INDEX ON bench_audit (task_type, at)",
+    )
+    .execute(pool)
+    .await
+    .context("create the audit floor's table")?;
+    let started = Instant::now();
+    let mut written = 0;
+    while written < rows {
+        let n = batch.min(rows - written);
+        let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
+        sqlx::query(
+            "INSERT INTO bench_audit (task_id, task_type, from_state, to_state, attempt, worker_id)
+             SELECT id, 'bench', 'PROCESSING', 'COMPLETED', 0, 'bench-worker'
+             FROM unnest($1::uuid[]) AS i(id)",
+        )
+        .bind(&ids)
+        .execute(pool)
+        .await?;
+        written += n;
+    }
+    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    sqlx::query("DROP TABLE bench_audit").execute(pool).await?;
+    Ok(rate)
+}

@@ -1,0 +1,156 @@
+//! The system measured: a database of its own, one noop task type, the real
+//! `conveyor-gateway` and `conveyor-worker` binaries (release, beside this one) as processes.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use conveyor_core::testing::{self, binary, free_port, TestDatabase};
+use tokio::process::{Child, Command};
+
+use crate::usage::Processes;
+
+pub const TOKEN: &str = "bench-token";
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub workers: usize,
+    pub concurrency: u16,
+    /// Where `conveyor-gateway` and `conveyor-worker` are.
+    pub binaries: PathBuf,
+}
+
+pub struct System {
+    pub task_type: String,
+    pub gateway_url: String,
+    pub database: String,
+    pub db_url: String,
+    /// Each worker's /metrics address.
+    pub worker_metrics: Vec<String>,
+    gateway: Child,
+    workers: Vec<Child>,
+}
+
+impl System {
+    pub async fn start(settings: &Settings, logs: &Path) -> anyhow::Result<System> {
+        let test_db = TestDatabase::create().await;
+        test_db.db.pool().close().await;
+        let task_type = testing::unique_type("bench");
+        std::fs::create_dir_all(logs)?;
+        let types_file = logs.join("task-types.yaml");
+        // No backpressure in the way (the bench measures the path, not the limit).
+        std::fs::write(
+            &types_file,
+            format!(
+                "taskTypes:\n  - name: {task_type}\n    maxRetries: 3\n    timeoutSeconds: 30\n    \
+                 heartbeatTimeoutSeconds: 30\n    maxQueueDepth: 10000000\n"
+            ),
+        )?;
+        let port = free_port();
+        let admin = format!("127.0.0.1:{}", free_port());
+        let gateway_binary = settings.binaries.join("conveyor-gateway");
+        let gateway = Command::new(&gateway_binary)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", &admin])
+            .arg("--task-types")
+            .arg(&types_file)
+            .args(["--tokens", &format!("bench={TOKEN}")])
+            .args(["--client-rate", "10000000", "--client-burst", "10000000"])
+            .args(["--client-max-in-flight", "1024"])
+            .env("CONVEYOR_DATABASE_URL", &test_db.url)
+            .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log_file(logs, "gateway")?)
+            .stderr(log_file(logs, "gateway")?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("start {}", gateway_binary.display()))?;
+        wait_ready(&admin, logs).await?;
+        let mut workers = Vec::new();
+        let mut worker_metrics = Vec::new();
+        for i in 0..settings.workers {
+            let metrics = format!("127.0.0.1:{}", free_port());
+            let name = format!("bench-w{i}");
+            let child = Command::new(settings.binaries.join("conveyor-worker"))
+                .arg("--task-types")
+                .arg(&types_file)
+                .args(["--consume", &task_type, "--handler", "noop"])
+                .args(["--worker-name", &name])
+                .args(["--concurrency", &settings.concurrency.to_string()])
+                .args(["--metrics-listen", &metrics])
+                .arg("--buffer-dir")
+                .arg(logs.join("buffers"))
+                .env("CONVEYOR_DATABASE_URL", &test_db.url)
+                .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+                .env("RUST_LOG", "warn")
+                .stdin(Stdio::null())
+                .stdout(log_file(logs, &name)?)
+                .stderr(log_file(logs, &name)?)
+                .kill_on_drop(true)
+                .spawn()
+                .context("start conveyor-worker")?;
+            wait_ready(&metrics, logs).await?;
+            workers.push(child);
+            worker_metrics.push(metrics);
+        }
+        Ok(System {
+            task_type,
+            gateway_url: format!("http://127.0.0.1:{port}"),
+            database: test_db.name,
+            db_url: test_db.url,
+            worker_metrics,
+            gateway,
+            workers,
+        })
+    }
+
+    pub fn processes(&self) -> Processes {
+        Processes {
+            gateway: self.gateway.id().unwrap_or(0),
+            workers: self.workers.iter().filter_map(Child::id).collect(),
+        }
+    }
+
+    /// Stops the processes and drops the queues and the database.
+    pub async fn stop(mut self) {
+        let _ = self.gateway.kill().await;
+        for worker in &mut self.workers {
+            let _ = worker.kill().await;
+        }
+        testing::delete_queues(&self.task_type).await;
+        testing::drop_database(&self.database).await;
+    }
+}
+
+async fn wait_ready(admin: &str, logs: &Path) -> anyhow::Result<()> {
+    let http = reqwest::Client::new();
+    for _ in 0..300 {
+        let ready = http
+            .get(format!("http://{admin}/readyz"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if ready {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("{admin} did not become ready; see {}", logs.display())
+}
+
+fn log_file(dir: &Path, name: &str) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))
+}
+
+/// Where the binaries measured are by default: beside this one.
+pub fn default_binaries() -> PathBuf {
+    binary("conveyor-gateway")
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}

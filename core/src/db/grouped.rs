@@ -1,0 +1,157 @@
+//! The hot path's statements, group-committed ([`crate::batch`]): a worker's concurrent
+//! deliveries share one claim statement and one completion statement, a gateway's
+//! concurrent requests one insert and one QUEUED update. Each caller still gets its own
+//! answer, and only after the statement that made it durable committed.
+//!
+//! A statement that fails for a reason other than unavailability (a value the database
+//! refuses, say) is run again for each input alone, so that one caller's bad input fails
+//! only that caller.
+
+use std::future::Future;
+
+use uuid::Uuid;
+
+use super::claims::{Claim, Completion};
+use super::ingest::Recorded;
+use super::{Db, DbError, DbResult};
+use crate::batch::Batcher;
+use crate::task::NewTask;
+
+/// Flushers per statement: one runs while the next batch forms.
+const FLUSHERS: usize = 2;
+/// Most deliveries in one claim or completion statement.
+const MAX_TASKS: usize = 256;
+/// Most requests in one insert (a request is up to a whole batch of tasks).
+const MAX_REQUESTS: usize = 64;
+
+/// A worker's claims and completions.
+#[derive(Clone)]
+pub struct OwnerWrites {
+    claims: Batcher<Claim, DbResult<bool>>,
+    completions: Batcher<Completion, DbResult<bool>>,
+}
+
+/// A gateway's inserts and QUEUED updates.
+#[derive(Clone)]
+pub struct IngestWrites {
+    records: Batcher<Vec<NewTask>, DbResult<Vec<Recorded>>>,
+    queued: Batcher<Vec<Uuid>, DbResult<()>>,
+}
+
+impl Db {
+    /// Group-committed claims (as `worker`) and completions. Needs a Tokio runtime.
+    pub fn owner_writes(&self, worker: &str) -> OwnerWrites {
+        let (db, worker) = (self.clone(), worker.to_owned());
+        let claims = Batcher::spawn(FLUSHERS, MAX_TASKS, move |claims: Vec<Claim>| {
+            let (db, worker) = (db.clone(), worker.clone());
+            each_or_alone(claims, move |batch| {
+                let (db, worker) = (db.clone(), worker.clone());
+                async move { db.claim_all(&batch, &worker).await }
+            })
+        });
+        let db = self.clone();
+        let completions = Batcher::spawn(FLUSHERS, MAX_TASKS, move |done: Vec<Completion>| {
+            let db = db.clone();
+            each_or_alone(done, move |batch| {
+                let db = db.clone();
+                async move { db.complete_all(&batch).await }
+            })
+        });
+        OwnerWrites {
+            claims,
+            completions,
+        }
+    }
+
+    /// Group-committed inserts and QUEUED updates of submitted tasks. Needs a Tokio runtime.
+    pub fn ingest_writes(&self) -> IngestWrites {
+        let db = self.clone();
+        let records = Batcher::spawn(FLUSHERS, MAX_REQUESTS, move |requests: Vec<Vec<NewTask>>| {
+            let db = db.clone();
+            each_or_alone(requests, move |batch| {
+                let db = db.clone();
+                async move { record_requests(&db, batch).await }
+            })
+        });
+        let db = self.clone();
+        let queued = Batcher::spawn(FLUSHERS, MAX_REQUESTS, move |requests: Vec<Vec<Uuid>>| {
+            let db = db.clone();
+            each_or_alone(requests, move |batch| {
+                let db = db.clone();
+                async move {
+                    let n = batch.len();
+                    db.mark_queued(&batch.concat()).await?;
+                    Ok(vec![(); n])
+                }
+            })
+        });
+        IngestWrites { records, queued }
+    }
+}
+
+/// Several requests' tasks in one insert, the answers split back per request.
+async fn record_requests(db: &Db, requests: Vec<Vec<NewTask>>) -> DbResult<Vec<Vec<Recorded>>> {
+    let sizes: Vec<usize> = requests.iter().map(Vec::len).collect();
+    let mut recorded = db.record_tasks(&requests.concat()).await?.into_iter();
+    Ok(sizes
+        .into_iter()
+        .map(|n| recorded.by_ref().take(n).collect())
+        .collect())
+}
+
+impl OwnerWrites {
+    pub async fn claim(&self, claim: Claim) -> DbResult<bool> {
+        self.claims.call(claim).await.unwrap_or(Err(DbError::Stopped))
+    }
+
+    pub async fn complete(&self, completion: Completion) -> DbResult<bool> {
+        self.completions
+            .call(completion)
+            .await
+            .unwrap_or(Err(DbError::Stopped))
+    }
+}
+
+impl IngestWrites {
+    /// [`Db::record_tasks`], sharing the statement with concurrent requests.
+    pub async fn record(&self, tasks: Vec<NewTask>) -> DbResult<Vec<Recorded>> {
+        self.records.call(tasks).await.unwrap_or(Err(DbError::Stopped))
+    }
+
+    /// [`Db::mark_queued`], sharing the statement with concurrent requests.
+    pub async fn mark_queued(&self, ids: Vec<Uuid>) -> DbResult<()> {
+        self.queued.call(ids).await.unwrap_or(Err(DbError::Stopped))
+    }
+}
+
+/// Runs `run` over all `inputs` in one go; if that fails for a reason other than
+/// unavailability, over each input alone.
+async fn each_or_alone<I, O, F, Fut>(inputs: Vec<I>, run: F) -> Vec<DbResult<O>>
+where
+    I: Clone,
+    F: Fn(Vec<I>) -> Fut,
+    Fut: Future<Output = DbResult<Vec<O>>>,
+{
+    let n = inputs.len();
+    let err = match run(inputs.clone()).await {
+        Ok(outputs) if outputs.len() == n => return outputs.into_iter().map(Ok).collect(),
+        Ok(outputs) => DbError::Corrupt(format!("{} answers to {n} inputs", outputs.len())),
+        Err(err) => err,
+    };
+    if n == 1 {
+        return vec![Err(err)];
+    }
+    if err.is_unavailable() {
+        return err.share(n).into_iter().map(Err).collect();
+    }
+    let mut answers = Vec::with_capacity(n);
+    for input in inputs {
+        let answer = run(vec![input]).await.and_then(|mut outputs| {
+            outputs
+                .pop()
+                .ok_or_else(|| DbError::Corrupt("no answer to one input".to_owned()))
+        });
+        answers.push(answer);
+    }
+    answers
+}

@@ -1,0 +1,135 @@
+//! Taking tasks in: one statement records a whole batch as INGESTED (with its audit rows),
+//! and one marks the confirmed ones QUEUED.
+
+use std::collections::{HashMap, HashSet};
+
+use uuid::Uuid;
+
+use super::rows::{task_from_row, TASK_COLUMNS};
+use super::{Db, DbError, DbResult};
+use crate::lifecycle::{self, TaskState::*};
+use crate::task::{NewTask, TaskRecord};
+
+/// Outcome of recording one submitted task.
+#[derive(Debug, Clone)]
+pub enum Recorded {
+    /// A new task.
+    Created(TaskRecord),
+    /// The idempotency key was known: the task recorded earlier.
+    Existing(TaskRecord),
+}
+
+impl Recorded {
+    pub fn task(&self) -> &TaskRecord {
+        match self {
+            Recorded::Created(task) | Recorded::Existing(task) => task,
+        }
+    }
+}
+
+impl Db {
+    /// Records submitted tasks as INGESTED in one statement. A key its tenant already used
+    /// yields the task recorded before, in input order (keys are unique per tenant).
+    pub async fn record_tasks(&self, tasks: &[NewTask]) -> DbResult<Vec<Recorded>> {
+        if tasks.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+        let tenants: Vec<&str> = tasks.iter().map(|t| t.tenant.as_str()).collect();
+        let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
+        let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
+        let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
+        let inserted = sqlx::query(&format!(
+            "WITH input AS (
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[])
+                     AS i(id, tenant, idempotency_key, task_type, payload)
+             ), inserted AS (
+                 INSERT INTO tasks (id, tenant, idempotency_key, task_type, state, payload)
+                 SELECT id, tenant, idempotency_key, task_type, $6, payload FROM input
+                 -- Key order: two statements inserting the same keys never wait on each other crosswise.
+                 ORDER BY tenant, idempotency_key
+                 ON CONFLICT (tenant, idempotency_key) DO NOTHING
+                 RETURNING {TASK_COLUMNS}
+             ), events AS (
+                 INSERT INTO task_events (task_id, task_type, to_state, attempt)
+                 SELECT id, task_type, $6, 0 FROM inserted
+             )
+             SELECT * FROM inserted"
+        ))
+        .bind(&ids)
+        .bind(&tenants)
+        .bind(&keys)
+        .bind(&types)
+        .bind(&payloads)
+        .bind(Ingested.as_str())
+        .fetch_all(&self.pool)
+        .await?;
+        let mut records: HashMap<(String, Uuid), TaskRecord> = HashMap::with_capacity(tasks.len());
+        for row in &inserted {
+            let record = task_from_row(row)?;
+            records.insert((record.tenant.clone(), record.idempotency_key), record);
+        }
+        let created: HashSet<Uuid> = records.values().map(|r| r.id).collect();
+        // Only known keys need a second look: the common case is one round trip.
+        let (known_tenants, known_keys): (Vec<&str>, Vec<Uuid>) = tasks
+            .iter()
+            .filter(|t| !records.contains_key(&(t.tenant.clone(), t.idempotency_key)))
+            .map(|t| (t.tenant.as_str(), t.idempotency_key))
+            .unzip();
+        if !known_keys.is_empty() {
+            let rows = sqlx::query(&format!(
+                "SELECT {TASK_COLUMNS} FROM tasks
+                 WHERE (tenant, idempotency_key) IN (SELECT * FROM unnest($1::text[], $2::uuid[]))"
+            ))
+            .bind(&known_tenants)
+            .bind(&known_keys)
+            .fetch_all(&self.pool)
+            .await?;
+            for row in &rows {
+                let record = task_from_row(row)?;
+                records.insert((record.tenant.clone(), record.idempotency_key), record);
+            }
+        }
+        tasks
+            .iter()
+            .map(|task| {
+                let key = (task.tenant.clone(), task.idempotency_key);
+                let record = records.get(&key).cloned().ok_or_else(|| {
+                    DbError::Corrupt(format!("task with key {} vanished", task.idempotency_key))
+                })?;
+                Ok(if record.id == task.id && created.contains(&task.id) {
+                    Recorded::Created(record)
+                } else {
+                    Recorded::Existing(record)
+                })
+            })
+            .collect()
+    }
+
+    /// INGESTED → QUEUED for tasks the broker confirmed. Tasks a worker already claimed are
+    /// left alone: the claim wrote the QUEUED event itself.
+    pub async fn mark_queued(&self, ids: &[Uuid]) -> DbResult<()> {
+        lifecycle::check(Ingested, Queued)?;
+        // Locked in id order, as claims are, and a row locked right now is skipped: whoever
+        // holds it (a claim, the sweeper) moves it on and writes QUEUED itself if need be.
+        sqlx::query(
+            "WITH locked AS MATERIALIZED (
+                 SELECT id FROM tasks WHERE id = ANY($1) AND state = $2
+                 ORDER BY id FOR UPDATE SKIP LOCKED
+             ), updated AS (
+                 UPDATE tasks t SET state = $3, updated_at = now()
+                 FROM locked WHERE t.id = locked.id AND t.state = $2
+                 RETURNING t.id, t.task_type, t.attempt
+             )
+             INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt)
+             SELECT * FROM (SELECT id, task_type, $2, $3, attempt FROM updated ORDER BY id) ordered",
+        )
+        .bind(ids)
+        .bind(Ingested.as_str())
+        .bind(Queued.as_str())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+}
