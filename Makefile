@@ -40,6 +40,8 @@ stack: build
 test: stack
 	$(CARGO) test --workspace --exclude conveyor-e2e-tests -- --test-threads=4
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
+	# make bench's short variant, on the debug build: proves the command works, asserts no time.
+	target/debug/conveyor-bench --short --report target/bench/short.md
 
 unit:
 	$(CARGO) test --workspace --lib --bins

@@ -82,7 +82,11 @@ pub async fn batches(
 
 /// Single-task submits from `connections` clients, each waiting for its answer before the
 /// next (keep-alive), until `tasks` are accepted.
-pub async fn singles(system: &System, tasks: usize, connections: usize) -> anyhow::Result<Accepted> {
+pub async fn singles(
+    system: &System,
+    tasks: usize,
+    connections: usize,
+) -> anyhow::Result<Accepted> {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(connections)
         .build()?;
@@ -265,11 +269,15 @@ pub struct Verdict {
     pub completed_at: HashMap<Uuid, DateTime<Utc>>,
 }
 
+/// A task as the database has it: id, state, its audit chain's states, when it completed
+/// and how many COMPLETED rows it has.
+type TaskReadBack = (Uuid, String, Vec<String>, Option<DateTime<Utc>>, i64);
+
 const FULL_CHAIN: &str = "{INGESTED,QUEUED,CLAIMED,PROCESSING,COMPLETED}";
 
 pub async fn verify(pool: &PgPool, accepted: &Accepted) -> anyhow::Result<Verdict> {
     let ids: Vec<Uuid> = accepted.iter().map(|(id, _)| *id).collect();
-    let rows: Vec<(Uuid, String, Vec<String>, Option<DateTime<Utc>>, i64)> = sqlx::query_as(
+    let rows: Vec<TaskReadBack> = sqlx::query_as(
         "SELECT t.id, t.state,
                 array_agg(e.to_state ORDER BY e.at, e.seq),
                 max(e.at) FILTER (WHERE e.to_state = 'COMPLETED'),

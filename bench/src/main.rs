@@ -42,9 +42,10 @@ struct Args {
     /// Tasks in the single-submit phase.
     #[arg(long, default_value_t = 30_000)]
     single_tasks: usize,
-    /// Keep-alive connections of the single-submit phase.
-    #[arg(long, default_value_t = 32)]
-    connections: usize,
+    /// Keep-alive connections of the single-submit phases: one phase per count, since
+    /// concurrent requests share statements (group commit).
+    #[arg(long, value_delimiter = ',', default_values_t = [32, 128])]
+    connections: Vec<usize>,
     /// Offered rate of the latency phase, tasks per second.
     #[arg(long, default_value_t = 1000)]
     rate: u32,
@@ -86,7 +87,10 @@ impl Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse().shortened();
-    let binaries = args.binaries.clone().unwrap_or_else(system::default_binaries);
+    let binaries = args
+        .binaries
+        .clone()
+        .unwrap_or_else(system::default_binaries);
     let mut run = Run::describe(args.short, binaries.clone()).await;
     let admin = Db::connect(&DbOptions::new(testing::admin_database_url()))?;
 
@@ -107,11 +111,12 @@ async fn main() -> anyhow::Result<()> {
     run.settings = serde_json::json!({
         "workers": args.workers, "concurrency": args.concurrency,
         "batch_size": args.batch_size, "batch_clients": args.batch_clients,
-        "connections": args.connections, "offered_rate": args.rate,
+        "connections": &args.connections, "offered_rate": args.rate,
     });
 
     let measured = phases(&args, &system, &admin, db.pool(), &mut run).await;
     run.peak_rss_mib = system.processes().peak_rss_mib();
+    run.statements = usage::statement_costs(admin.pool(), &system.database).await;
     system.stop().await;
     measured?;
 
@@ -136,20 +141,35 @@ async fn phases(
     let warm = args.batch_size.min(args.batch_tasks);
     load::watched(system, warm, limit, load::batches(system, warm, warm, 1)).await?;
 
-    let measure = |name: &'static str| Phase::begin(name, system, admin);
-    let phase = measure("batch submits").await?;
-    eprintln!("bench: {} tasks in batches of {}", args.batch_tasks, args.batch_size);
-    let load = load::batches(system, args.batch_tasks, args.batch_size, args.batch_clients);
+    let phase = Phase::begin("batch submits".to_owned(), system, admin).await?;
+    eprintln!(
+        "bench: {} tasks in batches of {}",
+        args.batch_tasks, args.batch_size
+    );
+    let load = load::batches(
+        system,
+        args.batch_tasks,
+        args.batch_size,
+        args.batch_clients,
+    );
     let (accepted, timeline) = load::watched(system, args.batch_tasks, limit, load).await?;
-    run.phases.push(phase.end(system, admin, pool, &accepted, &timeline).await?);
+    run.phases
+        .push(phase.end(system, admin, pool, &accepted, &timeline).await?);
 
-    let phase = measure("single submits").await?;
-    eprintln!("bench: {} single submits over {} connections", args.single_tasks, args.connections);
-    let load = load::singles(system, args.single_tasks, args.connections);
-    let (accepted, timeline) = load::watched(system, args.single_tasks, limit, load).await?;
-    run.phases.push(phase.end(system, admin, pool, &accepted, &timeline).await?);
+    for &connections in &args.connections {
+        let name = format!("single submits, {connections} connections");
+        let phase = Phase::begin(name, system, admin).await?;
+        eprintln!(
+            "bench: {} single submits over {connections} connections",
+            args.single_tasks
+        );
+        let load = load::singles(system, args.single_tasks, connections);
+        let (accepted, timeline) = load::watched(system, args.single_tasks, limit, load).await?;
+        run.phases
+            .push(phase.end(system, admin, pool, &accepted, &timeline).await?);
+    }
 
-    let phase = measure("fixed rate").await?;
+    let phase = Phase::begin("fixed rate".to_owned(), system, admin).await?;
     let total = args.rate as usize * args.rate_seconds as usize;
     eprintln!("bench: {}/s offered for {} s", args.rate, args.rate_seconds);
     let refused = std::sync::atomic::AtomicUsize::new(0);

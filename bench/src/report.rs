@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::load::{self, Accepted, Timeline};
 use crate::system::System;
-use crate::usage::{pg_counters, CpuSeconds, PgCounters};
+use crate::usage::{pg_counters, CpuSeconds, PgCounters, StatementCost};
 
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct Run {
@@ -25,6 +25,9 @@ pub struct Run {
     pub floor_audit_rows: f64,
     pub phases: Vec<PhaseResult>,
     pub peak_rss_mib: BTreeMap<String, f64>,
+    /// Where the database's time went, over the whole run.
+    #[serde(default)]
+    pub statements: Vec<StatementCost>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -51,13 +54,13 @@ pub struct PhaseResult {
 
 /// Counters at the start of a phase.
 pub struct Phase {
-    name: &'static str,
+    name: String,
     cpu: CpuSeconds,
     pg: PgCounters,
 }
 
 impl Phase {
-    pub async fn begin(name: &'static str, system: &System, admin: &Db) -> anyhow::Result<Phase> {
+    pub async fn begin(name: String, system: &System, admin: &Db) -> anyhow::Result<Phase> {
         Ok(Phase {
             name,
             cpu: system.processes().cpu(),
@@ -93,7 +96,7 @@ impl Phase {
             .collect();
         let seconds = timeline.seconds();
         Ok(PhaseResult {
-            name: self.name.to_owned(),
+            name: self.name,
             accepted: accepted.len(),
             refused: 0,
             completed_once: verdict.completed_once,
@@ -137,7 +140,10 @@ impl Run {
         versions.insert("postgresql".to_owned(), command("psql", &["--version"]));
         versions.insert(
             "rabbitmq".to_owned(),
-            command("sh", &["-c", "dpkg-query -W -f '${Version}' rabbitmq-server"]),
+            command(
+                "sh",
+                &["-c", "dpkg-query -W -f '${Version}' rabbitmq-server"],
+            ),
         );
         versions.insert(
             "erlang".to_owned(),
@@ -156,7 +162,7 @@ impl Run {
     }
 
     fn phase(&self, name: &str) -> Option<&PhaseResult> {
-        self.phases.iter().find(|p| p.name == name)
+        self.phases.iter().find(|p| p.name.starts_with(name))
     }
 
     /// What the clients were told that the database contradicts.
@@ -288,17 +294,34 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
     for (process, mib) in &run.peak_rss_mib {
         md.push_str(&format!("- {process}: {mib:.1}\n"));
     }
+    md.push_str("\nStatements by database time, whole run (pg_stat_statements):\n\n| calls | mean ms | rows/call | total s | plans | mean plan ms | statement |\n|---|---|---|---|---|---|---|\n");
+    for st in &run.statements {
+        md.push_str(&format!(
+            "| {} | {:.3} | {:.1} | {:.1} | {} | {:.3} | `{}` |\n",
+            st.calls,
+            st.mean_ms,
+            st.rows_per_call,
+            st.total_seconds,
+            st.plans,
+            st.mean_plan_ms,
+            st.query.replace('|', "\\|")
+        ));
+    }
     md.push_str(
         "\nLatency is from the client's send to the COMPLETED audit row's time (same clock). \
          Completions are counted from the workers' /metrics while a phase runs; the database \
          is read once per phase, after it, to check that every accepted task completed once \
          with its whole audit chain.\n\n## All runs\n\n",
     );
-    md.push_str("| date | commit | short | floor msg/s | batch tasks/s (ratio) | single tasks/s (ratio) | p99 ms at fixed rate |\n|---|---|---|---|---|---|---|\n");
+    md.push_str("| date | commit | short | floor msg/s | batch tasks/s (ratio) | single tasks/s (ratio), first count | p99 ms at fixed rate |\n|---|---|---|---|---|---|---|\n");
     for r in runs.iter().rev() {
         let rate = |name: &str| {
             r.phase(name).map_or("-".to_owned(), |p| {
-                format!("{:.0} ({:.3})", p.steady_rate, p.steady_rate / r.floor_broker)
+                format!(
+                    "{:.0} ({:.3})",
+                    p.steady_rate,
+                    p.steady_rate / r.floor_broker
+                )
             })
         };
         let p99 = r

@@ -35,7 +35,7 @@ pub struct System {
 impl System {
     pub async fn start(settings: &Settings, logs: &Path) -> anyhow::Result<System> {
         let test_db = TestDatabase::create().await;
-        test_db.db.pool().close().await;
+        test_db.db.close().await;
         let task_type = testing::unique_type("bench");
         std::fs::create_dir_all(logs)?;
         let types_file = logs.join("task-types.yaml");

@@ -104,10 +104,12 @@ impl Processes {
             peaks.insert(format!("worker {i}"), peak_rss(pid).unwrap_or(0.0));
         }
         let (postgres, rabbitmq) = service_pids();
-        let largest =
-            |pids: &[u32]| pids.iter().filter_map(|&p| peak_rss(p)).fold(0.0, f64::max);
+        let largest = |pids: &[u32]| pids.iter().filter_map(|&p| peak_rss(p)).fold(0.0, f64::max);
         peaks.insert("rabbitmq".to_owned(), largest(&rabbitmq));
-        peaks.insert("postgresql (largest process)".to_owned(), largest(&postgres));
+        peaks.insert(
+            "postgresql (largest process)".to_owned(),
+            largest(&postgres),
+        );
         peaks
     }
 }
@@ -169,4 +171,48 @@ impl PgCounters {
             wal_bytes: self.wal_bytes - before.wal_bytes,
         }
     }
+}
+
+/// One statement's share of the database's time over the whole run (pg_stat_statements).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct StatementCost {
+    pub query: String,
+    pub calls: i64,
+    pub mean_ms: f64,
+    pub rows_per_call: f64,
+    pub total_seconds: f64,
+    /// Plannings and their mean time (0 unless pg_stat_statements.track_planning is on).
+    #[serde(default)]
+    pub plans: i64,
+    #[serde(default)]
+    pub mean_plan_ms: f64,
+}
+
+/// The statements that took the most time in `database` (a fresh database per run, so its
+/// statistics are this run's). Empty where pg_stat_statements is not loaded.
+pub async fn statement_costs(admin: &PgPool, database: &str) -> Vec<StatementCost> {
+    let rows: Vec<(String, i64, f64, i64, f64, i64, f64)> = sqlx::query_as(
+        "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 120), calls,
+                total_exec_time / greatest(calls, 1), rows, total_exec_time / 1000, plans,
+                mean_plan_time
+         FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
+         WHERE d.datname = $1 ORDER BY total_exec_time DESC LIMIT 10",
+    )
+    .bind(database)
+    .fetch_all(admin)
+    .await
+    .unwrap_or_default();
+    rows.into_iter()
+        .map(
+            |(query, calls, mean_ms, rows, total_seconds, plans, mean_plan_ms)| StatementCost {
+                query,
+                calls,
+                mean_ms,
+                rows_per_call: rows as f64 / calls.max(1) as f64,
+                total_seconds,
+                plans,
+                mean_plan_ms,
+            },
+        )
+        .collect()
 }

@@ -85,7 +85,7 @@ impl System {
     ) -> anyhow::Result<System> {
         let test_db = TestDatabase::create().await;
         let database = test_db.name.clone();
-        test_db.db.pool().close().await;
+        test_db.db.close().await;
         let db_url = test_db.url.clone();
         let own_url = testing::with_params(&db_url, &[("application_name", "conveyor-chaos")])?;
         let db = Db::connect(&DbOptions::new(&own_url))?;
@@ -348,7 +348,7 @@ impl System {
             let _ = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await;
         }
         let _ = self.gateway.kill().await;
-        self.db.pool().close().await;
+        self.db.close().await;
         testing::delete_queues(&self.task_type).await;
         self.delete_policies().await;
         if keep_database {

@@ -126,7 +126,10 @@ mod tests {
         );
         let runs = runs.lock().expect("lock").clone();
         assert_eq!(runs.iter().sum::<usize>(), 20);
-        assert!(runs.len() < 20, "callers waiting together shared a run: {runs:?}");
+        assert!(
+            runs.len() < 20,
+            "callers waiting together shared a run: {runs:?}"
+        );
     }
 
     #[tokio::test]

@@ -20,7 +20,10 @@ pub(super) struct EventRow {
 }
 
 /// Appends audit events in one statement, refusing any step outside the lifecycle.
-pub(super) async fn append_events(tx: &mut Transaction<'static, Postgres>, rows: &[EventRow]) -> DbResult<()> {
+pub(super) async fn append_events(
+    tx: &mut Transaction<'static, Postgres>,
+    rows: &[EventRow],
+) -> DbResult<()> {
     for row in rows {
         lifecycle::check(row.from, row.to)?;
     }
@@ -56,7 +59,9 @@ pub(super) async fn append_events(tx: &mut Transaction<'static, Postgres>, rows:
 }
 
 /// A path of lifecycle edges as the two text arrays the SQL takes, checked against the table.
-pub(super) fn edges(path: &[(TaskState, TaskState)]) -> DbResult<(Vec<&'static str>, Vec<&'static str>)> {
+pub(super) fn edges(
+    path: &[(TaskState, TaskState)],
+) -> DbResult<(Vec<&'static str>, Vec<&'static str>)> {
     for &(from, to) in path {
         lifecycle::check(from, to)?;
     }

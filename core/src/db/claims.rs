@@ -80,7 +80,7 @@ impl Db {
         .bind(Ingested.as_str())
         .bind(Queued.as_str())
         .bind(Processing.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&self.hot)
         .await?;
         let mut won = HashSet::with_capacity(rows.len());
         for row in &rows {
@@ -126,7 +126,7 @@ impl Db {
         .bind(&owners)
         .bind(Claimed.as_str())
         .bind(Processing.as_str())
-        .execute(&self.pool)
+        .execute(&self.hot)
         .await?
         .rows_affected())
     }
@@ -138,24 +138,22 @@ impl Db {
         lifecycle::check(Processing, Completed)?;
         let ids: Vec<Uuid> = completions.iter().map(|c| c.fence.id).collect();
         let attempts: Vec<i32> = completions.iter().map(|c| c.fence.attempt).collect();
-        let owners: Vec<&str> = completions
-            .iter()
-            .map(|c| c.fence.owner.as_str())
-            .collect();
+        let owners: Vec<&str> = completions.iter().map(|c| c.fence.owner.as_str()).collect();
         let results: Vec<&serde_json::Value> = completions.iter().map(|c| &c.result).collect();
         let rows = sqlx::query(
             "WITH input AS (
                  SELECT DISTINCT ON (id, attempt, owner) *
                  FROM unnest($1::uuid[], $2::int[], $3::text[], $4::jsonb[])
                      AS i(id, attempt, owner, result)
-             ), locked AS MATERIALIZED (
-                 SELECT id FROM tasks WHERE id IN (SELECT id FROM input) ORDER BY id FOR UPDATE
+             ), current AS MATERIALIZED (
+                 SELECT id, state, attempt, owner FROM tasks WHERE id IN (SELECT id FROM input)
+                 ORDER BY id FOR UPDATE
              ), done AS (
                  UPDATE tasks t SET state = $6, result = i.result, heartbeat_at = NULL,
                      updated_at = now()
-                 FROM input i
-                 WHERE t.id = i.id AND t.id IN (SELECT id FROM locked) AND t.attempt = i.attempt
-                   AND t.owner = i.owner AND t.state = $5
+                 FROM current c JOIN input i
+                     ON i.id = c.id AND i.attempt = c.attempt AND i.owner = c.owner
+                 WHERE t.id = c.id AND c.state = $5
                  RETURNING t.id, t.task_type, t.attempt, t.owner
              ), events AS (
                  INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt, worker_id)
@@ -171,7 +169,7 @@ impl Db {
         .bind(&results)
         .bind(Processing.as_str())
         .bind(Completed.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&self.hot)
         .await?;
         let mut done = HashSet::with_capacity(rows.len());
         for row in &rows {
@@ -182,10 +180,7 @@ impl Db {
             };
             done.insert(fence);
         }
-        Ok(completions
-            .iter()
-            .map(|c| done.remove(&c.fence))
-            .collect())
+        Ok(completions.iter().map(|c| done.remove(&c.fence)).collect())
     }
 
     /// [`Db::complete_all`] for one task.

@@ -66,13 +66,17 @@ impl Db {
     /// Group-committed inserts and QUEUED updates of submitted tasks. Needs a Tokio runtime.
     pub fn ingest_writes(&self) -> IngestWrites {
         let db = self.clone();
-        let records = Batcher::spawn(FLUSHERS, MAX_REQUESTS, move |requests: Vec<Vec<NewTask>>| {
-            let db = db.clone();
-            each_or_alone(requests, move |batch| {
+        let records = Batcher::spawn(
+            FLUSHERS,
+            MAX_REQUESTS,
+            move |requests: Vec<Vec<NewTask>>| {
                 let db = db.clone();
-                async move { record_requests(&db, batch).await }
-            })
-        });
+                each_or_alone(requests, move |batch| {
+                    let db = db.clone();
+                    async move { record_requests(&db, batch).await }
+                })
+            },
+        );
         let db = self.clone();
         let queued = Batcher::spawn(FLUSHERS, MAX_REQUESTS, move |requests: Vec<Vec<Uuid>>| {
             let db = db.clone();
@@ -101,7 +105,10 @@ async fn record_requests(db: &Db, requests: Vec<Vec<NewTask>>) -> DbResult<Vec<V
 
 impl OwnerWrites {
     pub async fn claim(&self, claim: Claim) -> DbResult<bool> {
-        self.claims.call(claim).await.unwrap_or(Err(DbError::Stopped))
+        self.claims
+            .call(claim)
+            .await
+            .unwrap_or(Err(DbError::Stopped))
     }
 
     pub async fn complete(&self, completion: Completion) -> DbResult<bool> {
@@ -115,7 +122,10 @@ impl OwnerWrites {
 impl IngestWrites {
     /// [`Db::record_tasks`], sharing the statement with concurrent requests.
     pub async fn record(&self, tasks: Vec<NewTask>) -> DbResult<Vec<Recorded>> {
-        self.records.call(tasks).await.unwrap_or(Err(DbError::Stopped))
+        self.records
+            .call(tasks)
+            .await
+            .unwrap_or(Err(DbError::Stopped))
     }
 
     /// [`Db::mark_queued`], sharing the statement with concurrent requests.

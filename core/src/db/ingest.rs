@@ -62,7 +62,7 @@ impl Db {
         .bind(&types)
         .bind(&payloads)
         .bind(Ingested.as_str())
-        .fetch_all(&self.pool)
+        .fetch_all(&self.hot)
         .await?;
         let mut records: HashMap<(String, Uuid), TaskRecord> = HashMap::with_capacity(tasks.len());
         for row in &inserted {
@@ -83,7 +83,7 @@ impl Db {
             ))
             .bind(&known_tenants)
             .bind(&known_keys)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.hot)
             .await?;
             for row in &rows {
                 let record = task_from_row(row)?;
@@ -127,9 +127,8 @@ impl Db {
         .bind(ids)
         .bind(Ingested.as_str())
         .bind(Queued.as_str())
-        .execute(&self.pool)
+        .execute(&self.hot)
         .await?;
         Ok(())
     }
-
 }

@@ -7,9 +7,9 @@ use super::{DbError, DbResult};
 use crate::lifecycle::{self, TaskState};
 use crate::task::{TaskEvent, TaskRecord};
 
-pub(super) const TASK_COLUMNS: &str = "id, tenant, idempotency_key, task_type, state, attempt, retries, \
+pub(super) const TASK_COLUMNS: &str =
+    "id, tenant, idempotency_key, task_type, state, attempt, retries, \
                             owner, payload, result, error, created_at, updated_at, suspect";
-
 
 pub(super) fn parse_state(name: String) -> DbResult<TaskState> {
     name.parse()
@@ -49,4 +49,3 @@ pub(super) fn event_from_row(row: &PgRow) -> DbResult<TaskEvent> {
         at: row.try_get("at")?,
     })
 }
-

@@ -100,7 +100,7 @@ impl TestDatabase {
             .execute(admin.pool())
             .await
             .expect("create the test database (is `scripts/services.sh up` done?)");
-        admin.pool().close().await;
+        admin.close().await;
         let url = with_database(&admin_url, &name);
         let db = Db::connect(&DbOptions::new(&url)).expect("test database URL");
         db.migrate().await.expect("migrations apply");
@@ -235,5 +235,5 @@ pub async fn drop_database(name: &str) {
     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
         .execute(admin.pool())
         .await;
-    admin.pool().close().await;
+    admin.close().await;
 }

@@ -405,15 +405,10 @@ async fn a_heartbeat_for_an_older_attempt_does_not_keep_a_newer_claim_alive() {
     assert!(db.claim(task.id, 1, "beater").await.unwrap());
     tokio::time::sleep(Duration::from_millis(400)).await;
     // Only the stale attempt is beaten: the claim of attempt 1 is not renewed.
-    let renewed = db
-        .heartbeat(&[fence(task.id, 0, "beater")])
-        .await
-        .unwrap();
+    let renewed = db.heartbeat(&[fence(task.id, 0, "beater")]).await.unwrap();
     assert_eq!(renewed, 0, "a beat for attempt 0 renewed attempt 1");
     assert_eq!(
-        db.heartbeat(&[fence(task.id, 1, "beater")])
-            .await
-            .unwrap(),
+        db.heartbeat(&[fence(task.id, 1, "beater")]).await.unwrap(),
         1
     );
 }

@@ -145,7 +145,7 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
 
     // `revoke` withdraws both: the credentials stop working.
     harness.take_worker(&worker).stop().await;
-    db.pool().close().await;
+    db.close().await;
     let revoked = harness.conveyorctl(&["revoke", "-n", &mine]);
     assert!(revoked.contains("removed"), "{revoked}");
     let gone = Db::connect(&DbOptions::new(&database_url)).unwrap();
@@ -371,7 +371,7 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
             "{refused}: {err}"
         );
     }
-    db.pool().close().await;
+    db.close().await;
     let broker_user = |url: &str| {
         let url = reqwest::Url::parse(url).unwrap();
         (
