@@ -8,6 +8,7 @@ mod db_layer;
 mod degraded_mode;
 mod example_handlers;
 mod gateway_api;
+mod grouped_writes;
 mod least_privilege;
 mod lifecycle_flows;
 mod outages;
