@@ -194,6 +194,9 @@ pg_up() {
     as_root pg_createcluster "$ver" main >/dev/null
   fi
   changed=""
+  # A quarter of the memory, at most 1 GB (a small VM must still start it).
+  local shared_buffers_mb
+  shared_buffers_mb=$(awk '/MemTotal/ {m = int($2 / 4096); print (m > 1024 ? 1024 : (m < 128 ? 128 : m))}' /proc/meminfo)
   # lz4 from PostgreSQL 15 on (cheaper than pglz); the older ones have only pglz.
   local wal_compression=on
   [ "$ver" -ge 15 ] && wal_compression=lz4
@@ -212,7 +215,7 @@ ssl_min_protocol_version = 'TLSv1.2'
 # Tuned for the task load (measured by make bench, docs/benchmarks.md); durability untouched:
 # synchronous_commit stays on and every table stays logged.
 # The hot rows (recent tasks, today's audit partition, their indexes) stay in memory.
-shared_buffers = '1GB'
+shared_buffers = '${shared_buffers_mb}MB'
 # Fewer checkpoints under a sustained write load, so fewer full-page images in the WAL.
 max_wal_size = '4GB'
 min_wal_size = '1GB'
@@ -244,7 +247,12 @@ CONF
   fi
   # After a crash the server first fsyncs its data directory, which can outlast pg_ctl's
   # one-minute wait: wait for it to take connections.
-  for _ in $(seq 1 300); do as_root runuser -u postgres -- pg_isready -q && break; sleep 1; done
+  local ready=""
+  for _ in $(seq 1 300); do
+    if as_root runuser -u postgres -- pg_isready -q; then ready=1; break; fi
+    sleep 1
+  done
+  [ -n "$ready" ] || { log "PostgreSQL $ver did not start: see /var/log/postgresql/postgresql-$ver-main.log"; exit 1; }
   local psql=(as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_roles WHERE rolname='$PG_USER'")" ]; then
     log "creating PostgreSQL role $PG_USER"
@@ -263,13 +271,14 @@ CONF
     log "creating database $PG_DATABASE"
     "${psql[@]}" -c "CREATE DATABASE $PG_DATABASE OWNER $PG_USER"
   fi
-  # Databases that test runs left behind (a kept chaos scenario, an interrupted run): not in
-  # use now, since `up` runs before any test. Hundreds of them slow every restart's fsync.
+  # Databases that test runs left behind (an interrupted run, a failed chaos scenario's kept
+  # for inspection) once a day old and unused: hundreds of them slow every restart's fsync.
   "${psql[@]}" -d postgres -c "SELECT datname FROM pg_database WHERE datname LIKE 'conveyor\_test\_%'
+      AND (pg_stat_file('base/' || oid || '/PG_VERSION')).modification < now() - interval '1 day'
       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = pg_database.datname)" |
     while read -r stale; do "${psql[@]}" -d postgres -c "DROP DATABASE IF EXISTS \"$stale\""; done
   # make bench reads statement counts here, for every database.
-  "${psql[@]}" -d postgres -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"
+  "${psql[@]}" -d postgres -c "SET client_min_messages = warning" -c "CREATE EXTENSION IF NOT EXISTS pg_stat_statements"
 }
 
 down() {

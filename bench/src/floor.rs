@@ -59,13 +59,22 @@ pub async fn broker(url: &str, messages: usize) -> anyhow::Result<f64> {
         .await?;
 
     let started = Instant::now();
+    // Each message acked on its own, as a worker does, but without waiting for one ack to
+    // be written before taking the next delivery.
     let consume = async {
+        let mut acks = FuturesUnordered::new();
         for _ in 0..messages {
             let delivery = deliveries
                 .next()
                 .await
                 .context("the floor queue's consumer ended")??;
-            delivery.acker.ack(BasicAckOptions::default()).await?;
+            acks.push(async move { delivery.acker.ack(BasicAckOptions::default()).await });
+            while acks.len() > usize::from(PREFETCH) {
+                acks.next().await.context("ack")??;
+            }
+        }
+        while let Some(ack) = acks.next().await {
+            ack?;
         }
         anyhow::Ok(())
     };
@@ -113,8 +122,11 @@ fn confirmed(
     }
 }
 
+/// Writers of the audit floor at once: the database's capacity, not one session's.
+const AUDIT_WRITERS: usize = 4;
+
 /// Rows per second of audit-shaped inserts (the audit log's columns and indexes, on a plain
-/// table), `batch` rows per statement, each statement its own commit.
+/// table), `batch` rows per statement, each statement its own commit, from a few sessions.
 pub async fn audit_inserts(pool: &PgPool, rows: usize, batch: usize) -> anyhow::Result<f64> {
     sqlx::raw_sql(
         "CREATE TABLE bench_audit (LIKE task_events INCLUDING DEFAULTS);
@@ -125,21 +137,29 @@ pub async fn audit_inserts(pool: &PgPool, rows: usize, batch: usize) -> anyhow::
     .await
     .context("create the audit floor's table")?;
     let started = Instant::now();
-    let mut written = 0;
-    while written < rows {
-        let n = batch.min(rows - written);
-        let ids: Vec<Uuid> = (0..n).map(|_| Uuid::new_v4()).collect();
-        sqlx::query(
-            "INSERT INTO bench_audit (task_id, task_type, from_state, to_state, attempt, worker_id)
-             SELECT id, 'bench', 'PROCESSING', 'COMPLETED', 0, 'bench-worker'
-             FROM unnest($1::uuid[]) AS i(id)",
-        )
-        .bind(&ids)
-        .execute(pool)
-        .await?;
-        written += n;
-    }
-    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    let per_writer = rows.div_ceil(AUDIT_WRITERS);
+    let writers = (0..AUDIT_WRITERS).map(|_| async move {
+        let mut written = 0;
+        while written < per_writer {
+            let n = batch.min(per_writer - written);
+            let ids: Vec<Uuid> = (0..n).map(|_| Uuid::now_v7()).collect();
+            sqlx::query(
+                "INSERT INTO bench_audit (task_id, task_type, from_state, to_state, attempt, worker_id)
+                 SELECT id, 'bench', 'PROCESSING', 'COMPLETED', 0, 'bench-worker'
+                 FROM unnest($1::uuid[]) AS i(id)",
+            )
+            .bind(&ids)
+            .execute(pool)
+            .await?;
+            written += n;
+        }
+        anyhow::Ok(written)
+    });
+    let written: usize = futures_util::future::try_join_all(writers)
+        .await?
+        .into_iter()
+        .sum();
+    let rate = written as f64 / started.elapsed().as_secs_f64();
     sqlx::query("DROP TABLE bench_audit").execute(pool).await?;
     Ok(rate)
 }

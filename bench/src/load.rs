@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use chrono::{DateTime, Utc};
 use conveyor_core::testing;
+use conveyor_core::TaskState;
 use serde::Deserialize;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -144,13 +145,14 @@ pub async fn fixed_rate(
     let mut sends = tokio::task::JoinSet::new();
     for i in 0..total {
         tick.tick().await;
+        // The scheduled time: a send delayed by a busy load generator counts as latency.
+        let sent = Utc::now();
         let (http, url, task_type) = (
             http.clone(),
             system.gateway_url.clone(),
             system.task_type.clone(),
         );
         sends.spawn(async move {
-            let sent = Utc::now();
             let answer = http
                 .post(format!("{url}/v1/tasks"))
                 .bearer_auth(TOKEN)
@@ -266,6 +268,9 @@ pub struct Verdict {
     pub completed_once: usize,
     pub full_chains: usize,
     pub duplicate_completions: usize,
+    /// Tasks whose chain is longer than the five states of one attempt (a re-run after a
+    /// timeout, a re-queue): allowed, at least once, and counted.
+    pub reruns: usize,
     pub completed_at: HashMap<Uuid, DateTime<Utc>>,
 }
 
@@ -298,6 +303,7 @@ pub async fn verify(pool: &PgPool, accepted: &Accepted) -> anyhow::Result<Verdic
         completed_once: 0,
         full_chains: 0,
         duplicate_completions: 0,
+        reruns: 0,
         completed_at: HashMap::new(),
     };
     for (id, state, events, at, completions) in rows {
@@ -307,14 +313,28 @@ pub async fn verify(pool: &PgPool, accepted: &Accepted) -> anyhow::Result<Verdic
         if completions > 1 {
             verdict.duplicate_completions += 1;
         }
-        if events == chain {
+        if valid_chain(&events) {
             verdict.full_chains += 1;
+        }
+        if events != chain {
+            verdict.reruns += 1;
         }
         if let Some(at) = at {
             verdict.completed_at.insert(id, at);
         }
     }
     Ok(verdict)
+}
+
+/// A whole audit chain: from INGESTED, each step an edge of the lifecycle, to COMPLETED.
+fn valid_chain(states: &[String]) -> bool {
+    let parsed: Option<Vec<TaskState>> = states.iter().map(|s| s.parse().ok()).collect();
+    let Some(parsed) = parsed else { return false };
+    parsed.first() == Some(&TaskState::Ingested)
+        && parsed.last() == Some(&TaskState::Completed)
+        && parsed
+            .windows(2)
+            .all(|w| conveyor_core::lifecycle::check(w[0], w[1]).is_ok())
 }
 
 /// Submit → COMPLETED latencies in milliseconds, sorted.

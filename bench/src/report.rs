@@ -40,6 +40,9 @@ pub struct PhaseResult {
     pub completed_once: usize,
     pub full_chains: usize,
     pub duplicate_completions: usize,
+    /// Tasks that ran more than once (allowed: at least once), with a valid longer chain.
+    #[serde(default)]
+    pub reruns: usize,
     pub seconds: f64,
     /// Tasks/s from the first submit to the last completion.
     pub overall_rate: f64,
@@ -102,6 +105,7 @@ impl Phase {
             completed_once: verdict.completed_once,
             full_chains: verdict.full_chains,
             duplicate_completions: verdict.duplicate_completions,
+            reruns: verdict.reruns,
             seconds,
             overall_rate: accepted.len() as f64 / seconds.max(f64::EPSILON),
             steady_rate: timeline.steady_rate(accepted.len() as f64),
@@ -251,15 +255,16 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
     md.push_str("```\n");
     md.push_str(&run.summary());
     md.push_str("\n```\n\n");
-    md.push_str("| phase | accepted | refused | completed once, full audit chain | steady tasks/s | ratio to floor | p50 ms | p99 ms | max ms | commits/task | statements/task | WAL bytes/task |\n");
-    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| phase | accepted | refused | completed once, full audit chain | re-runs | steady tasks/s | ratio to floor | p50 ms | p99 ms | max ms | commits/task | statements/task | WAL bytes/task |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for p in &run.phases {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {:.0} | {:.3} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.3} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {:.0} |\n",
             p.name,
             p.accepted,
             p.refused,
             p.full_chains.min(p.completed_once),
+            p.reruns,
             p.steady_rate,
             p.steady_rate / run.floor_broker,
             p.latency_ms["p50"],

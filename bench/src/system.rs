@@ -38,6 +38,9 @@ impl System {
         test_db.db.close().await;
         let task_type = testing::unique_type("bench");
         std::fs::create_dir_all(logs)?;
+        // A buffer left by an interrupted run belongs to its database, long dropped: it would
+        // start a worker degraded.
+        let _ = std::fs::remove_dir_all(logs.join("buffers"));
         let types_file = logs.join("task-types.yaml");
         // No backpressure in the way (the bench measures the path, not the limit).
         std::fs::write(

@@ -7,12 +7,23 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 struct Job<I, O> {
     input: I,
     answer: oneshot::Sender<O>,
+    queued: Instant,
+}
+
+/// Why a call got no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unanswered {
+    /// The flushers are gone (the runtime is shutting down).
+    Stopped,
+    /// It waited longer than the batcher's `max_wait` and was not run.
+    Expired(Duration),
 }
 
 /// Inputs waiting for a flusher, shared by all of them.
@@ -22,12 +33,14 @@ type Waiting<I, O> = Arc<Mutex<mpsc::Receiver<Job<I, O>>>>;
 /// last handle is dropped).
 pub struct Batcher<I, O> {
     jobs: mpsc::Sender<Job<I, O>>,
+    max_wait: Duration,
 }
 
 impl<I, O> Clone for Batcher<I, O> {
     fn clone(&self) -> Self {
         Batcher {
             jobs: self.jobs.clone(),
+            max_wait: self.max_wait,
         }
     }
 }
@@ -36,7 +49,11 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     /// Starts `flushers` tasks that each run `run` over up to `max` waiting inputs; `run`
     /// answers every input, in order. More than one flusher keeps a statement going while
     /// the next batch forms.
-    pub fn spawn<F, Fut>(flushers: usize, max: usize, run: F) -> Self
+    ///
+    /// An input that waited longer than `max_wait` for a flusher is not run (its caller
+    /// gets [`Unanswered::Expired`]): a caller whose own deadline counts the wait must be able
+    /// to rely on nothing being written for it once that deadline passed.
+    pub fn spawn<F, Fut>(flushers: usize, max: usize, max_wait: Option<Duration>, run: F) -> Self
     where
         F: Fn(Vec<I>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Vec<O>> + Send + 'static,
@@ -46,22 +63,33 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
         let waiting: Waiting<I, O> = Arc::new(Mutex::new(waiting));
         let run = Arc::new(run);
         for _ in 0..flushers.max(1) {
-            tokio::spawn(flush(waiting.clone(), max, run.clone()));
+            tokio::spawn(flush(waiting.clone(), max, max_wait, run.clone()));
         }
-        Batcher { jobs }
+        Batcher {
+            jobs,
+            max_wait: max_wait.unwrap_or(Duration::MAX),
+        }
     }
 
-    /// Runs `input` with whatever else is waiting. `None` when the flushers are gone (the
-    /// runtime is shutting down).
-    pub async fn call(&self, input: I) -> Option<O> {
+    /// Runs `input` with whatever else is waiting.
+    pub async fn call(&self, input: I) -> Result<O, Unanswered> {
         let (answer, wait) = oneshot::channel();
-        self.jobs.send(Job { input, answer }).await.ok()?;
-        wait.await.ok()
+        let job = Job {
+            input,
+            answer,
+            queued: Instant::now(),
+        };
+        self.jobs.send(job).await.map_err(|_| Unanswered::Stopped)?;
+        wait.await.map_err(|_| Unanswered::Expired(self.max_wait))
     }
 }
 
-async fn flush<I, O, F, Fut>(waiting: Waiting<I, O>, max: usize, run: Arc<F>)
-where
+async fn flush<I, O, F, Fut>(
+    waiting: Waiting<I, O>,
+    max: usize,
+    max_wait: Option<Duration>,
+    run: Arc<F>,
+) where
     F: Fn(Vec<I>) -> Fut,
     Fut: Future<Output = Vec<O>>,
 {
@@ -80,11 +108,13 @@ where
             }
             jobs
         };
-        // A caller that gave up (its call timed out) is not written for: its write must not
-        // land behind its back.
+        // A caller that gave up (its call timed out), or that waited too long to still be
+        // sure of its deadline, is not written for: its write must not land behind its back.
+        // Dropping its answer tells it so.
+        let fresh = |job: &Job<I, O>| max_wait.is_none_or(|wait| job.queued.elapsed() <= wait);
         let (inputs, answers): (Vec<I>, Vec<oneshot::Sender<O>>) = jobs
             .into_iter()
-            .filter(|job| !job.answer.is_closed())
+            .filter(|job| !job.answer.is_closed() && fresh(job))
             .map(|job| (job.input, job.answer))
             .unzip();
         if inputs.is_empty() {
@@ -105,7 +135,7 @@ mod tests {
     async fn callers_waiting_together_share_a_run_and_get_their_own_answers() {
         let runs = Arc::new(std::sync::Mutex::new(Vec::new()));
         let seen = runs.clone();
-        let batcher = Batcher::spawn(1, 100, move |inputs: Vec<u32>| {
+        let batcher = Batcher::spawn(1, 100, None, move |inputs: Vec<u32>| {
             let seen = seen.clone();
             async move {
                 seen.lock().expect("lock").push(inputs.len());
@@ -121,7 +151,7 @@ mod tests {
         let answers = futures_util::future::join_all(calls).await;
         assert_eq!(
             answers,
-            (0..20).map(|i| Some(i * 10)).collect::<Vec<_>>(),
+            (0..20).map(|i| Ok(i * 10)).collect::<Vec<_>>(),
             "each caller gets the answer to its own input"
         );
         let runs = runs.lock().expect("lock").clone();
@@ -138,7 +168,7 @@ mod tests {
         let seen = ran.clone();
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let wait = gate.clone();
-        let batcher = Batcher::spawn(1, 100, move |inputs: Vec<u32>| {
+        let batcher = Batcher::spawn(1, 100, None, move |inputs: Vec<u32>| {
             let (seen, wait) = (seen.clone(), wait.clone());
             async move {
                 seen.lock().expect("lock").extend(inputs.iter().copied());
@@ -159,8 +189,32 @@ mod tests {
             tokio::time::timeout(std::time::Duration::from_millis(50), batcher.call(2)).await;
         assert!(abandoned.is_err());
         gate.add_permits(1);
-        assert_eq!(first.await.expect("join"), Some(1));
-        assert_eq!(batcher.call(3).await, Some(3));
+        assert_eq!(first.await.expect("join"), Ok(1));
+        assert_eq!(batcher.call(3).await, Ok(3));
         assert_eq!(*ran.lock().expect("lock"), vec![1, 3]);
+    }
+
+    #[tokio::test]
+    async fn an_input_that_waited_past_the_limit_is_not_run() {
+        let ran = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = ran.clone();
+        let limit = std::time::Duration::from_millis(20);
+        let batcher = Batcher::spawn(1, 100, Some(limit), move |inputs: Vec<u32>| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().expect("lock").extend(inputs.iter().copied());
+                // Longer than the limit: whatever queues behind this run expires.
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                inputs
+            }
+        });
+        let first = tokio::spawn({
+            let batcher = batcher.clone();
+            async move { batcher.call(1).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        assert_eq!(batcher.call(2).await, Err(Unanswered::Expired(limit)));
+        assert_eq!(first.await.expect("join"), Ok(1));
+        assert_eq!(*ran.lock().expect("lock"), vec![1]);
     }
 }

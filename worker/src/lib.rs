@@ -123,7 +123,10 @@ pub async fn run(
     ));
     let recorder = Recorder {
         db: db.clone(),
-        writes: db.owner_writes(&config.worker_id),
+        // The breaker times each call at db_call_timeout and the server's statement timeout
+        // is 0.8 of it: a claim or completion that waited longer than the rest for its
+        // statement is not run, so that none commits after its call timed out.
+        writes: db.owner_writes(&config.worker_id, Some(config.db_call_timeout.mul_f64(0.2))),
         publisher: publisher.clone(),
         breaker: breaker.clone(),
         buffer,

@@ -8,13 +8,14 @@
 //! only that caller.
 
 use std::future::Future;
+use std::time::Duration;
 
 use uuid::Uuid;
 
 use super::claims::{Claim, Completion};
 use super::ingest::Recorded;
 use super::{Db, DbError, DbResult};
-use crate::batch::Batcher;
+use crate::batch::{Batcher, Unanswered};
 use crate::task::NewTask;
 
 /// Flushers per statement: one runs while the next batch forms.
@@ -40,9 +41,14 @@ pub struct IngestWrites {
 
 impl Db {
     /// Group-committed claims (as `worker`) and completions. Needs a Tokio runtime.
-    pub fn owner_writes(&self, worker: &str) -> OwnerWrites {
+    ///
+    /// `max_wait`: how long a claim or completion may wait for its statement before it is
+    /// not run at all. A caller that times its calls (the worker's breaker) and relies on
+    /// the server's statement timeout to keep a timed-out call from committing later sets it
+    /// to the difference between the two.
+    pub fn owner_writes(&self, worker: &str, max_wait: Option<Duration>) -> OwnerWrites {
         let (db, worker) = (self.clone(), worker.to_owned());
-        let claims = Batcher::spawn(FLUSHERS, MAX_TASKS, move |claims: Vec<Claim>| {
+        let claims = Batcher::spawn(FLUSHERS, MAX_TASKS, max_wait, move |claims: Vec<Claim>| {
             let (db, worker) = (db.clone(), worker.clone());
             each_or_alone(claims, move |batch| {
                 let (db, worker) = (db.clone(), worker.clone());
@@ -50,13 +56,18 @@ impl Db {
             })
         });
         let db = self.clone();
-        let completions = Batcher::spawn(FLUSHERS, MAX_TASKS, move |done: Vec<Completion>| {
-            let db = db.clone();
-            each_or_alone(done, move |batch| {
+        let completions = Batcher::spawn(
+            FLUSHERS,
+            MAX_TASKS,
+            max_wait,
+            move |done: Vec<Completion>| {
                 let db = db.clone();
-                async move { db.complete_all(&batch).await }
-            })
-        });
+                each_or_alone(done, move |batch| {
+                    let db = db.clone();
+                    async move { db.complete_all(&batch).await }
+                })
+            },
+        );
         OwnerWrites {
             claims,
             completions,
@@ -66,9 +77,11 @@ impl Db {
     /// Group-committed inserts and QUEUED updates of submitted tasks. Needs a Tokio runtime.
     pub fn ingest_writes(&self) -> IngestWrites {
         let db = self.clone();
+        // No wait limit: a submission runs to its end even if its client hung up.
         let records = Batcher::spawn(
             FLUSHERS,
             MAX_REQUESTS,
+            None,
             move |requests: Vec<Vec<NewTask>>| {
                 let db = db.clone();
                 each_or_alone(requests, move |batch| {
@@ -78,17 +91,22 @@ impl Db {
             },
         );
         let db = self.clone();
-        let queued = Batcher::spawn(FLUSHERS, MAX_REQUESTS, move |requests: Vec<Vec<Uuid>>| {
-            let db = db.clone();
-            each_or_alone(requests, move |batch| {
+        let queued = Batcher::spawn(
+            FLUSHERS,
+            MAX_REQUESTS,
+            None,
+            move |requests: Vec<Vec<Uuid>>| {
                 let db = db.clone();
-                async move {
-                    let n = batch.len();
-                    db.mark_queued(&batch.concat()).await?;
-                    Ok(vec![(); n])
-                }
-            })
-        });
+                each_or_alone(requests, move |batch| {
+                    let db = db.clone();
+                    async move {
+                        let n = batch.len();
+                        db.mark_queued(&batch.concat()).await?;
+                        Ok(vec![(); n])
+                    }
+                })
+            },
+        );
         IngestWrites { records, queued }
     }
 }
@@ -105,37 +123,42 @@ async fn record_requests(db: &Db, requests: Vec<Vec<NewTask>>) -> DbResult<Vec<V
 
 impl OwnerWrites {
     pub async fn claim(&self, claim: Claim) -> DbResult<bool> {
-        self.claims
-            .call(claim)
-            .await
-            .unwrap_or(Err(DbError::Stopped))
+        self.claims.call(claim).await.unwrap_or_else(unanswered)
     }
 
     pub async fn complete(&self, completion: Completion) -> DbResult<bool> {
         self.completions
             .call(completion)
             .await
-            .unwrap_or(Err(DbError::Stopped))
+            .unwrap_or_else(unanswered)
     }
 }
 
 impl IngestWrites {
     /// [`Db::record_tasks`], sharing the statement with concurrent requests.
     pub async fn record(&self, tasks: Vec<NewTask>) -> DbResult<Vec<Recorded>> {
-        self.records
-            .call(tasks)
-            .await
-            .unwrap_or(Err(DbError::Stopped))
+        self.records.call(tasks).await.unwrap_or_else(unanswered)
     }
 
     /// [`Db::mark_queued`], sharing the statement with concurrent requests.
     pub async fn mark_queued(&self, ids: Vec<Uuid>) -> DbResult<()> {
-        self.queued.call(ids).await.unwrap_or(Err(DbError::Stopped))
+        self.queued.call(ids).await.unwrap_or_else(unanswered)
     }
 }
 
+fn unanswered<T>(why: Unanswered) -> DbResult<T> {
+    Err(match why {
+        Unanswered::Stopped => DbError::Stopped,
+        // Not run: nothing was written, as after a statement the server gave up on.
+        Unanswered::Expired(waited) => DbError::TimedOut(waited),
+    })
+}
+
 /// Runs `run` over all `inputs` in one go; if that fails for a reason other than
-/// unavailability, over each input alone.
+/// unavailability, over each input alone. Unavailable, every caller gets the error (and a
+/// worker's breaker counts it once per caller: one failed statement of three or more
+/// deliveries opens it, and its recovery closes it again after a ping). It is not tried
+/// again here: a second statement could commit after its callers' deadlines.
 async fn each_or_alone<I, O, F, Fut>(inputs: Vec<I>, run: F) -> Vec<DbResult<O>>
 where
     I: Clone,
@@ -143,9 +166,16 @@ where
     Fut: Future<Output = DbResult<Vec<O>>>,
 {
     let n = inputs.len();
-    let err = match run(inputs.clone()).await {
-        Ok(outputs) if outputs.len() == n => return outputs.into_iter().map(Ok).collect(),
-        Ok(outputs) => DbError::Corrupt(format!("{} answers to {n} inputs", outputs.len())),
+    let all = |outputs: DbResult<Vec<O>>| match outputs {
+        Ok(outputs) if outputs.len() == n => Ok(outputs),
+        Ok(outputs) => Err(DbError::Corrupt(format!(
+            "{} answers to {n} inputs",
+            outputs.len()
+        ))),
+        Err(err) => Err(err),
+    };
+    let err = match all(run(inputs.clone()).await) {
+        Ok(outputs) => return outputs.into_iter().map(Ok).collect(),
         Err(err) => err,
     };
     if n == 1 {

@@ -204,7 +204,7 @@ impl Db {
         .await?;
         let Some(row) = row else { return Ok(None) };
         let task = task_from_row(&row)?;
-        let (message, retries) = advance(&mut tx, &task, Queued, back.budget, None).await?;
+        let (message, retries) = advance(&mut tx, &task, Next::queued(back.budget)).await?;
         append_events(
             &mut tx,
             &[EventRow {
@@ -306,7 +306,12 @@ async fn requeue(
         Requeue::Remediation => DeadLetter,
     };
     let error = (edge.1 == Failed).then_some(detail);
-    let (message, retries) = advance(tx, task, target, budget, error).await?;
+    let next = Next {
+        target,
+        budget,
+        error,
+    };
+    let (message, retries) = advance(tx, task, next).await?;
     let next_detail = match route {
         Requeue::Main => "re-enqueued".to_owned(),
         Requeue::Retry => format!("retry {retries} after backoff"),
@@ -336,15 +341,37 @@ async fn requeue(
     })
 }
 
+/// Where a locked task goes next: its new state, what becomes of its retries, and the
+/// error to keep (a failed attempt's).
+pub(super) struct Next<'a> {
+    pub target: TaskState,
+    pub budget: RetryBudget,
+    pub error: Option<&'a str>,
+}
+
+impl Next<'_> {
+    /// Back to QUEUED without an error.
+    pub fn queued(budget: RetryBudget) -> Self {
+        Next {
+            target: Queued,
+            budget,
+            error: None,
+        }
+    }
+}
+
 /// Writes the new state of a locked task; returns the message that must carry it and the
 /// retries consumed.
 pub(super) async fn advance(
     tx: &mut Transaction<'static, Postgres>,
     task: &TaskRecord,
-    target: TaskState,
-    budget: RetryBudget,
-    error: Option<&str>,
+    next: Next<'_>,
 ) -> DbResult<(TaskMessage, i32)> {
+    let Next {
+        target,
+        budget,
+        error,
+    } = next;
     // Every return to QUEUED starts a new epoch, so older messages and owners are fenced.
     let attempt = if target == Queued {
         task.attempt + 1

@@ -8,7 +8,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::audit::{append_events, EventRow};
-use super::requeue::{advance, BackToWork, RetryBudget};
+use super::requeue::{advance, BackToWork, Next, RetryBudget};
 use super::rows::{task_from_row, TASK_COLUMNS};
 use super::{Db, DbResult, PendingRequeue, Requeued};
 use crate::lifecycle::TaskState::*;
@@ -165,7 +165,7 @@ impl Db {
             let sent: DateTime<Utc> = row.try_get("probe_sent_at")?;
             let seen: DateTime<Utc> = row.try_get("probe_seen_at")?;
             let (message, retries) =
-                advance(&mut tx, &task, Queued, RetryBudget::Keep, None).await?;
+                advance(&mut tx, &task, Next::queued(RetryBudget::Keep)).await?;
             events.push(EventRow {
                 task_id: task.id,
                 task_type: task.task_type.clone(),

@@ -146,7 +146,7 @@ async fn replaying_an_outcome_twice_writes_and_publishes_it_once() {
     let dir = std::env::temp_dir().join(format!("conveyor-replay-{}", Uuid::new_v4()));
     let recorder = Recorder {
         db: harness.db.clone(),
-        writes: harness.db.owner_writes("replayer"),
+        writes: harness.db.owner_writes("replayer", None),
         publisher: Arc::new(harness.publisher()),
         breaker: Arc::new(Breaker::new(false, Duration::from_secs(2), metrics.clone())),
         buffer: Buffer::open(&dir.join("replayer.jsonl"), 1 << 20).unwrap(),
@@ -231,7 +231,7 @@ async fn an_outcome_the_database_always_refuses_does_not_wedge_the_replay() {
     let dir = std::env::temp_dir().join(format!("conveyor-refused-{}", Uuid::new_v4()));
     let recorder = Recorder {
         db: harness.db.clone(),
-        writes: harness.db.owner_writes("replayer"),
+        writes: harness.db.owner_writes("replayer", None),
         publisher: Arc::new(harness.publisher()),
         breaker: Arc::new(Breaker::new(false, Duration::from_secs(2), metrics.clone())),
         buffer: Buffer::open(&dir.join("replayer.jsonl"), 1 << 20).unwrap(),

@@ -126,7 +126,7 @@ async fn a_refused_result_fails_only_its_own_completion() {
         .unwrap()
         .into_iter()
         .all(|w| w));
-    let writes = db.owner_writes("w");
+    let writes = db.owner_writes("w", None);
     let calls = ids.iter().enumerate().map(|(i, &id)| {
         let writes = writes.clone();
         let mut completion = done(id, "w");
