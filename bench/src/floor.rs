@@ -22,6 +22,8 @@ use uuid::Uuid;
 const CONFIRM_WINDOW: usize = 1000;
 /// The consumer's prefetch.
 const PREFETCH: u16 = 500;
+/// Acks written at once by the floor's consumer.
+const ACKS_IN_FLIGHT: usize = 64;
 /// A message about the size of a task message.
 const BODY_BYTES: usize = 320;
 
@@ -69,7 +71,9 @@ pub async fn broker(url: &str, messages: usize) -> anyhow::Result<f64> {
                 .await
                 .context("the floor queue's consumer ended")??;
             acks.push(async move { delivery.acker.ack(BasicAckOptions::default()).await });
-            while acks.len() > usize::from(PREFETCH) {
+            // Well inside the prefetch: acks are sent as this set is polled, and the broker
+            // stops delivering at the prefetch until they are.
+            while acks.len() >= ACKS_IN_FLIGHT {
                 acks.next().await.context("ack")??;
             }
         }

@@ -95,7 +95,11 @@ async fn main() -> anyhow::Result<()> {
     let admin = Db::connect(&DbOptions::new(testing::admin_database_url()))?;
 
     eprintln!("bench: raw broker floor ({} messages)", args.floor_messages);
-    run.floor_broker = floor::broker(&testing::amqp_url(), args.floor_messages).await?;
+    let amqp_url = testing::amqp_url();
+    let floor = floor::broker(&amqp_url, args.floor_messages);
+    run.floor_broker = tokio::time::timeout(Duration::from_secs(300), floor)
+        .await
+        .context("the broker floor took over 5 minutes")??;
     eprintln!("bench: {:.0} msg/s", run.floor_broker);
 
     let settings = Settings {

@@ -6,7 +6,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use conveyor_core::testing::{self, binary, free_port, TestDatabase};
+use conveyor_core::db::{Db, DbOptions};
+use conveyor_core::testing::{self, binary, free_port};
 use tokio::process::{Child, Command};
 
 use crate::usage::Processes;
@@ -34,8 +35,15 @@ pub struct System {
 
 impl System {
     pub async fn start(settings: &Settings, logs: &Path) -> anyhow::Result<System> {
-        let test_db = TestDatabase::create().await;
-        test_db.db.close().await;
+        // Empty: the gateway measured migrates it, so an older build gets its own schema.
+        let name = format!("conveyor_test_{}", uuid::Uuid::new_v4().simple());
+        let admin = Db::connect(&DbOptions::new(testing::admin_database_url()))?;
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(admin.pool())
+            .await
+            .context("create the bench database (is `scripts/services.sh up` done?)")?;
+        admin.close().await;
+        let db_url = testing::with_database(&testing::admin_database_url(), &name);
         let task_type = testing::unique_type("bench");
         std::fs::create_dir_all(logs)?;
         // A buffer left by an interrupted run belongs to its database, long dropped: it would
@@ -61,7 +69,7 @@ impl System {
             .args(["--tokens", &format!("bench={TOKEN}")])
             .args(["--client-rate", "10000000", "--client-burst", "10000000"])
             .args(["--client-max-in-flight", "1024"])
-            .env("CONVEYOR_DATABASE_URL", &test_db.url)
+            .env("CONVEYOR_DATABASE_URL", &db_url)
             .env("CONVEYOR_AMQP_URL", testing::amqp_url())
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
@@ -85,7 +93,7 @@ impl System {
                 .args(["--metrics-listen", &metrics])
                 .arg("--buffer-dir")
                 .arg(logs.join("buffers"))
-                .env("CONVEYOR_DATABASE_URL", &test_db.url)
+                .env("CONVEYOR_DATABASE_URL", &db_url)
                 .env("CONVEYOR_AMQP_URL", testing::amqp_url())
                 .env("RUST_LOG", "warn")
                 .stdin(Stdio::null())
@@ -101,8 +109,8 @@ impl System {
         Ok(System {
             task_type,
             gateway_url: format!("http://127.0.0.1:{port}"),
-            database: test_db.name,
-            db_url: test_db.url,
+            database: name,
+            db_url,
             worker_metrics,
             gateway,
             workers,

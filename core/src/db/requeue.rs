@@ -107,20 +107,21 @@ impl Db {
             limit,
         } = *reap;
         let mut tx = self.pool.begin().await?;
+        // The owned states are written into the statement, not bound: a generic plan must
+        // still see that they match the partial index tasks_owned (migration 10).
+        let owned = owned_states();
         let rows = sqlx::query(&format!(
             "SELECT {TASK_COLUMNS}, heartbeat_at,
                  (SELECT count(*) FROM tasks o
-                  WHERE o.owner = tasks.owner AND o.state IN ($2, $3)) AS in_flight_beside
+                  WHERE o.owner = tasks.owner AND o.state IN ({owned})) AS in_flight_beside
              FROM tasks
-             WHERE task_type = $1 AND state IN ($2, $3)
-               AND heartbeat_at < now() - make_interval(secs => $4)
+             WHERE task_type = $1 AND state IN ({owned})
+               AND heartbeat_at < now() - make_interval(secs => $2)
              ORDER BY heartbeat_at
-             LIMIT $5
+             LIMIT $3
              FOR UPDATE SKIP LOCKED"
         ))
         .bind(task_type)
-        .bind(Claimed.as_str())
-        .bind(Processing.as_str())
         .bind(timeout.as_secs_f64())
         .bind(limit)
         .fetch_all(&mut *tx)
@@ -398,4 +399,20 @@ pub(super) async fn advance(
     let mut message = task.message();
     message.attempt = attempt;
     Ok((message, retries))
+}
+
+/// States as SQL literals, for a statement whose plan must match a partial index's
+/// predicate (a bound parameter cannot prove it in a generic plan). Our own state names,
+/// never input.
+pub(super) fn state_literals(states: &[TaskState]) -> String {
+    states
+        .iter()
+        .map(|s| format!("'{}'", s.as_str()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The states of an owned task: tasks_owned's predicate.
+fn owned_states() -> String {
+    state_literals(&[Claimed, Processing])
 }

@@ -8,7 +8,7 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use super::audit::{append_events, EventRow};
-use super::requeue::{advance, BackToWork, Next, RetryBudget};
+use super::requeue::{advance, state_literals, BackToWork, Next, RetryBudget};
 use super::rows::{task_from_row, TASK_COLUMNS};
 use super::{Db, DbResult, PendingRequeue, Requeued};
 use crate::lifecycle::TaskState::*;
@@ -56,24 +56,23 @@ impl Db {
         policy: &ProbePolicy,
     ) -> DbResult<Option<Uuid>> {
         let id = Uuid::new_v4();
-        let row = sqlx::query(
+        let waiting = waiting_states();
+        let row = sqlx::query(&format!(
             "INSERT INTO queue_probes (id, task_type)
              SELECT $1, $2
              WHERE EXISTS (
-                     SELECT 1 FROM tasks WHERE task_type = $2 AND state IN ($3, $4)
-                       AND updated_at < now() - make_interval(secs => $5))
+                     SELECT 1 FROM tasks WHERE task_type = $2 AND state IN ({waiting})
+                       AND updated_at < now() - make_interval(secs => $3))
                AND NOT EXISTS (
                      SELECT 1 FROM queue_probes p WHERE p.task_type = $2
-                       AND p.sent_at > now() - make_interval(secs => $6))
+                       AND p.sent_at > now() - make_interval(secs => $4))
                AND (SELECT count(*) FROM queue_probes p WHERE p.task_type = $2
                        AND p.seen_at IS NULL
-                       AND p.sent_at > now() - make_interval(secs => $7)) < $8
-             RETURNING id",
-        )
+                       AND p.sent_at > now() - make_interval(secs => $5)) < $6
+             RETURNING id"
+        ))
         .bind(id)
         .bind(task_type)
-        .bind(Ingested.as_str())
-        .bind(Queued.as_str())
         .bind(policy.min_wait.as_secs_f64())
         .bind(policy.interval.as_secs_f64())
         .bind(policy.timeout.as_secs_f64())
@@ -128,26 +127,25 @@ impl Db {
         limit: i64,
     ) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool().begin().await?;
+        let waiting = waiting_states();
         let rows = sqlx::query(&format!(
             "WITH probe AS (
                  SELECT id AS probe_id, sent_at AS probe_sent_at, seen_at AS probe_seen_at
                  FROM queue_probes
-                 WHERE task_type = $1 AND seen_at < now() - make_interval(secs => $4)
+                 WHERE task_type = $1 AND seen_at < now() - make_interval(secs => $2)
                  ORDER BY sent_at DESC LIMIT 1
              )
              SELECT {TASK_COLUMNS}, probe_id, probe_sent_at, probe_seen_at
              FROM tasks, probe
-             WHERE tasks.task_type = $1 AND tasks.state IN ($2, $3)
+             WHERE tasks.task_type = $1 AND tasks.state IN ({waiting})
                AND tasks.updated_at + CASE WHEN tasks.attempt > 0
-                       THEN make_interval(secs => $6) ELSE interval '0' END
-                   < probe_sent_at - make_interval(secs => $5)
+                       THEN make_interval(secs => $4) ELSE interval '0' END
+                   < probe_sent_at - make_interval(secs => $3)
              ORDER BY tasks.updated_at
-             LIMIT $7
+             LIMIT $5
              FOR UPDATE OF tasks SKIP LOCKED"
         ))
         .bind(task_type)
-        .bind(Ingested.as_str())
-        .bind(Queued.as_str())
         .bind(rule.grace.as_secs_f64())
         .bind(rule.margin.as_secs_f64())
         .bind(rule.retry_delay_cap.as_secs_f64())
@@ -209,4 +207,10 @@ impl Db {
         };
         self.begin_back_to_work(id, attempt, back).await
     }
+}
+
+/// The states of a waiting task, as literals: tasks_waiting's predicate, which a generic
+/// plan can match only when it is written into the statement.
+fn waiting_states() -> String {
+    state_literals(&[Ingested, Queued])
 }
