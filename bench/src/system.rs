@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use conveyor_core::db::{Db, DbOptions};
-use conveyor_core::testing::{self, binary, free_port};
+use conveyor_core::testing::{self, binary, free_port, log_file};
 use tokio::process::{Child, Command};
 
 use crate::usage::Processes;
@@ -149,13 +149,6 @@ async fn wait_ready(admin: &str, logs: &Path) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     anyhow::bail!("{admin} did not become ready; see {}", logs.display())
-}
-
-fn log_file(dir: &Path, name: &str) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join(format!("{name}.log")))
 }
 
 /// Where the binaries measured are by default: beside this one.

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Context as _;
+use conveyor_core::testing::proc_status_mib;
 use serde::Serialize;
 use sqlx::PgPool;
 
@@ -114,19 +115,6 @@ impl Processes {
     }
 }
 
-fn peak_rss(pid: u32) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
-}
-
 /// PostgreSQL's counters for one database (WAL is the whole cluster's: the bench runs on a
 /// quiet machine).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -215,4 +203,9 @@ pub async fn statement_costs(admin: &PgPool, database: &str) -> Vec<StatementCos
             },
         )
         .collect()
+}
+
+/// Peak resident memory (VmHWM), in MiB.
+fn peak_rss(pid: u32) -> Option<f64> {
+    proc_status_mib(pid, "VmHWM")
 }

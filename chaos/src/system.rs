@@ -10,7 +10,7 @@ use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::policies::task_type_policies;
 use conveyor_core::task_type::load_task_types;
-use conveyor_core::testing::{self, binary, free_port, proxy::Proxy, TestDatabase};
+use conveyor_core::testing::{self, binary, free_port, log_file, proxy::Proxy, TestDatabase};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
@@ -396,11 +396,4 @@ fn amqp_url(proxy: Option<&Proxy>) -> String {
         Some(proxy) => testing::via_port(&testing::amqp_url(), BROKER, proxy.port),
         None => testing::amqp_url(),
     }
-}
-
-fn log_file(dir: &Path, name: &str) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join(format!("{name}.log")))
 }

@@ -4,7 +4,7 @@
 
 use std::collections::HashMap;
 
-use conveyor_core::testing::{metric_sum, metrics_page};
+use conveyor_core::testing::{metric_sum, metrics_page, proc_status_mib};
 
 use crate::system::System;
 
@@ -43,7 +43,7 @@ impl Telemetry {
     pub async fn sample(&mut self, system: &System, http: &reqwest::Client) {
         let mut buffered = 0.0;
         for (_, pid, listen) in system.running_workers() {
-            if let Some(rss) = rss_mib(pid) {
+            if let Some(rss) = proc_status_mib(pid, "VmRSS") {
                 self.worker_rss_max_mib = self.worker_rss_max_mib.max(rss);
             }
             let Some(text) = metrics_page(http, listen).await else {
@@ -78,20 +78,6 @@ pub async fn buffered(http: &reqwest::Client, listen: &str) -> f64 {
     }
 }
 
-/// VmRSS of a process, in MiB.
-fn rss_mib(pid: u32) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,6 +95,6 @@ mod tests {
 
     #[test]
     fn reads_this_process_rss() {
-        assert!(rss_mib(std::process::id()).is_some_and(|mib| mib > 0.0));
+        assert!(proc_status_mib(std::process::id(), "VmRSS").is_some_and(|mib| mib > 0.0));
     }
 }

@@ -237,3 +237,25 @@ pub async fn drop_database(name: &str) {
         .await;
     admin.close().await;
 }
+
+/// A memory field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`: kB there), in MiB.
+pub fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
+}
+
+/// A process's log file `<dir>/<name>.log`, appended to across its restarts.
+pub fn log_file(dir: &std::path::Path, name: &str) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))
+}
