@@ -310,7 +310,7 @@ pub fn degraded_failures(scenario: Scenario, system: &System, t: &Telemetry) -> 
             failures.push("no worker's breaker half-opened".to_owned());
         }
         // A degraded worker takes no new work, so it buffers at most what it was running.
-        let bound = system.worker_count() as u64 * u64::from(Options::default().concurrency);
+        let bound = system.capacity() as u64;
         if t.buffered_max > bound {
             failures.push(format!(
                 "{} outcomes buffered, past {bound}",

@@ -68,6 +68,14 @@ impl Target {
         }
     }
 
+    /// The most tasks the workers can own at once (every slot of every worker).
+    fn capacity(&self) -> usize {
+        match self {
+            Target::Processes(system) => system.capacity(),
+            Target::Cluster(_) => 0,
+        }
+    }
+
     async fn sample(&self, observer: &mut Observer) {
         match self {
             Target::Processes(system) => observer.sample_system(system).await,
@@ -172,7 +180,15 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     )
     .await?;
     verdict.recovery_seconds = observer.recovery(fault, healed);
-    verdict.rerun_bound = scenario.rounds().map(|rounds| peak * rounds);
+    // A fault that keeps the workers from heartbeating past the timeout lets the reapers take
+    // back every task they own, whether running or finished and buffered; the in-flight peak
+    // sees only the running ones.
+    let caught = if scenario.silences_heartbeats() {
+        peak.max(target.capacity())
+    } else {
+        peak
+    };
+    verdict.rerun_bound = scenario.rounds().map(|rounds| caught * rounds);
     let telemetry = observer.telemetry.clone();
     let mut failures = verdict.failures();
     failures.extend(fault_failures);

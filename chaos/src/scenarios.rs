@@ -228,6 +228,12 @@ impl Scenario {
     /// times the effects under way in the fault window. `None` where a fault recurs for as
     /// long as it lasts (poison, resets at every COMMIT, a slow link), or where a crash
     /// restart's back-off makes the count vary.
+    /// Whether the fault keeps every worker's heartbeats from the database past the
+    /// heartbeat timeout while the gateway's reaper still reaches it.
+    pub fn silences_heartbeats(self) -> bool {
+        self == Scenario::WorkerKillDegraded
+    }
+
     pub fn rounds(self) -> Option<usize> {
         match self {
             Scenario::WorkerKill | Scenario::PodDelete => Some(3),

@@ -325,6 +325,11 @@ impl System {
         self.workers.len()
     }
 
+    /// The most tasks the workers can own at once: every slot of every worker.
+    pub fn capacity(&self) -> usize {
+        self.worker_count() * usize::from(self.options.concurrency)
+    }
+
     /// The running workers: index, process id and /metrics address.
     pub fn running_workers(&self) -> Vec<(usize, u32, &str)> {
         self.workers
