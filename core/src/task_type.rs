@@ -178,8 +178,30 @@ impl NamedTaskType {
         Ok(())
     }
 
-    /// Rejects settings no task could run under (the CRD schema says the same to kubectl).
+    /// Rejects settings no task could run under (the CRD schema says the same to kubectl)
+    /// and a payload schema that does not compile.
     pub fn validate(&self) -> Result<(), String> {
+        self.compile().map(drop)
+    }
+
+    /// Validates the type and compiles its payload schema (`None`: any JSON object).
+    /// `pattern`s run on the `regex` engine, which matches in time linear in the input: a
+    /// catastrophic-backtracking pattern cannot stall a gateway's threads (a pattern that
+    /// needs backtracking, a look-around or a back-reference is refused with the type).
+    pub fn compile(&self) -> Result<Option<jsonschema::Validator>, String> {
+        self.check_settings()?;
+        self.schema
+            .as_ref()
+            .map(|schema| {
+                jsonschema::options()
+                    .with_pattern_options(jsonschema::PatternOptions::regex())
+                    .build(schema)
+                    .map_err(|e| format!("{}: invalid payload schema: {e}", self.name))
+            })
+            .transpose()
+    }
+
+    fn check_settings(&self) -> Result<(), String> {
         self.validate_name()?;
         let positive = [
             ("timeoutSeconds", self.timeout_seconds),

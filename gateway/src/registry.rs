@@ -28,7 +28,7 @@ fn entry(spec: &NamedTaskType) -> (String, String) {
 }
 
 impl Registry {
-    /// All types must be valid (a file with a broken schema is a start-up error).
+    /// All types must be valid (a file with a broken type or schema is a start-up error).
     pub fn from_file(types: &TaskTypes) -> Result<Registry, String> {
         let mut known = HashMap::new();
         for spec in types.values() {
@@ -55,7 +55,7 @@ impl Registry {
     pub fn replace(&self, types: Vec<NamedTaskType>) {
         let mut known = HashMap::new();
         for spec in types {
-            match spec.validate().and_then(|()| compile(&spec)) {
+            match compile(&spec) {
                 Ok(k) => {
                     known.insert(entry(&spec), k);
                 }
@@ -74,24 +74,11 @@ pub async fn list_cluster_types(client: &kube::Client) -> Result<Vec<NamedTaskTy
     Ok(list.items.iter().map(NamedTaskType::from).collect())
 }
 
-/// Compiles the payload schema. `pattern`s run on the `regex` engine, which matches in time
-/// linear in the input: a catastrophic-backtracking pattern cannot stall the gateway's
-/// threads (a pattern that needs backtracking, a look-around or a back-reference, is refused
-/// with the TaskType).
+/// Validates a type and compiles its payload schema (see [`NamedTaskType::compile`]).
 fn compile(spec: &NamedTaskType) -> Result<KnownType, String> {
-    let validator = spec
-        .schema
-        .as_ref()
-        .map(|schema| {
-            jsonschema::options()
-                .with_pattern_options(jsonschema::PatternOptions::regex())
-                .build(schema)
-                .map_err(|e| format!("task type {}: invalid payload schema: {e}", spec.name))
-        })
-        .transpose()?;
     Ok(KnownType {
         spec: spec.clone(),
-        validator,
+        validator: spec.compile()?,
     })
 }
 

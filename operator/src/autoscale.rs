@@ -2,10 +2,13 @@
 //!
 //! Desired workers come from the work waiting and running (ready + in-flight) divided by the
 //! pool's `targetBacklogPerReplica`, raised if the measured processing rate says the ready
-//! backlog would take longer than [`DRAIN_TARGET`] to clear. Scale-up applies at once;
-//! scale-down only once every recommendation over the stabilization window was lower (as
-//! the HPA does), and never to zero while anything is in flight or waiting. Each decision
-//! carries the sentence that explains it, for the Event and the condition message.
+//! backlog would take longer than [`DRAIN_TARGET`] to clear. Scale-up applies at once, at
+//! most doubling (or +[`SCALE_UP_STEP`]) per decision, since every worker opens database
+//! connections; scale-down only once every recommendation over the stabilization window was
+//! lower (as the HPA does, whose window starts with the current count, so a restarted
+//! operator does not shrink a busy pool), and never to zero while anything is in flight or
+//! waiting. Without queue statistics the pool holds within its bounds ([`hold`]). Each
+//! decision carries the sentence that explains it, for the Event and the condition message.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -14,6 +17,8 @@ use conveyor_core::crd::worker_pool::Autoscaling;
 
 /// How long a ready backlog may take to drain at the measured rate before we add workers.
 pub const DRAIN_TARGET: Duration = Duration::from_secs(60);
+/// Workers one decision may add beyond doubling the pool (the HPA's default policy).
+pub const SCALE_UP_STEP: i32 = 4;
 
 /// What the operator saw of a pool and its queues.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,6 +51,14 @@ pub struct History {
 }
 
 impl History {
+    /// The recommendations start with the current count (as the HPA seeds its window): a
+    /// restarted or newly elected operator has no memory of why the pool is this big.
+    fn seed(&mut self, now: f64, current: i32) {
+        if self.recommendations.is_empty() {
+            self.recommendations.push_back((now, current));
+        }
+    }
+
     fn record(&mut self, now: f64, replicas: i32, window: f64) {
         self.recommendations.push_back((now, replicas));
         while self
@@ -117,10 +130,21 @@ pub fn desired_replicas(
     let recommendation = if keeps_one { bounded.max(1) } else { bounded };
 
     let window = f64::from(policy.scale_down_stabilization_seconds);
-    history.record(now, recommendation, window);
     let current = seen.current_replicas;
+    if window > 0.0 {
+        history.seed(now, current);
+    }
+    history.record(now, recommendation, window);
     let replicas = if recommendation >= current {
-        recommendation
+        let limit = current
+            .saturating_mul(2)
+            .max(current.saturating_add(SCALE_UP_STEP));
+        if recommendation > limit {
+            reasons.push(format!(
+                "scale-up to {recommendation} limited to {limit} this step (at most double or +{SCALE_UP_STEP})"
+            ));
+        }
+        recommendation.min(limit)
     } else {
         // Shrink only to the highest recommendation within the window.
         let stable = history.highest().unwrap_or(recommendation).min(current);
@@ -137,16 +161,39 @@ pub fn desired_replicas(
     }
 }
 
+/// The decision when the queues' statistics cannot be read: the current count, brought
+/// within the pool's bounds (an edited minReplicas or maxReplicas still applies), never a
+/// guess from missing numbers.
+pub fn hold(current: i32, policy: &Autoscaling, why: &str) -> Decision {
+    let replicas = current.clamp(policy.min_replicas, policy.max_replicas);
+    let reason = if replicas == current {
+        format!("holding at {current}: {why}")
+    } else {
+        format!(
+            "holding within [{}, {}] at {replicas}: {why}",
+            policy.min_replicas, policy.max_replicas
+        )
+    };
+    Decision { replicas, reason }
+}
+
+/// The deletion cost of a pod whose in-flight count could not be read: it may be busy, so
+/// it goes after every pod known to be idle or less busy.
+pub const UNKNOWN_COST: i32 = i32::MAX;
+
 /// `controller.kubernetes.io/pod-deletion-cost` per pod: its in-flight tasks, so that on
-/// scale-down the ReplicaSet removes idle workers first.
+/// scale-down the ReplicaSet removes idle workers first. A pod missing from
+/// `in_flight_by_pod` (its metrics could not be read) costs [`UNKNOWN_COST`].
 pub fn deletion_costs<'a>(
     pods: impl IntoIterator<Item = &'a str>,
     in_flight_by_pod: &std::collections::HashMap<String, u64>,
 ) -> Vec<(String, i32)> {
     pods.into_iter()
         .map(|pod| {
-            let busy = in_flight_by_pod.get(pod).copied().unwrap_or(0);
-            (pod.to_owned(), busy.min(i32::MAX as u64) as i32)
+            let cost = in_flight_by_pod
+                .get(pod)
+                .map_or(UNKNOWN_COST, |&busy| busy.min(i32::MAX as u64 - 1) as i32);
+            (pod.to_owned(), cost)
         })
         .collect()
 }
@@ -177,7 +224,7 @@ mod tests {
     #[test]
     fn backlog_sets_the_count_within_bounds() {
         let mut history = History::default();
-        let d = desired_replicas(&seen(950, 50, 1), &policy(0, 20), &mut history, 0.0);
+        let d = desired_replicas(&seen(950, 50, 6), &policy(0, 20), &mut history, 0.0);
         assert_eq!(d.replicas, 10);
         assert!(d.reason.contains("backlog 1000"), "{}", d.reason);
         let d = desired_replicas(&seen(100_000, 0, 10), &policy(0, 20), &mut history, 1.0);
@@ -192,6 +239,13 @@ mod tests {
         let mut observed = seen(600, 0, 2);
         observed.processing_rate = Some(2.0); // 1 task/s per worker: 600 s to drain
         let d = desired_replicas(&observed, &policy(0, 50), &mut History::default(), 0.0);
+        assert_eq!(
+            d.replicas, 6,
+            "wants 600 ready / (1 per worker * 60 s) = 10, +4 a step"
+        );
+        observed.current_replicas = 6;
+        observed.processing_rate = Some(6.0);
+        let d = desired_replicas(&observed, &policy(0, 50), &mut History::default(), 10.0);
         assert_eq!(d.replicas, 10, "600 ready / (1 per worker * 60 s)");
         assert!(d.reason.contains("tasks/s"), "{}", d.reason);
     }
@@ -201,7 +255,7 @@ mod tests {
         let mut history = History::default();
         let p = policy(0, 20);
         assert_eq!(
-            desired_replicas(&seen(800, 0, 1), &p, &mut history, 0.0).replicas,
+            desired_replicas(&seen(800, 0, 4), &p, &mut history, 0.0).replicas,
             8
         );
         // The backlog drains: recommendations drop, the pool holds for the window...
@@ -220,6 +274,46 @@ mod tests {
     }
 
     #[test]
+    fn a_restarted_operator_does_not_shrink_a_busy_pool_at_once() {
+        let p = policy(0, 20);
+        // A fresh history (the operator just started or was elected) sees 8 workers and a
+        // momentarily short queue: the window starts with the 8 it found.
+        let mut history = History::default();
+        let first = desired_replicas(&seen(100, 0, 8), &p, &mut history, 0.0);
+        assert_eq!(first.replicas, 8, "{}", first.reason);
+        assert!(first.reason.contains("stabilization"), "{}", first.reason);
+        assert_eq!(
+            desired_replicas(&seen(100, 0, 8), &p, &mut history, 61.0).replicas,
+            1,
+            "once the window has passed, the lower recommendation applies"
+        );
+    }
+
+    #[test]
+    fn scale_up_at_most_doubles_or_adds_four_per_step() {
+        let p = policy(0, 100);
+        let mut history = History::default();
+        let d = desired_replicas(&seen(10_000, 0, 1), &p, &mut history, 0.0);
+        assert_eq!(d.replicas, 5, "{}", d.reason);
+        assert!(d.reason.contains("limited to 5"), "{}", d.reason);
+        let d = desired_replicas(&seen(10_000, 0, 10), &p, &mut history, 10.0);
+        assert_eq!(d.replicas, 20, "{}", d.reason);
+        assert_eq!(
+            desired_replicas(&seen(0, 0, 0), &p, &mut history, 20.0).replicas,
+            0
+        );
+    }
+
+    #[test]
+    fn holding_without_statistics_still_applies_the_bounds() {
+        let d = hold(7, &policy(0, 4), "queue statistics unavailable");
+        assert_eq!(d.replicas, 4);
+        assert!(d.reason.contains("within [0, 4]"), "{}", d.reason);
+        assert_eq!(hold(0, &policy(2, 4), "x").replicas, 2);
+        assert_eq!(hold(3, &policy(2, 4), "x").replicas, 3);
+    }
+
+    #[test]
     fn never_to_zero_while_work_is_in_flight() {
         let mut history = History::default();
         let p = Autoscaling {
@@ -234,13 +328,18 @@ mod tests {
     }
 
     #[test]
-    fn idle_pods_cost_least_to_delete() {
+    fn idle_pods_cost_least_to_delete_and_unread_ones_most() {
         let busy: std::collections::HashMap<String, u64> =
             [("w-a".to_owned(), 3), ("w-c".to_owned(), 1)].into();
         let costs = deletion_costs(["w-a", "w-b", "w-c"], &busy);
         assert_eq!(
             costs,
-            [("w-a".into(), 3), ("w-b".into(), 0), ("w-c".into(), 1)]
+            [
+                ("w-a".into(), 3),
+                ("w-b".into(), UNKNOWN_COST),
+                ("w-c".into(), 1)
+            ],
+            "a pod whose metrics could not be read may be busy: it goes last"
         );
     }
 

@@ -5,9 +5,11 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use conveyor_core::amqp::Publisher;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
-use kube::runtime::events::{Event, EventType, Recorder};
-use kube::{Client, Resource};
+use k8s_openapi::api::events::v1::Event as EventObject;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
+use kube::api::{Api, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource, ResourceExt};
 use prometheus::{IntCounterVec, Registry};
 
 use crate::autoscale::History;
@@ -17,6 +19,7 @@ use crate::rabbitmq::ManagementApi;
 pub struct Context {
     pub client: Client,
     pub recorder: Recorder,
+    reporter: Reporter,
     pub management: ManagementApi,
     /// Declares queues over AMQP (the management API could, but AMQP checks arguments).
     pub publisher: Publisher,
@@ -30,15 +33,16 @@ pub struct Context {
 impl Context {
     pub fn new(
         client: Client,
-        recorder: Recorder,
+        reporter: Reporter,
         management: ManagementApi,
         publisher: Publisher,
         secret: ConnectionSecret,
         metrics: OperatorMetrics,
     ) -> Self {
         Context {
+            recorder: Recorder::new(client.clone(), reporter.clone()),
+            reporter,
             client,
-            recorder,
             management,
             publisher,
             secret,
@@ -73,6 +77,46 @@ impl Context {
             secondary: None,
         };
         if let Err(err) = self.recorder.publish(&event, &object.object_ref(&())).await {
+            tracing::warn!(error = %err, reason, "cannot publish Event");
+        }
+    }
+}
+
+impl Context {
+    /// Publishes a Normal Event that stands on its own. The recorder folds events of the
+    /// same reason into one series that keeps the first note (`Scaled (x12)` with the
+    /// oldest reason); a scaling decision's explanation must stay readable.
+    pub async fn event_each<K: Resource<DynamicType = ()>>(
+        &self,
+        object: &K,
+        reason: &str,
+        note: String,
+    ) {
+        let namespace = object.namespace().unwrap_or_else(|| "default".to_owned());
+        let event = EventObject {
+            metadata: ObjectMeta {
+                generate_name: Some(format!("{}.", object.name_any())),
+                namespace: Some(namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            event_time: Some(MicroTime(jiff_now())),
+            type_: Some("Normal".to_owned()),
+            reason: Some(reason.to_owned()),
+            action: Some("Reconcile".to_owned()),
+            // The API refuses notes past 1 kB.
+            note: Some(note.chars().take(1000).collect()),
+            regarding: Some(object.object_ref(&())),
+            reporting_controller: Some(self.reporter.controller.clone()),
+            reporting_instance: Some(
+                self.reporter
+                    .instance
+                    .clone()
+                    .unwrap_or_else(|| self.reporter.controller.clone()),
+            ),
+            ..EventObject::default()
+        };
+        let events: Api<EventObject> = Api::namespaced(self.client.clone(), &namespace);
+        if let Err(err) = events.create(&PostParams::default(), &event).await {
             tracing::warn!(error = %err, reason, "cannot publish Event");
         }
     }

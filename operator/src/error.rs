@@ -8,8 +8,8 @@ use crate::rabbitmq::ManagementError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("Kubernetes API call failed: {0}")]
-    Kube(kube::Error),
+    #[error("Kubernetes API call failed")]
+    Kube(#[source] kube::Error),
     #[error(transparent)]
     Management(#[from] ManagementError),
     #[error("declaring queues failed")]
@@ -18,6 +18,8 @@ pub enum Error {
     Build(#[from] BuildError),
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
+    #[error("RabbitMQ did not answer within {1:?} while {0}")]
+    Timeout(&'static str, std::time::Duration),
 }
 
 impl Error {
@@ -28,6 +30,7 @@ impl Error {
             Error::Amqp(_) => "RabbitMQUnavailable",
             Error::Build(err) => err.category(),
             Error::InvalidSpec(_) => "InvalidSpec",
+            Error::Timeout(..) => "RabbitMQUnavailable",
         }
     }
 }

@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, ListParams};
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::events::Reporter;
 use kube::runtime::watcher;
 use kube::Client;
 use tokio_util::sync::CancellationToken;
@@ -165,7 +165,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let ctx = Arc::new(Context::new(
         client.clone(),
-        Recorder::new(client.clone(), reporter),
+        reporter,
         args.management
             .api("/", &args.ca.roots().context("--ca-file")?)
             .context("RabbitMQ management API client")?,
@@ -219,7 +219,13 @@ fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Cont
             .errors
             .with_label_values(&[controller, error.category()])
             .inc();
-        tracing::warn!(controller, error = %error, category = error.category(), "reconcile failed");
+        let error_text = conveyor_core::with_causes(error);
+        tracing::warn!(
+            controller,
+            error = error_text,
+            category = error.category(),
+            "reconcile failed"
+        );
         match error {
             Error::InvalidSpec(_) | Error::Build(_) => Action::requeue(Duration::from_secs(300)),
             _ => Action::requeue(Duration::from_secs(5)),

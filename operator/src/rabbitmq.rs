@@ -25,6 +25,13 @@ pub enum ManagementError {
         status: u16,
         body: String,
     },
+    /// The broker answered without a counter (statistics not collected yet, or disabled):
+    /// unknown, never zero, so a pool is not scaled down on a number nobody measured.
+    #[error("queue {queue} has no {counter} statistic yet")]
+    StatsMissing {
+        queue: String,
+        counter: &'static str,
+    },
 }
 
 impl ManagementError {
@@ -33,18 +40,17 @@ impl ManagementError {
             ManagementError::Unreachable { .. } => "RabbitMQUnavailable",
             ManagementError::Client(_) => "RabbitMQClient",
             ManagementError::Refused { .. } => "RabbitMQRefused",
+            ManagementError::StatsMissing { .. } => "MetricsUnavailable",
         }
     }
 }
 
 #[derive(Debug, Deserialize)]
 struct QueueInfo {
-    #[serde(default)]
-    messages_ready: u64,
-    #[serde(default)]
-    messages_unacknowledged: u64,
-    #[serde(default)]
-    messages: u64,
+    name: String,
+    messages_ready: Option<u64>,
+    messages_unacknowledged: Option<u64>,
+    messages: Option<u64>,
     #[serde(default)]
     effective_policy_definition: Option<serde_json::Value>,
     #[serde(default)]
@@ -59,8 +65,20 @@ struct MessageStats {
 
 #[derive(Debug, Default, Deserialize)]
 struct Rate {
-    #[serde(default)]
-    rate: f64,
+    rate: Option<f64>,
+}
+
+impl QueueInfo {
+    fn counter(&self, counter: &'static str, value: Option<u64>) -> Result<u64, ManagementError> {
+        value.ok_or_else(|| ManagementError::StatsMissing {
+            queue: self.name.clone(),
+            counter,
+        })
+    }
+
+    fn messages(&self) -> Result<u64, ManagementError> {
+        self.counter("messages", self.messages)
+    }
 }
 
 /// Where the management API is and who talks to it: the same flags for the operator and
@@ -249,7 +267,8 @@ impl ManagementApi {
     /// sweeper re-publishes its task (decision 0011).
     pub async fn delete_queue_if_empty(&self, queue: &str) -> Result<bool, ManagementError> {
         match self.queue(queue).await {
-            Ok(info) if info.messages > 0 => Ok(false),
+            // Unknown counts as not empty: the queue stays until a count says otherwise.
+            Ok(info) if info.messages.is_none_or(|m| m > 0) => Ok(false),
             Ok(_) => self.delete_queue(queue).await.map(|()| true),
             Err(ManagementError::Refused { status: 404, .. }) => Ok(true),
             Err(err) => Err(err),
@@ -291,26 +310,25 @@ impl ManagementApi {
     }
 
     /// Acknowledgements per second on a task type's work queue: its processing rate, as the
-    /// broker measured it over the last few seconds.
-    pub async fn processing_rate(&self, task_type: &str) -> Result<f64, ManagementError> {
+    /// broker measured it over the last few seconds; `None` before it measured any.
+    pub async fn processing_rate(&self, task_type: &str) -> Result<Option<f64>, ManagementError> {
         let main = self.queue(&QueueNames::of(task_type).main).await?;
         Ok(main
             .message_stats
             .and_then(|s| s.ack_details)
-            .map(|d| d.rate)
-            .unwrap_or(0.0))
+            .and_then(|d| d.rate))
     }
 
     /// Messages in each of a task type's queues.
     pub async fn depths(&self, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
         let queues = QueueNames::of(&spec.name);
         let main = self.queue(&queues.main).await?;
-        let mut retry = self.queue(&queues.retry).await?.messages;
+        let mut retry = self.queue(&queues.retry).await?.messages()?;
         // Every tier the type may have had: one left from before an edit to fewer retries
         // still holds retries until it drains (the TaskType reconcile then deletes it).
         for tier in 1..MAX_RETRY_TIERS {
             match self.queue(&queues.retry_tier(tier)).await {
-                Ok(queue) => retry += queue.messages,
+                Ok(queue) => retry += queue.messages()?,
                 // Not declared (yet, or any more).
                 Err(ManagementError::Refused { status: 404, .. }) => {}
                 Err(err) => return Err(err),
@@ -318,10 +336,10 @@ impl ManagementApi {
         }
         let remediation = self.queue(&queues.remediation).await?;
         Ok(QueueDepths {
-            ready: main.messages_ready,
-            in_flight: main.messages_unacknowledged,
+            ready: main.counter("messages_ready", main.messages_ready)?,
+            in_flight: main.counter("messages_unacknowledged", main.messages_unacknowledged)?,
             retry,
-            remediation: remediation.messages,
+            remediation: remediation.messages()?,
         })
     }
 }
@@ -346,5 +364,18 @@ mod tests {
     #[test]
     fn names_are_encoded_for_urls() {
         assert_eq!(encode("/"), "%2F");
+    }
+
+    #[test]
+    fn a_missing_counter_is_unknown_not_zero() {
+        // What RabbitMQ answers for a queue whose statistics are not collected yet.
+        let fresh: QueueInfo =
+            serde_json::from_str(r#"{"name": "ns.t", "state": "running"}"#).unwrap();
+        let err = fresh.messages().unwrap_err();
+        assert_eq!(err.category(), "MetricsUnavailable");
+        assert!(err.to_string().contains("ns.t has no messages"), "{err}");
+        let counted: QueueInfo =
+            serde_json::from_str(r#"{"name": "ns.t", "messages": 0}"#).unwrap();
+        assert_eq!(counted.messages().unwrap(), 0);
     }
 }

@@ -1,4 +1,5 @@
-//! TaskType reconcile: validate → declare queues → apply policies → read depths → status.
+//! TaskType reconcile: validate (the payload schema compiles) → declare queues → apply
+//! policies → read depths → status; Ready is False with the step's category when one fails.
 //! A finalizer is added only under `deletionPolicy: Delete`, where deleting the TaskType
 //! must delete its queues; under Retain nothing outside the cluster needs cleaning up.
 
@@ -7,7 +8,7 @@ use std::time::Duration;
 
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::conditions::{QUEUES_DECLARED, READY};
-use conveyor_core::crd::task_type::{DeletionPolicy, TaskTypeStatus};
+use conveyor_core::crd::task_type::{DeletionPolicy, QueueDepths, TaskTypeStatus};
 use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use kube::api::{Api, Patch, PatchParams};
@@ -18,11 +19,13 @@ use serde_json::json;
 use crate::build::FIELD_MANAGER;
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
-use crate::rabbitmq::task_type_policies;
+use crate::rabbitmq::{task_type_policies, ManagementError};
 
 pub const FINALIZER: &str = "conveyor.dev/delete-queues";
 /// Depths in the status are refreshed this often.
 const RESYNC: Duration = Duration::from_secs(15);
+/// Longest a declaration may take (connect included) before the broker counts as unavailable.
+const DECLARE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[tracing::instrument(skip_all, fields(task_type = %task_type.name_any()))]
 pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Action> {
@@ -71,15 +74,16 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
         set_finalizer(&api, &task_type, wants_finalizer).await?;
     }
 
-    ctx.publisher
-        .declare_task_type(&spec)
-        .await
-        .map_err(Error::Amqp)?;
-    for policy in task_type_policies(&spec) {
-        ctx.management.put_policy(&policy).await?;
-    }
-    delete_drained_tiers(&spec, &ctx).await?;
-    let depths = ctx.management.depths(&spec).await?;
+    // The broker's answer decides Ready: a type whose queues cannot be declared is not
+    // ready, whatever it was before (the gateway would publish into nothing).
+    let depths = match declare(&spec, &ctx).await {
+        Ok(depths) => depths,
+        Err(err) => {
+            let message = conveyor_core::with_causes(&err);
+            write_status(&api, &task_type, false, err.category(), message, None).await?;
+            return Err(err);
+        }
+    };
     write_status(
         &api,
         &task_type,
@@ -89,10 +93,34 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
             "queues {} (+ retry queues, .remediation) declared with policies",
             QueueNames::of(&spec.name).main
         ),
-        Some(depths),
+        depths,
     )
     .await?;
     Ok(Action::requeue(RESYNC))
+}
+
+/// Declares the queues (bounded by [`DECLARE_TIMEOUT`]: a hung broker must not hold the
+/// reconcile), puts the policies, drops drained tiers and reads the depths. Depths the broker
+/// has not counted yet are unknown (`None`), which does not make the type unready.
+async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDepths>> {
+    match tokio::time::timeout(DECLARE_TIMEOUT, ctx.publisher.declare_task_type(spec)).await {
+        Ok(declared) => declared.map_err(Error::Amqp)?,
+        Err(_) => {
+            return Err(Error::Timeout(
+                "declaring queues over AMQP",
+                DECLARE_TIMEOUT,
+            ))
+        }
+    }
+    for policy in task_type_policies(spec) {
+        ctx.management.put_policy(&policy).await?;
+    }
+    delete_drained_tiers(spec, ctx).await?;
+    match ctx.management.depths(spec).await {
+        Ok(depths) => Ok(Some(depths)),
+        Err(ManagementError::StatsMissing { .. }) => Ok(None),
+        Err(err) => Err(err.into()),
+    }
 }
 
 /// Retry queues beyond the type's tiers now (it was edited to fewer retries or a flatter
@@ -163,7 +191,7 @@ async fn write_status(
     ok: bool,
     reason: &str,
     message: String,
-    depths: Option<conveyor_core::crd::task_type::QueueDepths>,
+    depths: Option<QueueDepths>,
 ) -> Result<()> {
     let previous = task_type
         .status

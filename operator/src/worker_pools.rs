@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::autoscale::{deletion_costs, desired_replicas, Observation};
+use crate::autoscale::{deletion_costs, desired_replicas, hold, Observation};
 use crate::build::{self, selector, FIELD_MANAGER, METRICS_PORT};
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
@@ -27,6 +27,8 @@ use crate::error::{Error, Result};
 const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
 const RESYNC: Duration = Duration::from_secs(60);
 const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
+/// How long a worker's metrics may take to answer before the pod counts as unknown.
+const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What the pool's queues hold now.
 #[derive(Debug, Default, Clone, Copy)]
@@ -35,7 +37,8 @@ struct Load {
     in_flight: u64,
     retrying: u64,
     dead_lettered: u64,
-    rate: f64,
+    /// Acknowledgements per second over the pool's types; `None` until the broker measured.
+    rate: Option<f64>,
 }
 
 #[tracing::instrument(skip_all, fields(pool = %pool.name_any()))]
@@ -69,33 +72,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
 
-    let (replicas, reason) = match (&pool.spec.autoscaling, &load) {
-        (Some(policy), Ok(load)) => {
-            let observation = Observation {
-                ready: load.ready,
-                in_flight: load.in_flight,
-                retrying: load.retrying,
-                processing_rate: Some(load.rate),
-                current_replicas: current,
-            };
-            let key = format!("{namespace}/{name}");
-            let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
-            let decision = desired_replicas(
-                &observation,
-                policy,
-                histories.entry(key).or_default(),
-                ctx.now(),
-            );
-            (decision.replicas, decision.reason)
-        }
-        // Without queue depths, hold the current size rather than guess (a pool whose
-        // queues are not declared yet has no work to scale for).
-        (Some(_), Err(err)) => (current, format!("holding at {current}: {err}")),
-        (None, _) => {
-            let wanted = pool.spec.replicas.unwrap_or(1).max(0);
-            (wanted, format!("spec.replicas is {wanted}"))
-        }
-    };
+    let (replicas, reason) = decide(&pool, &load, current, &ctx);
 
     let objects = match build::pool_objects(&pool, &task_types, replicas, &ctx.secret) {
         Ok(objects) => objects,
@@ -106,7 +83,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
             write_status(
                 &pool,
                 &ctx,
-                Status::degraded(err.category(), message, replicas),
+                Status::degraded(err.category(), message, current, ready_replicas),
             )
             .await?;
             return Err(err.into());
@@ -126,9 +103,9 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
             .scaling_decisions
             .with_label_values(&[direction])
             .inc();
-        ctx.event(
+        // Each decision its own Event: the recorder's series would keep the first note.
+        ctx.event_each(
             pool.as_ref(),
-            false,
             "Scaled",
             format!("{current} → {replicas} workers: {reason}"),
         )
@@ -160,6 +137,47 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     }))
 }
 
+/// The replica count and why: the autoscaler's decision, the count held within bounds when
+/// the queues cannot be read, or `spec.replicas`.
+fn decide(
+    pool: &WorkerPool,
+    load: &Result<Load, Error>,
+    current: i32,
+    ctx: &Context,
+) -> (i32, String) {
+    let Some(policy) = &pool.spec.autoscaling else {
+        let wanted = pool.spec.replicas.unwrap_or(1).max(0);
+        return (wanted, format!("spec.replicas is {wanted}"));
+    };
+    let decision = match load {
+        Ok(load) => {
+            let observation = Observation {
+                ready: load.ready,
+                in_flight: load.in_flight,
+                retrying: load.retrying,
+                processing_rate: load.rate,
+                current_replicas: current,
+            };
+            let key = format!(
+                "{}/{}",
+                pool.namespace().unwrap_or_default(),
+                pool.name_any()
+            );
+            let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
+            desired_replicas(
+                &observation,
+                policy,
+                histories.entry(key).or_default(),
+                ctx.now(),
+            )
+        }
+        // Unknown is not zero: hold rather than guess (a pool whose queues are not declared
+        // yet has no work to scale for), but within the bounds.
+        Err(err) => hold(current, policy, &err.to_string()),
+    };
+    (decision.replicas, decision.reason)
+}
+
 async fn read_load(
     pool: &WorkerPool,
     task_types: &[NamedTaskType],
@@ -181,7 +199,9 @@ async fn read_load(
         load.in_flight += depths.in_flight;
         load.retrying += depths.retry;
         load.dead_lettered += depths.remediation;
-        load.rate += ctx.management.processing_rate(&spec.name).await?;
+        if let Some(rate) = ctx.management.processing_rate(&spec.name).await? {
+            load.rate = Some(load.rate.unwrap_or(0.0) + rate);
+        }
     }
     Ok(load)
 }
@@ -210,7 +230,8 @@ where
 }
 
 /// Before shrinking, tells the ReplicaSet which pods are idle: each pod's deletion cost is
-/// its in-flight task count, read from its metrics. Unreadable pods cost 0.
+/// its in-flight task count, read from its metrics. A pod that cannot be read may be busy:
+/// it costs the most.
 async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
     let namespace = pool.namespace().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -225,19 +246,34 @@ async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
         }
     };
     let http = reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
+        .timeout(SCRAPE_TIMEOUT)
         .build()
         .unwrap_or_default();
-    let mut busy = HashMap::new();
-    for pod in &list {
-        let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
-            continue;
-        };
+    // All pods at once: one slow pod costs one timeout, not one each.
+    let scrapes = list.iter().filter_map(|pod| {
+        let ip = pod.status.as_ref()?.pod_ip.clone()?;
         let url = format!("http://{ip}:{METRICS_PORT}/metrics");
-        if let Ok(text) = async { http.get(&url).send().await?.text().await }.await {
-            busy.insert(pod.name_any(), in_flight_from_metrics(&text));
-        }
-    }
+        let http = http.clone();
+        Some(async move {
+            let text = async {
+                http.get(&url)
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .text()
+                    .await
+            };
+            text.await
+                .ok()
+                .and_then(|text| in_flight_from_metrics(&text))
+                .map(|busy| (pod.name_any(), busy))
+        })
+    });
+    let busy: HashMap<String, u64> = futures_util::future::join_all(scrapes)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
     let names: Vec<String> = list.iter().map(|p| p.name_any()).collect();
     for (pod, cost) in deletion_costs(names.iter().map(String::as_str), &busy) {
         let patch = json!({"metadata": {"annotations": {DELETION_COST: cost.to_string()}}});
@@ -250,13 +286,12 @@ async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
     }
 }
 
-/// `conveyor_in_flight_tasks` from a worker's metrics text.
-pub fn in_flight_from_metrics(text: &str) -> u64 {
+/// `conveyor_in_flight_tasks` from a worker's metrics text; `None` when it is not there.
+pub fn in_flight_from_metrics(text: &str) -> Option<u64> {
     text.lines()
         .find_map(|line| line.strip_prefix("conveyor_in_flight_tasks "))
         .and_then(|value| value.trim().parse::<f64>().ok())
         .map(|v| v.max(0.0) as u64)
-        .unwrap_or(0)
 }
 
 struct Status {
@@ -270,14 +305,15 @@ struct Status {
 }
 
 impl Status {
-    fn degraded(reason: &'static str, message: String, replicas: i32) -> Status {
+    /// Nothing was applied: the Deployment keeps its count, and `/scale` reports it.
+    fn degraded(reason: &'static str, message: String, current: i32, ready: i32) -> Status {
         Status {
             phase: "Degraded",
             reason,
             message,
-            replicas,
-            current: 0,
-            ready_replicas: 0,
+            replicas: current,
+            current,
+            ready_replicas: ready,
             load: Load::default(),
         }
     }
@@ -302,10 +338,12 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
         dead_lettered: status.load.dead_lettered,
         phase: Some(status.phase.to_owned()),
         conditions: vec![
+            // Ready means serving, not settled: a scaling step is the Scaling condition's
+            // business, so GitOps health checks do not flap on every decision.
             condition(
                 &previous,
                 READY,
-                healthy && status.phase == "Ready",
+                healthy && (status.ready_replicas > 0 || status.replicas == 0),
                 status.reason,
                 status.message.clone(),
                 generation,
@@ -344,7 +382,7 @@ mod tests {
     fn in_flight_is_read_from_worker_metrics() {
         let text =
             "# HELP conveyor_in_flight_tasks x\nconveyor_in_flight_tasks 3\nconveyor_other 9\n";
-        assert_eq!(in_flight_from_metrics(text), 3);
-        assert_eq!(in_flight_from_metrics("nothing"), 0);
+        assert_eq!(in_flight_from_metrics(text), Some(3));
+        assert_eq!(in_flight_from_metrics("nothing"), None, "unknown, not idle");
     }
 }

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
     shortname = "taskpools",
     namespaced,
     status = "WorkerPoolStatus",
+    doc = "A pool of conveyor-worker pods consuming some TaskTypes: what they run per task, how many tasks each runs at once, and how many workers there are (spec.replicas, /scale, or queue-depth autoscaling).",
     scale = r#"{"specReplicasPath":".spec.replicas", "statusReplicasPath":".status.replicas", "labelSelectorPath":".status.selector"}"#,
     printcolumn = r#"{"name":"Task-Types", "type":"string", "jsonPath":".spec.taskTypes"}"#,
     printcolumn = r#"{"name":"Ready", "type":"integer", "description":"Ready workers", "jsonPath":".status.readyReplicas"}"#,
@@ -32,10 +33,14 @@ use serde::{Deserialize, Serialize};
     printcolumn = r#"{"name":"Age", "type":"date", "jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
-#[schemars(extend("x-kubernetes-validations" = [{
-    "rule": "has(self.autoscaling) || !has(self.replicas) || self.replicas >= 0",
-    "message": "replicas must be >= 0"
-}]))]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.autoscaling) || !has(self.replicas) || self.replicas >= 0",
+     "message": "replicas must be >= 0"},
+    // Two scalers would fight; `kubectl scale` (or an HPA) on an autoscaled pool is refused
+    // here rather than silently ignored.
+    {"rule": "!has(self.autoscaling) || !has(self.replicas)",
+     "message": "replicas and autoscaling are exclusive: spec.autoscaling decides the count of this pool; remove it to scale by hand, with kubectl scale, or with an HPA or KEDA on /scale"}
+]))]
 pub struct WorkerPoolSpec {
     /// Names of the TaskTypes (in this namespace) the pool consumes.
     #[schemars(length(min = 1, max = 16))]
@@ -49,7 +54,8 @@ pub struct WorkerPoolSpec {
     #[serde(default = "default_concurrency")]
     #[schemars(range(min = 1, max = 1000))]
     pub concurrency: u16,
-    /// Workers wanted when `autoscaling` is absent; `kubectl scale` sets it.
+    /// Workers wanted when `autoscaling` is absent (1 when unset); `kubectl scale`, an HPA
+    /// or KEDA set it through `/scale`. Not allowed together with `autoscaling`.
     #[serde(default)]
     pub replicas: Option<i32>,
     /// Queue-depth autoscaling; when present it decides the replica count.

@@ -82,6 +82,14 @@ async fn invalid_manifests_are_refused_with_a_clear_message() {
             "minReplicas must not exceed maxReplicas",
         ),
         (
+            pool_yaml(
+                "p",
+                "t",
+                "  replicas: 2\n  autoscaling: {minReplicas: 1, maxReplicas: 2}\n",
+            ),
+            "replicas and autoscaling are exclusive",
+        ),
+        (
             task_type_yaml("t", "  backoff: {initialSeconds: 60, maxSeconds: 5, multiplier: 2}\n"),
             "initialSeconds must not exceed maxSeconds",
         ),
@@ -105,6 +113,23 @@ async fn invalid_manifests_are_refused_with_a_clear_message() {
     }
     let left = stack.kubectl(&["get", "workerpools,tasktypes", "-o", "name"]);
     assert_eq!(left.trim(), "", "a refused manifest left something behind");
+    // `kubectl scale` (what an HPA does through /scale) on an autoscaled pool is refused
+    // rather than silently ignored.
+    stack.apply(&pool_yaml(
+        "auto",
+        "t",
+        "  autoscaling: {minReplicas: 0, maxReplicas: 2}\n",
+    ));
+    let ns = stack.namespace.clone();
+    let err = kubectl_with(
+        &["scale", "-n", &ns, "workerpool/auto", "--replicas=3"],
+        None,
+    )
+    .expect_err("kubectl scale of an autoscaled pool was accepted");
+    assert!(
+        err.contains("replicas and autoscaling are exclusive"),
+        "{err}"
+    );
     stack.finish().await;
 }
 
