@@ -139,19 +139,22 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .await;
     });
 
-    let leader = Leader::new(
+    let leader = Arc::new(Leader::new(
         client.clone(),
         &args.namespace,
         "conveyor-operator",
         &args.identity,
         Duration::from_secs(args.lease_seconds),
-    );
-    if !leader.acquire(&shutdown).await.context("leader election")? {
+    ));
+    if !leader.acquire(&shutdown).await {
         return Ok(());
     }
     // Losing the lease stops the controllers exactly like a shutdown does.
     let stop = CancellationToken::new();
-    tokio::spawn(leader.hold(shutdown.clone(), stop.clone()));
+    let holder = tokio::spawn({
+        let (leader, shutdown, stop) = (leader.clone(), shutdown.clone(), stop.clone());
+        async move { leader.hold(shutdown, stop).await }
+    });
     let relay = stop.clone();
     let outer = shutdown.clone();
     tokio::spawn(async move {
@@ -208,6 +211,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     if !shutdown.is_cancelled() {
         anyhow::bail!("lost leadership");
     }
+    // The controllers have stopped and no renewal is under way: hand the lease on.
+    let _ = holder.await;
+    leader.release().await;
     Ok(())
 }
 

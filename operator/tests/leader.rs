@@ -1,40 +1,65 @@
-//! Leader election against a mock API server: take a free lease, wait on a held one, take
-//! over an expired one.
+//! Leader election against a mock API server, on tokio's paused clock (a lease duration
+//! passes in no time): take a free lease, wait on a held one, take over one that nobody
+//! renewed for a whole duration by our own clock, never trust the holder's clock, survive API
+//! errors while standing by, step down before a standby may act, release at shutdown.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conveyor_operator::leader::Leader;
 use http::{Method, Request, Response};
 use kube::client::Body;
 use serde_json::{json, Value};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Answers requests from a script of (method, status, body); returns what was sent.
-fn api(script: Vec<(Method, u16, Value)>) -> (kube::Client, tokio::task::JoinHandle<Vec<Value>>) {
+const LEASE: Duration = Duration::from_secs(15);
+
+/// What the mock answers to one request: a status and body, or nothing ever (a hung call).
+enum Answer {
+    Reply(u16, Value),
+    Hang,
+}
+
+/// A request the mock saw: when (on the paused clock), its method and body.
+type Seen = Arc<Mutex<Vec<(Instant, Method, Value)>>>;
+
+/// Serves every request with `answer(method, number of requests before it)`.
+fn api(mut answer: impl FnMut(&Method, usize) -> Answer + Send + 'static) -> (kube::Client, Seen) {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-    let served = tokio::spawn(async move {
-        let mut bodies = Vec::new();
-        for (method, status, answer) in script {
-            let (request, send) = handle.next_request().await.unwrap();
-            assert_eq!(request.method(), method);
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        let mut hung = Vec::new();
+        while let Some((request, send)) = handle.next_request().await {
             assert!(request
                 .uri()
                 .path()
                 .starts_with("/apis/coordination.k8s.io/v1/namespaces/ops/leases"));
+            let method = request.method().clone();
             let body = request.into_body().collect_bytes().await.unwrap();
-            bodies.push(serde_json::from_slice(&body).unwrap_or(Value::Null));
-            let response = Response::builder()
-                .status(status)
-                .body(Body::from(serde_json::to_vec(&answer).unwrap()));
-            send.send_response(response.unwrap());
+            let body = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let n = {
+                let mut log = log.lock().unwrap();
+                log.push((Instant::now(), method.clone(), body));
+                log.len() - 1
+            };
+            match answer(&method, n) {
+                Answer::Reply(status, value) => {
+                    let response = Response::builder()
+                        .status(status)
+                        .body(Body::from(serde_json::to_vec(&value).unwrap()));
+                    send.send_response(response.unwrap());
+                }
+                Answer::Hang => hung.push(send),
+            }
         }
-        bodies
     });
-    (kube::Client::new(service, "default"), served)
+    (kube::Client::new(service, "default"), seen)
 }
 
-fn lease(holder: &str, renewed: &str) -> Value {
+fn lease(holder: Option<&str>, renewed: &str) -> Value {
     json!({
         "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": "conveyor-operator", "namespace": "ops", "resourceVersion": "7"},
@@ -46,75 +71,147 @@ fn not_found() -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"})
 }
 
-#[tokio::test]
-async fn a_free_lease_is_taken() {
-    let (client, served) = api(vec![
-        (Method::GET, 404, not_found()),
-        (
-            Method::POST,
-            201,
-            lease("me", "2026-01-01T00:00:00.000000Z"),
-        ),
-    ]);
-    let leader = Leader::new(
-        client,
-        "ops",
-        "conveyor-operator",
-        "me",
-        Duration::from_secs(15),
-    );
-    assert!(leader.acquire(&CancellationToken::new()).await.unwrap());
-    let bodies = served.await.unwrap();
-    assert_eq!(bodies[1]["spec"]["holderIdentity"], "me");
+fn leader(client: kube::Client) -> Leader {
+    Leader::new(client, "ops", "conveyor-operator", "me", LEASE)
 }
 
-#[tokio::test]
-async fn a_lease_held_by_another_live_operator_is_left_alone() {
-    let now = k8s_openapi::jiff::Timestamp::now().to_string();
-    let (client, served) = api(vec![(Method::GET, 200, lease("other", &now))]);
-    let leader = Leader::new(
-        client,
-        "ops",
-        "conveyor-operator",
-        "me",
-        Duration::from_secs(15),
-    );
-    let shutdown = CancellationToken::new();
-    let stop = shutdown.clone();
+fn requests(seen: &Seen) -> Vec<(Instant, Method, Value)> {
+    seen.lock().unwrap().clone()
+}
+
+/// Cancels a token after `after` of (paused) time.
+fn cancel_after(after: Duration) -> CancellationToken {
+    let token = CancellationToken::new();
+    let cancel = token.clone();
     tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        stop.cancel();
+        tokio::time::sleep(after).await;
+        cancel.cancel();
     });
+    token
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_free_lease_is_taken() {
+    let (client, seen) = api(|method, _| match *method {
+        Method::GET => Answer::Reply(404, not_found()),
+        _ => Answer::Reply(201, lease(Some("me"), "2026-01-01T00:00:00.000000Z")),
+    });
+    assert!(leader(client).acquire(&CancellationToken::new()).await);
+    let seen = requests(&seen);
+    assert_eq!(seen[1].1, Method::POST);
+    assert_eq!(seen[1].2["spec"]["holderIdentity"], "me");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_another_operator_renews_is_left_alone_whatever_its_clock_says() {
+    // The holder's clock is years behind ours: each renewal writes an old time. Comparing
+    // it with our clock would call the lease expired at once.
+    let (client, seen) = api(|_, n| {
+        Answer::Reply(
+            200,
+            lease(
+                Some("other"),
+                &format!("2020-01-01T00:00:{:02}.000000Z", n % 60),
+            ),
+        )
+    });
+    let shutdown = cancel_after(LEASE * 3);
     assert!(
-        !leader.acquire(&shutdown).await.unwrap(),
+        !leader(client).acquire(&shutdown).await,
         "stood by until shutdown"
     );
-    assert_eq!(served.await.unwrap().len(), 1);
+    let seen = requests(&seen);
+    assert!(seen.len() > 3, "kept watching: {} requests", seen.len());
+    assert!(
+        seen.iter().all(|(_, method, _)| *method == Method::GET),
+        "never wrote the lease of a live holder"
+    );
 }
 
-#[tokio::test]
-async fn an_expired_lease_is_taken_over() {
-    let (client, served) = api(vec![
-        (
-            Method::GET,
-            200,
-            lease("crashed", "2020-01-01T00:00:00.000000Z"),
-        ),
-        (Method::PUT, 200, lease("me", "2026-01-01T00:00:00.000000Z")),
-    ]);
-    let leader = Leader::new(
-        client,
-        "ops",
-        "conveyor-operator",
-        "me",
-        Duration::from_secs(15),
+#[tokio::test(start_paused = true)]
+async fn a_lease_nobody_renews_is_taken_after_a_whole_duration_by_our_clock() {
+    // A crashed holder whose last renewal our clock would call recent: only our own
+    // observation of an unchanged record counts.
+    let future = "2099-01-01T00:00:00.000000Z";
+    let (client, seen) = api(move |method, _| match *method {
+        Method::GET => Answer::Reply(200, lease(Some("crashed"), future)),
+        _ => Answer::Reply(200, lease(Some("me"), future)),
+    });
+    let started = Instant::now();
+    assert!(leader(client).acquire(&CancellationToken::new()).await);
+    let seen = requests(&seen);
+    let (at, method, body) = seen.last().unwrap();
+    assert_eq!(*method, Method::PUT);
+    assert!(
+        *at - started >= LEASE,
+        "took the lease after {:?}, before a whole duration passed unchanged",
+        *at - started
     );
-    assert!(leader.acquire(&CancellationToken::new()).await.unwrap());
-    let bodies = served.await.unwrap();
-    assert_eq!(bodies[1]["spec"]["holderIdentity"], "me");
-    assert_eq!(bodies[1]["spec"]["leaseTransitions"], 3);
+    assert_eq!(body["spec"]["holderIdentity"], "me");
+    assert_eq!(body["spec"]["leaseTransitions"], 3);
     assert_eq!(
-        bodies[1]["metadata"]["resourceVersion"], "7",
+        body["metadata"]["resourceVersion"], "7",
         "optimistic replace"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_released_lease_is_taken_at_once() {
+    let (client, seen) = api(|method, _| match *method {
+        Method::GET => Answer::Reply(200, lease(None, "2026-01-01T00:00:00.000000Z")),
+        _ => Answer::Reply(200, lease(Some("me"), "2026-01-01T00:00:00.000000Z")),
+    });
+    assert!(leader(client).acquire(&CancellationToken::new()).await);
+    assert_eq!(requests(&seen).len(), 2, "one read, one write");
+}
+
+#[tokio::test(start_paused = true)]
+async fn api_errors_and_hung_calls_while_standing_by_are_retried() {
+    let (client, seen) = api(|method, n| match (method.clone(), n) {
+        (_, 0) => Answer::Reply(
+            500,
+            json!({"kind": "Status", "code": 500, "message": "etcd"}),
+        ),
+        (_, 1) => Answer::Hang,
+        (Method::GET, _) => Answer::Reply(404, not_found()),
+        _ => Answer::Reply(201, lease(Some("me"), "2026-01-01T00:00:00.000000Z")),
+    });
+    assert!(leader(client).acquire(&CancellationToken::new()).await);
+    assert_eq!(requests(&seen).len(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_whose_renewals_hang_steps_down_before_a_standby_may_take_over() {
+    // Acquired (a create), then every renewal hangs: kube's client would wait forever.
+    let (client, seen) = api(|method, n| match (method.clone(), n) {
+        (Method::GET, 0) => Answer::Reply(404, not_found()),
+        (Method::POST, _) => Answer::Reply(201, lease(Some("me"), "2026-01-01T00:00:00.000000Z")),
+        _ => Answer::Hang,
+    });
+    let leader = leader(client);
+    assert!(leader.acquire(&CancellationToken::new()).await);
+    let acquired = requests(&seen)[1].0;
+    let lost = CancellationToken::new();
+    let hold = leader.hold(CancellationToken::new(), lost.clone());
+    tokio::time::timeout(LEASE * 2, hold)
+        .await
+        .expect("hold never gave up");
+    assert!(lost.is_cancelled());
+    let stepped_down = Instant::now() - acquired;
+    assert!(
+        stepped_down < LEASE,
+        "stepped down {stepped_down:?} after the last renewal: a standby may act after {LEASE:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_releases_the_lease() {
+    let held = lease(Some("me"), "2026-01-01T00:00:00.000000Z");
+    let (client, seen) = api(move |_, _| Answer::Reply(200, held.clone()));
+    leader(client).release().await;
+    let seen = requests(&seen);
+    assert_eq!(seen.len(), 2);
+    assert_eq!(seen[1].1, Method::PUT);
+    assert_eq!(seen[1].2["spec"]["holderIdentity"], Value::Null);
+    assert_eq!(seen[1].2["spec"]["leaseDurationSeconds"], 1);
 }
