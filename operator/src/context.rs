@@ -13,6 +13,7 @@ use kube::{Client, Resource, ResourceExt};
 use prometheus::{IntCounterVec, Registry};
 
 use crate::autoscale::History;
+use crate::backoff::Backoff;
 use crate::build::ConnectionSecret;
 use crate::rabbitmq::ManagementApi;
 
@@ -27,6 +28,8 @@ pub struct Context {
     pub metrics: OperatorMetrics,
     /// Scale-down stabilization memory per pool (`namespace/name`).
     pub histories: Mutex<HashMap<String, History>>,
+    /// Consecutive reconcile failures per object, for retry delays.
+    pub backoff: Backoff,
     started: Instant,
 }
 
@@ -48,6 +51,7 @@ impl Context {
             secret,
             metrics,
             histories: Mutex::default(),
+            backoff: Backoff::default(),
             started: Instant::now(),
         }
     }

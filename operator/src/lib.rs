@@ -3,8 +3,10 @@
 #![forbid(unsafe_code)]
 
 pub mod autoscale;
+pub mod backoff;
 pub mod build;
 pub mod context;
+pub mod controllers;
 pub mod error;
 pub mod leader;
 pub mod rabbitmq;

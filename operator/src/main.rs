@@ -13,16 +13,11 @@ use conveyor_core::config::{AmqpArgs, TelemetryArgs};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_operator::build::ConnectionSecret;
 use conveyor_operator::context::{Context, OperatorMetrics};
-use conveyor_operator::error::Error;
+use conveyor_operator::controllers;
 use conveyor_operator::leader::Leader;
 use conveyor_operator::rabbitmq::ManagementArgs;
-use conveyor_operator::{task_types, worker_pools};
-use futures_util::StreamExt;
-use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, ListParams};
-use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::Reporter;
-use kube::runtime::watcher;
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 
@@ -184,30 +179,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics,
     ));
 
-    let task_type_controller = Controller::new(
-        Api::<TaskType>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .graceful_shutdown_on(stop.clone().cancelled_owned())
-    .run(task_types::reconcile, error_policy("tasktype"), ctx.clone())
-    .for_each(|_| async {});
-    let pool_controller = Controller::new(
-        Api::<WorkerPool>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .owns(
-        Api::<Deployment>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .graceful_shutdown_on(stop.clone().cancelled_owned())
-    .run(
-        worker_pools::reconcile,
-        error_policy("workerpool"),
-        ctx.clone(),
-    )
-    .for_each(|_| async {});
-    tracing::info!("reconciling TaskTypes and WorkerPools");
-    tokio::join!(task_type_controller, pool_controller);
+    controllers::run(ctx, stop).await;
     if !shutdown.is_cancelled() {
         anyhow::bail!("lost leadership");
     }
@@ -215,28 +187,6 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let _ = holder.await;
     leader.release().await;
     Ok(())
-}
-
-/// Counts the error and retries: soon for outages, slowly for invalid specs (a user must
-/// edit them first).
-fn error_policy<K>(controller: &'static str) -> impl Fn(Arc<K>, &Error, Arc<Context>) -> Action {
-    move |_object, error, ctx| {
-        ctx.metrics
-            .errors
-            .with_label_values(&[controller, error.category()])
-            .inc();
-        let error_text = conveyor_core::with_causes(error);
-        tracing::warn!(
-            controller,
-            error = error_text,
-            category = error.category(),
-            "reconcile failed"
-        );
-        match error {
-            Error::InvalidSpec(_) | Error::Build(_) => Action::requeue(Duration::from_secs(300)),
-            _ => Action::requeue(Duration::from_secs(5)),
-        }
-    }
 }
 
 /// Exits with a clear message when the CRDs are not installed (the operator never installs

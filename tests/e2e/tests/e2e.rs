@@ -134,6 +134,25 @@ async fn invalid_manifests_are_refused_with_a_clear_message() {
 }
 
 #[tokio::test]
+async fn a_pool_applied_before_its_task_type_starts_when_the_type_arrives() {
+    let mut stack = Stack::namespace("early").await;
+    let t = stack.task_type("e2e-early");
+    stack.apply(&pool_yaml("early", &t, "  replicas: 1\n"));
+    // The pool is degraded (its type is missing) and would retry only after 300 s; the
+    // TaskType's creation wakes it instead.
+    wait_until("the pool reports its missing type", MINUTE, || async {
+        stack.kubectl(&["get", "workerpool/early", "-o", "jsonpath={.status.phase}"]) == "Degraded"
+    })
+    .await;
+    stack.apply(&task_type_yaml(&t, ""));
+    wait_until("a worker consumes the late type", 2 * MINUTE, || async {
+        stack.consumers(&stack.queue_of(&t, "")).await == 1
+    })
+    .await;
+    stack.finish().await;
+}
+
+#[tokio::test]
 async fn an_applied_pool_runs_workers_that_process_tasks() {
     let (stack, t) = pool_stack("pool", "pool", "  replicas: 2\n  concurrency: 4\n", 2).await;
     for suffix in ["", ".retry", ".remediation"] {

@@ -1,0 +1,199 @@
+//! The two controllers and what wakes them. Each reconciles on a change of its object's
+//! spec (its generation: status writes, its own or the depths', do not wake it), on its
+//! periodic requeue, and: a WorkerPool when its Deployment changes or when a TaskType it
+//! consumes is created or edited (a pool applied before its type starts at once, not at its
+//! next requeue). Failures retry per object with exponential backoff and jitter
+//! ([`crate::backoff`]); at most [`CONCURRENCY`] reconciles of each kind run at once.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use conveyor_core::crd::{TaskType, WorkerPool};
+use futures_util::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::Api;
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{predicates, watcher, WatchStreamExt};
+use kube::{Resource, ResourceExt};
+use tokio_util::sync::CancellationToken;
+
+use crate::context::Context;
+use crate::error::{Error, Result};
+use crate::{task_types, worker_pools};
+
+/// Reconciles of one kind under way at once: thousands of objects must not open thousands
+/// of broker and API requests together.
+pub const CONCURRENCY: u16 = 16;
+/// An invalid spec waits for an edit (which wakes it anyway).
+const INVALID_SPEC_RETRY: Duration = Duration::from_secs(300);
+
+/// Runs both controllers until `stop`.
+pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
+    let client = ctx.client.clone();
+    let config = controller::Config::default().concurrency(CONCURRENCY);
+
+    let (types, types_writer) = reflector::store::<TaskType>();
+    let type_changes = watcher(
+        Api::<TaskType>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(types_writer)
+    .applied_objects()
+    .predicate_filter(predicates::generation, Default::default());
+    let task_type_controller = Controller::for_stream(type_changes, types)
+        .with_config(config.clone())
+        .graceful_shutdown_on(stop.clone().cancelled_owned())
+        .run(
+            |task_type, ctx| forget_failures_on_success(task_type, ctx, task_types::reconcile),
+            error_policy,
+            ctx.clone(),
+        )
+        .for_each(|_| async {});
+
+    let (pools, pools_writer) = reflector::store::<WorkerPool>();
+    let pool_changes = watcher(
+        Api::<WorkerPool>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(pools_writer)
+    .applied_objects()
+    .predicate_filter(predicates::generation, Default::default());
+    let consumers = pools.clone();
+    let type_edits = watcher(
+        Api::<TaskType>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .touched_objects()
+    .predicate_filter(predicates::generation, Default::default());
+    let pool_controller = Controller::for_stream(pool_changes, pools)
+        .owns(Api::<Deployment>::all(client), watcher::Config::default())
+        .watches_stream(type_edits, move |task_type| {
+            pools_consuming(&consumers, &task_type)
+        })
+        .with_config(config)
+        .graceful_shutdown_on(stop.cancelled_owned())
+        .run(
+            |pool, ctx| forget_failures_on_success(pool, ctx, worker_pools::reconcile),
+            error_policy,
+            ctx,
+        )
+        .for_each(|_| async {});
+    tracing::info!("reconciling TaskTypes and WorkerPools");
+    tokio::join!(task_type_controller, pool_controller);
+}
+
+/// The pools in `task_type`'s namespace that consume it.
+pub fn pools_consuming(
+    pools: &Store<WorkerPool>,
+    task_type: &TaskType,
+) -> Vec<ObjectRef<WorkerPool>> {
+    let namespace = task_type.namespace();
+    let name = task_type.name_any();
+    pools
+        .state()
+        .iter()
+        .filter(|pool| pool.namespace() == namespace && pool.spec.task_types.contains(&name))
+        .map(|pool| ObjectRef::from_obj(pool.as_ref()))
+        .collect()
+}
+
+fn key<K: Resource<DynamicType = ()>>(object: &K) -> String {
+    format!(
+        "{}/{}/{}",
+        K::kind(&()),
+        object.namespace().unwrap_or_default(),
+        object.name_any()
+    )
+}
+
+async fn forget_failures_on_success<K, F>(
+    object: Arc<K>,
+    ctx: Arc<Context>,
+    reconcile: impl FnOnce(Arc<K>, Arc<Context>) -> F,
+) -> Result<Action>
+where
+    K: Resource<DynamicType = ()>,
+    F: Future<Output = Result<Action>>,
+{
+    let key = key(object.as_ref());
+    let result = reconcile(object, ctx.clone()).await;
+    if result.is_ok() {
+        ctx.backoff.succeeded(&key);
+    }
+    result
+}
+
+/// Counts the error and retries: an invalid spec after an edit (or slowly), anything else
+/// after the object's own backoff.
+fn error_policy<K: Resource<DynamicType = ()>>(
+    object: Arc<K>,
+    error: &Error,
+    ctx: Arc<Context>,
+) -> Action {
+    let kind = K::kind(&()).to_lowercase();
+    ctx.metrics
+        .errors
+        .with_label_values(&[&kind, error.category()])
+        .inc();
+    let error_text = conveyor_core::with_causes(error);
+    match error {
+        Error::InvalidSpec(_) | Error::Build(_) => {
+            tracing::warn!(
+                controller = kind,
+                error = error_text,
+                category = error.category(),
+                "reconcile failed"
+            );
+            Action::requeue(INVALID_SPEC_RETRY)
+        }
+        _ => {
+            let retry = ctx.backoff.failed(&key(object.as_ref()));
+            tracing::warn!(
+                controller = kind,
+                error = error_text,
+                category = error.category(),
+                ?retry,
+                "reconcile failed"
+            );
+            Action::requeue(retry)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use conveyor_core::crd::TaskTypeSpec;
+
+    fn pool(namespace: &str, name: &str, types: &[&str]) -> WorkerPool {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "conveyor.dev/v1alpha1", "kind": "WorkerPool",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"taskTypes": types, "image": "conveyor:dev", "handler": {"type": "noop"}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_task_type_wakes_the_pools_of_its_namespace_that_consume_it() {
+        let (store, mut writer) = reflector::store::<WorkerPool>();
+        for p in [
+            pool("video", "transcode", &["transcode", "thumbnail"]),
+            pool("video", "meta", &["metadata"]),
+            pool("other", "transcode", &["transcode"]),
+        ] {
+            writer.apply_watcher_event(&watcher::Event::Apply(p));
+        }
+        let mut task_type = TaskType::new("transcode", TaskTypeSpec::default());
+        task_type.metadata.namespace = Some("video".into());
+        let woken = pools_consuming(&store, &task_type);
+        assert_eq!(woken.len(), 1, "{woken:?}");
+        assert_eq!(woken[0].name, "transcode");
+        assert_eq!(woken[0].namespace.as_deref(), Some("video"));
+    }
+}
