@@ -17,6 +17,9 @@ use conveyor_core::crd::worker_pool::Autoscaling;
 
 /// How long a ready backlog may take to drain at the measured rate before we add workers.
 pub const DRAIN_TARGET: Duration = Duration::from_secs(60);
+/// How much faster than the pool finishes tasks must arrive before the arrival term adds
+/// workers (rates measured over a few seconds jitter).
+pub const ARRIVAL_MARGIN: f64 = 1.1;
 /// Workers one decision may add beyond doubling the pool (the HPA's default policy).
 pub const SCALE_UP_STEP: i32 = 4;
 
@@ -32,6 +35,8 @@ pub struct Observation {
     pub retrying: u64,
     /// Tasks per second the pool completed recently; `None` when not measured yet.
     pub processing_rate: Option<f64>,
+    /// Tasks per second arriving in the pool's work queues; `None` when not measured yet.
+    pub arrival_rate: Option<f64>,
     /// Workers the pool has now.
     pub current_replicas: i32,
 }
@@ -102,6 +107,24 @@ pub fn desired_replicas(
                     DRAIN_TARGET.as_secs()
                 ));
                 wanted = by_rate;
+            }
+        }
+    }
+    // Arrivals outpacing what the workers finish: grow before the queue builds up. A pool
+    // that keeps up finishes what arrives, so this term then asks for the current count.
+    if let (Some(arrival), Some(rate), true) = (
+        seen.arrival_rate,
+        seen.processing_rate,
+        seen.current_replicas > 0,
+    ) {
+        if rate > 0.0 && arrival > rate * ARRIVAL_MARGIN {
+            let per_worker = rate / f64::from(seen.current_replicas);
+            let by_arrival = (arrival / per_worker).ceil() as i64;
+            if by_arrival > wanted {
+                reasons.push(format!(
+                    "{arrival:.1} tasks/s arriving, {rate:.1} finished ({per_worker:.2} per worker), needs {by_arrival}"
+                ));
+                wanted = by_arrival;
             }
         }
     }
@@ -217,6 +240,7 @@ mod tests {
             in_flight,
             retrying: 0,
             processing_rate: None,
+            arrival_rate: None,
             current_replicas: current,
         }
     }
@@ -311,6 +335,22 @@ mod tests {
         assert!(d.reason.contains("within [0, 4]"), "{}", d.reason);
         assert_eq!(hold(0, &policy(2, 4), "x").replicas, 2);
         assert_eq!(hold(3, &policy(2, 4), "x").replicas, 3);
+    }
+
+    #[test]
+    fn arrivals_outpacing_the_pool_add_workers_before_the_queue_builds_up() {
+        let p = policy(0, 20);
+        // 2 workers finish 20 tasks/s; 50 arrive each second; almost nothing waits yet.
+        let mut observed = seen(10, 40, 2);
+        observed.processing_rate = Some(20.0);
+        observed.arrival_rate = Some(50.0);
+        let d = desired_replicas(&observed, &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 5, "50 / 10 per worker: {}", d.reason);
+        assert!(d.reason.contains("arriving"), "{}", d.reason);
+        // A pool that keeps up is left alone.
+        observed.arrival_rate = Some(21.0);
+        let d = desired_replicas(&observed, &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 2, "{}", d.reason);
     }
 
     #[test]

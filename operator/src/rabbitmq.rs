@@ -61,6 +61,18 @@ struct QueueInfo {
 struct MessageStats {
     #[serde(default)]
     ack_details: Option<Rate>,
+    #[serde(default)]
+    publish_details: Option<Rate>,
+}
+
+/// What flows through a work queue, per second, as the broker measured it over the last few
+/// seconds; `None` before it measured any.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct Rates {
+    /// Acknowledgements: the processing rate.
+    pub acks: Option<f64>,
+    /// Publishes (new tasks and released retries): the arrival rate.
+    pub publishes: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -309,14 +321,17 @@ impl ManagementApi {
             .unwrap_or_default())
     }
 
-    /// Acknowledgements per second on a task type's work queue: its processing rate, as the
-    /// broker measured it over the last few seconds; `None` before it measured any.
-    pub async fn processing_rate(&self, task_type: &str) -> Result<Option<f64>, ManagementError> {
-        let main = self.queue(&QueueNames::of(task_type).main).await?;
-        Ok(main
+    /// The processing and arrival rates of a task type's work queue.
+    pub async fn rates(&self, task_type: &str) -> Result<Rates, ManagementError> {
+        let stats = self
+            .queue(&QueueNames::of(task_type).main)
+            .await?
             .message_stats
-            .and_then(|s| s.ack_details)
-            .and_then(|d| d.rate))
+            .unwrap_or_default();
+        Ok(Rates {
+            acks: stats.ack_details.and_then(|d| d.rate),
+            publishes: stats.publish_details.and_then(|d| d.rate),
+        })
     }
 
     /// Messages in each of a task type's queues.

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use conveyor_core::crd::conditions::{READY, SCALING};
-use conveyor_core::crd::worker_pool::WorkerPoolStatus;
+use conveyor_core::crd::conditions::{METRICS_AVAILABLE, READY, SCALING};
+use conveyor_core::crd::worker_pool::{WorkerPoolStatus, AUTOSCALING_PAUSED};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_core::task_type::NamedTaskType;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -39,6 +39,8 @@ struct Load {
     dead_lettered: u64,
     /// Acknowledgements per second over the pool's types; `None` until the broker measured.
     rate: Option<f64>,
+    /// Publishes per second into the pool's work queues; `None` until the broker measured.
+    arrival: Option<f64>,
 }
 
 #[tracing::instrument(skip_all, fields(pool = %pool.name_any()))]
@@ -111,8 +113,13 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         )
         .await;
     }
+    let metrics = load
+        .as_ref()
+        .err()
+        .map(|err| (err.category(), err.to_string()));
     let load = load.unwrap_or_default();
     let status = Status {
+        metrics,
         phase: if ready_replicas == replicas {
             "Ready"
         } else {
@@ -149,6 +156,17 @@ fn decide(
         let wanted = pool.spec.replicas.unwrap_or(1).max(0);
         return (wanted, format!("spec.replicas is {wanted}"));
     };
+    if pool
+        .annotations()
+        .get(AUTOSCALING_PAUSED)
+        .map(String::as_str)
+        == Some("true")
+    {
+        return (
+            current,
+            format!("holding at {current}: {AUTOSCALING_PAUSED} is \"true\""),
+        );
+    }
     let decision = match load {
         Ok(load) => {
             let observation = Observation {
@@ -156,6 +174,7 @@ fn decide(
                 in_flight: load.in_flight,
                 retrying: load.retrying,
                 processing_rate: load.rate,
+                arrival_rate: load.arrival,
                 current_replicas: current,
             };
             let key = format!(
@@ -199,11 +218,19 @@ async fn read_load(
         load.in_flight += depths.in_flight;
         load.retrying += depths.retry;
         load.dead_lettered += depths.remediation;
-        if let Some(rate) = ctx.management.processing_rate(&spec.name).await? {
-            load.rate = Some(load.rate.unwrap_or(0.0) + rate);
-        }
+        let rates = ctx.management.rates(&spec.name).await?;
+        load.rate = add(load.rate, rates.acks);
+        load.arrival = add(load.arrival, rates.publishes);
     }
     Ok(load)
+}
+
+/// A sum of rates, measured as soon as one of them is.
+fn add(sum: Option<f64>, rate: Option<f64>) -> Option<f64> {
+    match (sum, rate) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+    }
 }
 
 /// Server-side apply under the operator's one field manager; drift is overwritten.
@@ -295,6 +322,8 @@ pub fn in_flight_from_metrics(text: &str) -> Option<u64> {
 }
 
 struct Status {
+    /// Why the queues' statistics could not be read; `None` when they were.
+    metrics: Option<(&'static str, String)>,
     phase: &'static str,
     reason: &'static str,
     message: String,
@@ -308,6 +337,7 @@ impl Status {
     /// Nothing was applied: the Deployment keeps its count, and `/scale` reports it.
     fn degraded(reason: &'static str, message: String, current: i32, ready: i32) -> Status {
         Status {
+            metrics: None,
             phase: "Degraded",
             reason,
             message,
@@ -356,6 +386,24 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
                 status.message,
                 generation,
             ),
+            match status.metrics {
+                None => condition(
+                    &previous,
+                    METRICS_AVAILABLE,
+                    true,
+                    "QueuesRead",
+                    "queue depths and rates read from RabbitMQ".to_owned(),
+                    generation,
+                ),
+                Some((reason, message)) => condition(
+                    &previous,
+                    METRICS_AVAILABLE,
+                    false,
+                    reason,
+                    message,
+                    generation,
+                ),
+            },
         ],
     };
     let patch = json!({

@@ -718,3 +718,114 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         .contains("backlog 250"));
     testing::delete_queues(&in_video(&name).name).await;
 }
+
+/// An autoscaled pool `scaled` whose Deployment has `replicas`, reconciled while the
+/// management API cannot be reached; returns what was asked of the API server.
+async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen> {
+    let current = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "scaled-worker", "namespace": "video"},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"conveyor.dev/pool": "scaled"}}, "template": {}},
+        "status": {"readyReplicas": replicas}
+    });
+    let shrinks = replicas > 4;
+    let mut script = vec![
+        expect(
+            Method::GET,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+            200,
+            task_type_list(&["t"]),
+        ),
+        expect(
+            Method::GET,
+            "/apis/apps/v1/namespaces/video/deployments/scaled-worker",
+            200,
+            current,
+        ),
+    ];
+    if shrinks {
+        // Deletion costs first: no pods listed here.
+        script.push(expect(
+            Method::GET,
+            "/api/v1/namespaces/video/pods",
+            200,
+            json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []}),
+        ));
+    }
+    script.extend(applies("scaled"));
+    if shrinks {
+        script.push(expect(Method::POST, EVENTS, 201, json!({})));
+    }
+    script.push(expect(
+        Method::PATCH,
+        "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/scaled/status",
+        200,
+        serde_json::to_value(&wp).unwrap(),
+    ));
+    let (client, verifier) = api_server(script);
+    worker_pools::reconcile(Arc::new(wp), context(client, "http://127.0.0.1:1"))
+        .await
+        .unwrap();
+    verifier.await.unwrap()
+}
+
+fn deployment_replicas(seen: &[Seen]) -> &Value {
+    let apply = seen
+        .iter()
+        .find(|(_, uri, _)| uri.contains("/deployments/scaled-worker?"))
+        .unwrap();
+    &apply.2["spec"]["replicas"]
+}
+
+fn pool_status(seen: &[Seen]) -> &Value {
+    &seen.last().unwrap().2["status"]
+}
+
+#[tokio::test]
+async fn an_autoscaled_pool_without_statistics_holds_within_its_bounds() {
+    let mut wp = pool(
+        "scaled",
+        &["t"],
+        json!({"minReplicas": 0, "maxReplicas": 4}),
+    );
+    wp.spec.replicas = None;
+    let seen = reconcile_without_statistics(wp, 7).await;
+    assert_eq!(
+        *deployment_replicas(&seen),
+        4,
+        "an edited maxReplicas applies even while the queues cannot be read"
+    );
+    let metrics = &pool_status(&seen)["conditions"][2];
+    assert_eq!(metrics["type"], "MetricsAvailable");
+    assert_eq!(metrics["status"], "False");
+    assert_eq!(metrics["reason"], "RabbitMQUnavailable");
+}
+
+#[tokio::test]
+async fn a_paused_pool_holds_its_count() {
+    let mut wp = pool(
+        "scaled",
+        &["t"],
+        json!({"minReplicas": 0, "maxReplicas": 10}),
+    );
+    wp.spec.replicas = None;
+    wp.metadata.annotations = Some(
+        [(
+            "conveyor.dev/autoscaling-paused".to_owned(),
+            "true".to_owned(),
+        )]
+        .into(),
+    );
+    let seen = reconcile_without_statistics(wp, 3).await;
+    assert_eq!(*deployment_replicas(&seen), 3);
+    let ready = &pool_status(&seen)["conditions"][0];
+    assert_eq!(ready["status"], "True", "serving while paused: {ready}");
+    assert!(
+        pool_status(&seen)["conditions"][1]["message"]
+            .as_str()
+            .unwrap()
+            .contains("autoscaling-paused"),
+        "{}",
+        pool_status(&seen)
+    );
+}

@@ -21,6 +21,8 @@ pub mod conditions {
     pub const READY: &str = "Ready";
     pub const QUEUES_DECLARED: &str = "QueuesDeclared";
     pub const SCALING: &str = "Scaling";
+    /// Whether the autoscaler could read the queues' statistics (unknown is not zero).
+    pub const METRICS_AVAILABLE: &str = "MetricsAvailable";
 }
 
 /// The CRDs as YAML documents, in the order `crds/` stores them.

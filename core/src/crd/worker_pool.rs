@@ -9,6 +9,10 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+/// Annotation that pauses a pool's autoscaler at its current count while `"true"` (for an
+/// incident or a migration); the pool follows its policy again once removed.
+pub const AUTOSCALING_PAUSED: &str = "conveyor.dev/autoscaling-paused";
+
 /// A pool of workers: which task types they consume, what they run, and how many of them.
 #[derive(CustomResource, Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[kube(
