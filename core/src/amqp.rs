@@ -33,6 +33,9 @@ use crate::task_type::NamedTaskType;
 pub enum AmqpError {
     #[error("broker unavailable: {0}")]
     Unavailable(lapin::Error),
+    /// Connecting (TCP, TLS and the AMQP handshake) took longer than this.
+    #[error("broker did not accept a connection within {0:?}")]
+    ConnectTimeout(Duration),
     /// The URL's TLS settings cannot be used (its `cacertfile`).
     #[error("{0}")]
     Tls(String),
@@ -56,7 +59,7 @@ impl AmqpError {
     /// Stable label for metrics and logs.
     pub fn category(&self) -> &'static str {
         match self {
-            AmqpError::Unavailable(_) => "unavailable",
+            AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) => "unavailable",
             AmqpError::Tls(_) => "tls_settings",
             AmqpError::NoQueue { .. } => "no_queue",
             AmqpError::Nacked => "nacked",
@@ -136,7 +139,9 @@ pub fn with_heartbeat(url: &str, seconds: u16) -> String {
 
 /// Opens a connection driven by the tokio runtime. `name` shows in the broker's
 /// connection list (and lets tests find and cut a given process's connection). An
-/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect.
+/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect. Bounded
+/// by [`CONNECT_TIMEOUT`]: a broker that accepts TCP but never answers (or a dropped SYN)
+/// must not hold a caller, or the link's lock, for the OS's minutes.
 pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
     let properties = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
@@ -146,10 +151,19 @@ pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
         identity: None,
         cert_chain: crate::tls::amqp_ca(url).map_err(|e| AmqpError::Tls(e.to_string()))?,
     };
-    Connection::connect_with_config(url, properties, tls)
-        .await
-        .map_err(AmqpError::Unavailable)
+    match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        Connection::connect_with_config(url, properties, tls),
+    )
+    .await
+    {
+        Ok(connected) => connected.map_err(AmqpError::Unavailable),
+        Err(_) => Err(AmqpError::ConnectTimeout(CONNECT_TIMEOUT)),
+    }
 }
+
+/// The longest a connection attempt may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn arg_str(value: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(value))
@@ -358,7 +372,10 @@ impl Publisher {
     pub async fn declare_task_type(&self, spec: &NamedTaskType) -> AmqpResult<()> {
         let channel = self.channel().await?;
         let result = declare_task_type(&channel, spec).await;
-        if matches!(result, Err(AmqpError::Unavailable(_))) {
+        if matches!(
+            result,
+            Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))
+        ) {
             self.reset().await;
         }
         result
@@ -382,6 +399,7 @@ impl Publisher {
         if matches!(
             result,
             Err(AmqpError::Unavailable(_)
+                | AmqpError::ConnectTimeout(_)
                 | AmqpError::ConfirmTimeout(_)
                 | AmqpError::NoQueue { .. })
         ) {
@@ -488,7 +506,10 @@ impl QueueObserver {
     pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
         let channel = self.link.channel().await?;
         let result = ready_count(&channel, queue).await;
-        if matches!(result, Err(AmqpError::Unavailable(_))) {
+        if matches!(
+            result,
+            Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))
+        ) {
             self.link.reset().await;
         }
         result
@@ -522,6 +543,7 @@ fn clone_error(err: &AmqpError) -> AmqpError {
         },
         AmqpError::Nacked => AmqpError::Nacked,
         AmqpError::ConfirmTimeout(d) => AmqpError::ConfirmTimeout(*d),
+        AmqpError::ConnectTimeout(d) => AmqpError::ConnectTimeout(*d),
         AmqpError::Mismatch { queue, source } => AmqpError::Mismatch {
             queue: queue.clone(),
             source: source.clone(),
