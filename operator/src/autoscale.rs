@@ -200,6 +200,22 @@ pub fn hold(current: i32, policy: &Autoscaling, why: &str) -> Decision {
     Decision { replicas, reason }
 }
 
+/// Limits a scale-down from `current` to `replicas` to the `idle` workers: the rest of the
+/// shrink waits until more are idle. Returns why, when it held any back.
+pub fn shrink_to_idle(current: i32, replicas: &mut i32, idle: usize) -> Option<String> {
+    let floor = current
+        .saturating_sub(i32::try_from(idle).unwrap_or(i32::MAX))
+        .max(0);
+    if *replicas >= floor {
+        return None;
+    }
+    let wanted = *replicas;
+    *replicas = floor;
+    Some(format!(
+        "scale-down to {wanted} held at {floor}: {idle} of {current} workers idle (busy workers are not removed)"
+    ))
+}
+
 /// The deletion cost of a pod whose in-flight count could not be read: it may be busy, so
 /// it goes after every pod known to be idle or less busy.
 pub const UNKNOWN_COST: i32 = i32::MAX;
@@ -326,6 +342,20 @@ mod tests {
             desired_replicas(&seen(0, 0, 0), &p, &mut history, 20.0).replicas,
             0
         );
+    }
+
+    #[test]
+    fn a_scale_down_removes_only_idle_workers() {
+        let mut replicas = 2;
+        let why = shrink_to_idle(6, &mut replicas, 1).unwrap();
+        assert_eq!(replicas, 5, "one idle worker: one goes");
+        assert!(why.contains("1 of 6 workers idle"), "{why}");
+        let mut replicas = 2;
+        assert_eq!(shrink_to_idle(6, &mut replicas, 4), None);
+        assert_eq!(replicas, 2, "enough idle workers: the whole step");
+        let mut replicas = 0;
+        shrink_to_idle(3, &mut replicas, 0);
+        assert_eq!(replicas, 3, "nobody idle (or unreadable): nobody goes");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::autoscale::{deletion_costs, desired_replicas, hold, Observation};
+use crate::autoscale::{deletion_costs, desired_replicas, hold, shrink_to_idle, Observation};
 use crate::build::{self, selector, FIELD_MANAGER, METRICS_PORT};
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
@@ -74,7 +74,17 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
 
-    let (replicas, reason) = decide(&pool, &load, current, &ctx);
+    let (mut replicas, mut reason) = decide(&pool, &load, current, &ctx);
+    if replicas < current {
+        let idle = mark_idle_pods(&pool, &ctx).await;
+        if pool.spec.autoscaling.is_some() {
+            // The autoscaler chooses when: it removes only workers known to be idle, so a
+            // scale-down never takes a task in flight (the rest go as they become idle).
+            if let Some(why) = shrink_to_idle(current, &mut replicas, idle) {
+                reason = format!("{reason}; {why}");
+            }
+        }
+    }
 
     let objects = match build::pool_objects(&pool, &task_types, replicas, &ctx.secret) {
         Ok(objects) => objects,
@@ -91,9 +101,6 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
             return Err(err.into());
         }
     };
-    if replicas < current {
-        mark_idle_pods(&pool, &ctx).await;
-    }
     apply(&client, &namespace, &objects.config_map).await?;
     apply(&client, &namespace, &objects.service).await?;
     apply(&client, &namespace, &objects.pod_disruption_budget).await?;
@@ -258,8 +265,9 @@ where
 
 /// Before shrinking, tells the ReplicaSet which pods are idle: each pod's deletion cost is
 /// its in-flight task count, read from its metrics. A pod that cannot be read may be busy:
-/// it costs the most.
-async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
+/// it costs the most. A pod with no address yet runs nothing: it costs 0 (the ReplicaSet
+/// removes unstarted pods first anyway). Returns how many pods are marked idle.
+async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) -> usize {
     let namespace = pool.namespace().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
     let list = match pods
@@ -269,7 +277,7 @@ async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
         Ok(list) => list.items,
         Err(err) => {
             tracing::warn!(error = %err, "cannot list pods for deletion costs");
-            return;
+            return 0;
         }
     };
     let http = reqwest::Client::builder()
@@ -296,21 +304,35 @@ async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) {
                 .map(|busy| (pod.name_any(), busy))
         })
     });
-    let busy: HashMap<String, u64> = futures_util::future::join_all(scrapes)
+    let mut busy: HashMap<String, u64> = futures_util::future::join_all(scrapes)
         .await
         .into_iter()
         .flatten()
         .collect();
+    for pod in &list {
+        if pod
+            .status
+            .as_ref()
+            .and_then(|s| s.pod_ip.as_ref())
+            .is_none()
+        {
+            busy.insert(pod.name_any(), 0);
+        }
+    }
+    let mut idle = 0;
     let names: Vec<String> = list.iter().map(|p| p.name_any()).collect();
     for (pod, cost) in deletion_costs(names.iter().map(String::as_str), &busy) {
         let patch = json!({"metadata": {"annotations": {DELETION_COST: cost.to_string()}}});
-        if let Err(err) = pods
+        match pods
             .patch(&pod, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            tracing::warn!(pod, error = %err, "cannot set pod deletion cost");
+            Ok(_) if cost == 0 => idle += 1,
+            Ok(_) => {}
+            Err(err) => tracing::warn!(pod, error = %err, "cannot set pod deletion cost"),
         }
     }
+    idle
 }
 
 /// `conveyor_in_flight_tasks` from a worker's metrics text; `None` when it is not there.

@@ -744,13 +744,25 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
         ),
     ];
     if shrinks {
-        // Deletion costs first: no pods listed here.
+        // Deletion costs first. The pods beyond 4 have not started (no address): idle,
+        // so the autoscaler may remove them.
+        let pending: Vec<Value> = (4..replicas)
+            .map(|i| json!({"metadata": {"name": format!("scaled-worker-{i}"), "namespace": "video"}}))
+            .collect();
         script.push(expect(
             Method::GET,
             "/api/v1/namespaces/video/pods",
             200,
-            json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": []}),
+            json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": pending}),
         ));
+        for i in 4..replicas {
+            script.push(expect(
+                Method::PATCH,
+                &format!("/api/v1/namespaces/video/pods/scaled-worker-{i}"),
+                200,
+                json!({}),
+            ));
+        }
     }
     script.extend(applies("scaled"));
     if shrinks {

@@ -281,6 +281,20 @@ impl Stack {
         self.db.events(id).await.expect("events")
     }
 
+    /// Tasks of `task_type` that were claimed more than once (re-runs), with their claims.
+    pub async fn reruns(&self, task_type: &str) -> BTreeMap<Uuid, i64> {
+        sqlx::query_as::<_, (Uuid, i64)>(
+            "SELECT task_id, count(*) FROM task_events \
+             WHERE task_type = $1 AND to_state = 'CLAIMED' GROUP BY task_id HAVING count(*) > 1",
+        )
+        .bind(self.key(task_type))
+        .fetch_all(self.db.pool())
+        .await
+        .expect("claim counts")
+        .into_iter()
+        .collect()
+    }
+
     /// COMPLETED events per task of `task_type` (exactly-once means all of them are 1).
     pub async fn completions(&self, task_type: &str) -> BTreeMap<Uuid, i64> {
         sqlx::query_as::<_, (Uuid, i64)>(
