@@ -14,6 +14,7 @@ use prometheus::{IntCounterVec, Registry};
 
 use crate::autoscale::History;
 use crate::backoff::Backoff;
+use crate::broker_stats::BrokerStats;
 use crate::build::ConnectionSecret;
 use crate::rabbitmq::ManagementApi;
 
@@ -30,6 +31,8 @@ pub struct Context {
     pub histories: Mutex<HashMap<String, History>>,
     /// Consecutive reconcile failures per object, for retry delays.
     pub backoff: Backoff,
+    /// The broker's queue statistics, polled once for every reconcile to read.
+    pub broker: BrokerStats,
     started: Instant,
 }
 
@@ -52,6 +55,7 @@ impl Context {
             metrics,
             histories: Mutex::default(),
             backoff: Backoff::default(),
+            broker: BrokerStats::default(),
             started: Instant::now(),
         }
     }

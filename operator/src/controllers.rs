@@ -3,7 +3,8 @@
 //! periodic requeue, and: a WorkerPool when its Deployment changes or when a TaskType it
 //! consumes is created or edited (a pool applied before its type starts at once, not at its
 //! next requeue). Failures retry per object with exponential backoff and jitter
-//! ([`crate::backoff`]); at most [`CONCURRENCY`] reconciles of each kind run at once.
+//! ([`crate::backoff`]); at most [`CONCURRENCY`] reconciles of each kind run at once. One
+//! poller reads the broker's queue statistics for both ([`crate::broker_stats`]).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -33,6 +34,9 @@ const INVALID_SPEC_RETRY: Duration = Duration::from_secs(300);
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let client = ctx.client.clone();
     let config = controller::Config::default().concurrency(CONCURRENCY);
+    let poller = ctx.clone();
+    let poll_stop = stop.clone();
+    tokio::spawn(async move { poller.broker.poll(&poller.management, poll_stop).await });
 
     let (types, types_writer) = reflector::store::<TaskType>();
     let type_changes = watcher(

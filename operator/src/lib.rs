@@ -4,6 +4,7 @@
 
 pub mod autoscale;
 pub mod backoff;
+pub mod broker_stats;
 pub mod build;
 pub mod context;
 pub mod controllers;

@@ -11,7 +11,7 @@ use conveyor_core::tls::TrustedRoots;
 use conveyor_core::with_causes;
 use serde::Deserialize;
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum ManagementError {
     /// The reason holds the whole cause (a refused certificate shows here, not only in a
     /// source chain that log lines do not print).
@@ -32,6 +32,9 @@ pub enum ManagementError {
         queue: String,
         counter: &'static str,
     },
+    /// The shared poller has no recent queue list ([`crate::broker_stats`]).
+    #[error("no recent queue statistics (last list {age:?} ago)")]
+    Stale { age: Option<std::time::Duration> },
 }
 
 impl ManagementError {
@@ -40,13 +43,16 @@ impl ManagementError {
             ManagementError::Unreachable { .. } => "RabbitMQUnavailable",
             ManagementError::Client(_) => "RabbitMQClient",
             ManagementError::Refused { .. } => "RabbitMQRefused",
-            ManagementError::StatsMissing { .. } => "MetricsUnavailable",
+            ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {
+                "MetricsUnavailable"
+            }
         }
     }
 }
 
-#[derive(Debug, Deserialize)]
-struct QueueInfo {
+/// One queue as the management API describes it (only the fields read here).
+#[derive(Debug, Clone, Deserialize)]
+pub struct QueueInfo {
     name: String,
     messages_ready: Option<u64>,
     messages_unacknowledged: Option<u64>,
@@ -57,7 +63,7 @@ struct QueueInfo {
     message_stats: Option<MessageStats>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 struct MessageStats {
     #[serde(default)]
     ack_details: Option<Rate>,
@@ -75,7 +81,7 @@ pub struct Rates {
     pub publishes: Option<f64>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 struct Rate {
     rate: Option<f64>,
 }
@@ -321,42 +327,95 @@ impl ManagementApi {
             .unwrap_or_default())
     }
 
-    /// The processing and arrival rates of a task type's work queue.
-    pub async fn rates(&self, task_type: &str) -> Result<Rates, ManagementError> {
-        let stats = self
-            .queue(&QueueNames::of(task_type).main)
+    /// Every queue of the vhost in one request, with only the counters the operator reads:
+    /// what the shared poller ([`crate::broker_stats`]) fetches instead of four requests per
+    /// type per reconcile.
+    pub async fn list_queues(&self) -> Result<Queues, ManagementError> {
+        let url = format!(
+            "{}/api/queues/{}?columns=name,messages,messages_ready,messages_unacknowledged,\
+             message_stats.ack_details.rate,message_stats.publish_details.rate",
+            self.base,
+            encode(&self.vhost)
+        );
+        let list: Vec<QueueInfo> = self
+            .send("the queue list".to_owned(), self.http.get(url))
             .await?
-            .message_stats
-            .unwrap_or_default();
-        Ok(Rates {
-            acks: stats.ack_details.and_then(|d| d.rate),
-            publishes: stats.publish_details.and_then(|d| d.rate),
-        })
+            .json()
+            .await
+            .map_err(|err| ManagementError::Unreachable {
+                url: self.base.clone(),
+                reason: with_causes(&err),
+            })?;
+        Ok(list.into_iter().map(|q| (q.name.clone(), q)).collect())
     }
 
-    /// Messages in each of a task type's queues.
+    /// The processing and arrival rates of a task type's work queue, read now.
+    pub async fn rates(&self, task_type: &str) -> Result<Rates, ManagementError> {
+        let main = QueueNames::of(task_type).main;
+        rates_in(
+            &[(main.clone(), self.queue(&main).await?)].into(),
+            task_type,
+        )
+    }
+
+    /// Messages in each of a task type's queues, read now (one request per queue).
     pub async fn depths(&self, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
-        let queues = QueueNames::of(&spec.name);
-        let main = self.queue(&queues.main).await?;
-        let mut retry = self.queue(&queues.retry).await?.messages()?;
-        // Every tier the type may have had: one left from before an edit to fewer retries
-        // still holds retries until it drains (the TaskType reconcile then deletes it).
-        for tier in 1..MAX_RETRY_TIERS {
-            match self.queue(&queues.retry_tier(tier)).await {
-                Ok(queue) => retry += queue.messages()?,
-                // Not declared (yet, or any more).
+        let mut queues = Queues::new();
+        for queue in QueueNames::of(&spec.name).all(MAX_RETRY_TIERS) {
+            match self.queue(&queue).await {
+                Ok(info) => {
+                    queues.insert(queue, info);
+                }
                 Err(ManagementError::Refused { status: 404, .. }) => {}
                 Err(err) => return Err(err),
             }
         }
-        let remediation = self.queue(&queues.remediation).await?;
-        Ok(QueueDepths {
-            ready: main.counter("messages_ready", main.messages_ready)?,
-            in_flight: main.counter("messages_unacknowledged", main.messages_unacknowledged)?,
-            retry,
-            remediation: remediation.messages()?,
-        })
+        depths_in(&queues, spec)
     }
+}
+
+/// Queues by name.
+pub type Queues = std::collections::HashMap<String, QueueInfo>;
+
+fn queue_in<'a>(queues: &'a Queues, name: &str) -> Result<&'a QueueInfo, ManagementError> {
+    queues.get(name).ok_or_else(|| ManagementError::Refused {
+        what: format!("queue {name}"),
+        status: 404,
+        body: "not in the broker's queue list".to_owned(),
+    })
+}
+
+/// A task type's depths in `queues`: its work, retry and remediation queues must be there
+/// (a type not declared yet is a 404); retry tiers beyond the first count when present (one
+/// left from before an edit to fewer retries still holds retries until it drains).
+pub fn depths_in(queues: &Queues, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
+    let names = QueueNames::of(&spec.name);
+    let main = queue_in(queues, &names.main)?;
+    let mut retry = queue_in(queues, &names.retry)?.messages()?;
+    for tier in 1..MAX_RETRY_TIERS {
+        if let Some(queue) = queues.get(&names.retry_tier(tier)) {
+            retry += queue.messages()?;
+        }
+    }
+    let remediation = queue_in(queues, &names.remediation)?;
+    Ok(QueueDepths {
+        ready: main.counter("messages_ready", main.messages_ready)?,
+        in_flight: main.counter("messages_unacknowledged", main.messages_unacknowledged)?,
+        retry,
+        remediation: remediation.messages()?,
+    })
+}
+
+/// A task type's work-queue rates in `queues`.
+pub fn rates_in(queues: &Queues, task_type: &str) -> Result<Rates, ManagementError> {
+    let stats = queue_in(queues, &QueueNames::of(task_type).main)?
+        .message_stats
+        .clone()
+        .unwrap_or_default();
+    Ok(Rates {
+        acks: stats.ack_details.and_then(|d| d.rate),
+        publishes: stats.publish_details.and_then(|d| d.rate),
+    })
 }
 
 /// Percent-encoding for a path segment (vhost `/` is `%2F`).

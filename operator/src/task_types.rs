@@ -19,7 +19,7 @@ use serde_json::json;
 use crate::build::FIELD_MANAGER;
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
-use crate::rabbitmq::{task_type_policies, ManagementError};
+use crate::rabbitmq::task_type_policies;
 
 pub const FINALIZER: &str = "conveyor.dev/delete-queues";
 /// Depths in the status are refreshed this often.
@@ -116,11 +116,8 @@ async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDept
         ctx.management.put_policy(&policy).await?;
     }
     delete_drained_tiers(spec, ctx).await?;
-    match ctx.management.depths(spec).await {
-        Ok(depths) => Ok(Some(depths)),
-        Err(ManagementError::StatsMissing { .. }) => Ok(None),
-        Err(err) => Err(err.into()),
-    }
+    // From the shared poller: a type declared a moment ago is not in its list yet.
+    Ok(ctx.broker.depths(spec).ok())
 }
 
 /// Retry queues beyond the type's tiers now (it was edited to fewer retries or a flatter

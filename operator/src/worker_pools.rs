@@ -220,12 +220,12 @@ async fn read_load(
             .unwrap_or_else(|| {
                 NamedTaskType::in_namespace(&namespace, task_type, Default::default())
             });
-        let depths = ctx.management.depths(&spec).await?;
+        let depths = ctx.broker.depths(&spec)?;
         load.ready += depths.ready;
         load.in_flight += depths.in_flight;
         load.retrying += depths.retry;
         load.dead_lettered += depths.remediation;
-        let rates = ctx.management.rates(&spec.name).await?;
+        let rates = ctx.broker.rates(&spec.name)?;
         load.rate = add(load.rate, rates.acks);
         load.arrival = add(load.arrival, rates.publishes);
     }

@@ -695,9 +695,9 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         .flatten()
         .collect(),
     );
-    worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
-        .await
-        .unwrap();
+    let ctx = context(client, MANAGEMENT);
+    ctx.broker.refresh(&ctx.management).await.unwrap();
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
     let seen = verifier.await.unwrap();
     assert_eq!(
         seen[5].2["spec"]["replicas"], 3,
@@ -775,9 +775,9 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
         serde_json::to_value(&wp).unwrap(),
     ));
     let (client, verifier) = api_server(script);
-    worker_pools::reconcile(Arc::new(wp), context(client, "http://127.0.0.1:1"))
-        .await
-        .unwrap();
+    let ctx = context(client, "http://127.0.0.1:1");
+    assert!(ctx.broker.refresh(&ctx.management).await.is_err());
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
     verifier.await.unwrap()
 }
 
