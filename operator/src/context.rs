@@ -33,6 +33,8 @@ pub struct Context {
     pub backoff: Backoff,
     /// The broker's queue statistics, polled once for every reconcile to read.
     pub broker: BrokerStats,
+    /// TaskTypes (`namespace/name`) declared: at which generation, and when.
+    pub declared: Mutex<HashMap<String, (Option<i64>, Instant)>>,
     started: Instant,
 }
 
@@ -56,6 +58,7 @@ impl Context {
             histories: Mutex::default(),
             backoff: Backoff::default(),
             broker: BrokerStats::default(),
+            declared: Mutex::default(),
             started: Instant::now(),
         }
     }
@@ -137,6 +140,8 @@ pub struct OperatorMetrics {
     pub reconciles: IntCounterVec,
     pub errors: IntCounterVec,
     pub scaling_decisions: IntCounterVec,
+    /// Requests to RabbitMQ by API (`management`, `amqp` declarations).
+    pub broker_requests: IntCounterVec,
 }
 
 impl OperatorMetrics {
@@ -160,6 +165,11 @@ impl OperatorMetrics {
                 "operator_scaling_decisions_total",
                 "Replica changes by direction",
                 &["direction"],
+            ),
+            broker_requests: counter(
+                "operator_broker_requests_total",
+                "Requests to RabbitMQ by API (management, amqp)",
+                &["api"],
             ),
             registry,
         }

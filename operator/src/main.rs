@@ -166,7 +166,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         reporter,
         args.management
             .api("/", &args.ca.roots().context("--ca-file")?)
-            .context("RabbitMQ management API client")?,
+            .context("RabbitMQ management API client")?
+            .counted(metrics.broker_requests.with_label_values(&["management"])),
         Publisher::new(
             args.amqp.connection_url(),
             "conveyor-operator",

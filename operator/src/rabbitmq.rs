@@ -142,6 +142,8 @@ pub struct ManagementApi {
     password: String,
     vhost: String,
     http: reqwest::Client,
+    /// Counts every request sent (the operator's `operator_broker_requests_total`).
+    sent: Option<prometheus::IntCounter>,
 }
 
 impl ManagementApi {
@@ -164,7 +166,14 @@ impl ManagementApi {
                 .timeout(Duration::from_secs(10))
                 .build()
                 .map_err(|err| ManagementError::Client(with_causes(&err)))?,
+            sent: None,
         })
+    }
+
+    /// Counts each request this client sends on `counter`.
+    pub fn counted(mut self, counter: prometheus::IntCounter) -> Self {
+        self.sent = Some(counter);
+        self
     }
 
     fn url(&self, path: &str, name: &str) -> String {
@@ -181,6 +190,9 @@ impl ManagementApi {
         what: String,
         request: reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, ManagementError> {
+        if let Some(sent) = &self.sent {
+            sent.inc();
+        }
         let response = request
             .basic_auth(&self.user, Some(&self.password))
             .send()

@@ -4,7 +4,7 @@
 //! must delete its queues; under Retain nothing outside the cluster needs cleaning up.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::conditions::{QUEUES_DECLARED, READY};
@@ -19,11 +19,13 @@ use serde_json::json;
 use crate::build::FIELD_MANAGER;
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
-use crate::rabbitmq::task_type_policies;
+use crate::rabbitmq::{task_type_policies, ManagementError};
 
 pub const FINALIZER: &str = "conveyor.dev/delete-queues";
 /// Depths in the status are refreshed this often.
 const RESYNC: Duration = Duration::from_secs(15);
+/// How long a declaration is trusted while nothing says it is gone.
+const REDECLARE_EVERY: Duration = Duration::from_secs(300);
 /// Longest a declaration may take (connect included) before the broker counts as unavailable.
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -52,6 +54,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
             }
             set_finalizer(&api, &task_type, false).await?;
         }
+        lock(&ctx.declared).remove(&declared_key(&task_type));
         return Ok(Action::await_change());
     }
     // Validated before a finalizer is added: nothing can be deleted under a bad name.
@@ -76,7 +79,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
 
     // The broker's answer decides Ready: a type whose queues cannot be declared is not
     // ready, whatever it was before (the gateway would publish into nothing).
-    let depths = match declare(&spec, &ctx).await {
+    let depths = match declare_unless_current(&task_type, &spec, &ctx).await {
         Ok(depths) => depths,
         Err(err) => {
             let message = conveyor_core::with_causes(&err);
@@ -99,10 +102,50 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
     Ok(Action::requeue(RESYNC))
 }
 
+/// Declares again only when needed: the spec changed, the poller's queue list misses one of
+/// the type's queues (deleted by hand, or a broker that lost them), or [`REDECLARE_EVERY`]
+/// passed (policies edited by hand). A thousand types must not mean a thousand declarations
+/// and policy writes every resync.
+async fn declare_unless_current(
+    task_type: &TaskType,
+    spec: &NamedTaskType,
+    ctx: &Context,
+) -> Result<Option<QueueDepths>> {
+    let key = declared_key(task_type);
+    let generation = task_type.meta().generation;
+    let listed = ctx.broker.depths(spec);
+    let current = lock(&ctx.declared)
+        .get(&key)
+        .is_some_and(|&(seen, at)| seen == generation && at.elapsed() < REDECLARE_EVERY);
+    let queues_there = matches!(listed, Ok(_) | Err(ManagementError::StatsMissing { .. }));
+    if current && queues_there {
+        return Ok(listed.ok());
+    }
+    let depths = declare(spec, ctx).await?;
+    lock(&ctx.declared).insert(key, (generation, Instant::now()));
+    Ok(depths)
+}
+
+fn declared_key(task_type: &TaskType) -> String {
+    format!(
+        "{}/{}",
+        task_type.namespace().unwrap_or_default(),
+        task_type.name_any()
+    )
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Declares the queues (bounded by [`DECLARE_TIMEOUT`]: a hung broker must not hold the
 /// reconcile), puts the policies, drops drained tiers and reads the depths. Depths the broker
 /// has not counted yet are unknown (`None`), which does not make the type unready.
 async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDepths>> {
+    ctx.metrics
+        .broker_requests
+        .with_label_values(&["amqp"])
+        .inc();
     match tokio::time::timeout(DECLARE_TIMEOUT, ctx.publisher.declare_task_type(spec)).await {
         Ok(declared) => declared.map_err(Error::Amqp)?,
         Err(_) => {
@@ -204,6 +247,10 @@ async fn write_status(
         ],
         depths,
     };
+    // Unchanged (the usual resync of an idle type): no write.
+    if task_type.status.as_ref() == Some(&status) {
+        return Ok(());
+    }
     let patch = json!({
         "apiVersion": TaskType::api_version(&()),
         "kind": TaskType::kind(&()),

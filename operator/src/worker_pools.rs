@@ -428,6 +428,10 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
             },
         ],
     };
+    // Unchanged (a steady pool's periodic look): no write.
+    if pool.status.as_ref() == Some(&body) {
+        return Ok(());
+    }
     let patch = json!({
         "apiVersion": WorkerPool::api_version(&()),
         "kind": WorkerPool::kind(&()),

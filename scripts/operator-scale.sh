@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The operator at scale (issue 13): N TaskTypes and N WorkerPools (autoscaled, minReplicas 0,
+# no work: no pods) applied at once on the local stack; how long until every TaskType is
+# Ready, then a steady window in which the operator's CPU and memory, the apiserver's
+# requests and the operator's broker requests are measured from outside the reconcilers
+# (/proc, the apiserver's own metrics, the operator's request counters). Everything is
+# deleted again (deletionPolicy Delete, so the operator removes the queues), and the script
+# checks that no queue is left. Writes docs/operator-scale.md.
+#
+#   scripts/operator-scale.sh [N] [STEADY_SECONDS]     (needs `make stack`; default 1000, 120)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+N=${1:-1000}
+STEADY=${2:-120}
+eval "$(scripts/stack.sh env)"
+DEV=${CONVEYOR_DEV_DIR:-$PWD/.dev}
+OPERATOR=${CONVEYOR_OPERATOR_LISTEN:-127.0.0.1:8081}
+MANAGEMENT=https://127.0.0.1:15671
+CURL=(curl -fsS --cacert /etc/conveyor/dev-tls/ca.crt -u conveyor:conveyor)
+NS=scale-$(date +%s)
+REPORT=${REPORT:-docs/operator-scale.md}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+log() { printf 'operator-scale: %s\n' "$*" >&2; }
+minus() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f\n", a - b}'; }
+pid=$(cat "$DEV/operator.pid")
+cpu_seconds() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$pid/stat"; }
+rss_mib() { awk -v k="$1" '$1 == k":" {print $2 / 1024}' "/proc/$pid/status"; }
+# Every request the apiserver served, whoever made it.
+apiserver_requests() {
+  kubectl get --raw /metrics | awk '/^apiserver_request_total\{/ {sum += $NF} END {printf "%d\n", sum}'
+}
+operator_counter() { # metric name
+  curl -fsS "http://$OPERATOR/metrics" | awk -v m="$1" '$1 ~ "^"m"(\\{|$)" {sum += $NF} END {printf "%d\n", sum}'
+}
+queues_left() {
+  "${CURL[@]}" "$MANAGEMENT/api/queues/%2F?columns=name" | grep -o "\"conveyor\\.$NS\\.[^\"]*\"" | wc -l
+}
+ready_types() {
+  kubectl get tasktypes -n "$NS" -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' \
+    | grep -c True || true
+}
+
+# A steady window: CPU seconds, apiserver and broker requests per minute.
+measure() { # seconds → "cpu_per_min api_per_min broker_per_min"
+  local c0 a0 b0 c1 a1 b1
+  c0=$(cpu_seconds); a0=$(apiserver_requests); b0=$(operator_counter operator_broker_requests_total)
+  sleep "$1"
+  c1=$(cpu_seconds); a1=$(apiserver_requests); b1=$(operator_counter operator_broker_requests_total)
+  awk -v c="$(minus "$c1" "$c0")" -v a=$((a1 - a0)) -v b=$((b1 - b0)) -v s="$1" \
+    'BEGIN {printf "%.2f %.0f %.0f\n", c * 60 / s, a * 60 / s, b * 60 / s}'
+}
+
+log "baseline: ${STEADY}s with the cluster as it is"
+read -r base_cpu base_api base_broker <<<"$(measure "$STEADY")"
+base_rss=$(rss_mib VmRSS)
+
+log "generating $N TaskTypes and $N WorkerPools in namespace $NS"
+{
+  echo "apiVersion: v1"; echo "kind: Namespace"; echo "metadata: {name: $NS}"
+  for i in $(seq 1 "$N"); do
+    printf -- '---\napiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {name: t%d, namespace: %s}\nspec: {maxRetries: 1, deletionPolicy: Delete}\n' "$i" "$NS"
+    printf -- '---\napiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {name: p%d, namespace: %s}\nspec:\n  taskTypes: [t%d]\n  image: conveyor:dev\n  handler: {type: noop}\n  autoscaling: {minReplicas: 0, maxReplicas: 2}\n' "$i" "$NS" "$i"
+  done
+} >"$WORK/objects.yaml"
+
+started=$(date +%s.%N)
+cpu_before=$(cpu_seconds)
+kubectl apply --server-side -f "$WORK/objects.yaml" >/dev/null
+applied=$(date +%s.%N)
+log "applied in $(minus "$applied" "$started") s; waiting for $N TaskTypes Ready"
+deadline=$(( $(date +%s) + 3600 ))
+while [ "$(ready_types)" -lt "$N" ]; do
+  [ "$(date +%s)" -lt "$deadline" ] || { log "not every TaskType became Ready within an hour"; break; }
+  sleep 5
+done
+all_ready=$(date +%s.%N)
+ready=$(ready_types)
+to_ready=$(minus "$all_ready" "$started")
+cpu_to_ready=$(minus "$(cpu_seconds)" "$cpu_before")
+log "$ready of $N Ready after ${to_ready}s; steady window of ${STEADY}s"
+read -r cpu api broker <<<"$(measure "$STEADY")"
+rss=$(rss_mib VmRSS); hwm=$(rss_mib VmHWM)
+queues=$(queues_left)
+
+log "deleting $NS (the operator deletes the queues)"
+kubectl delete namespace "$NS" --wait=false >/dev/null
+deadline=$(( $(date +%s) + 1800 ))
+while kubectl get namespace "$NS" >/dev/null 2>&1; do
+  [ "$(date +%s)" -lt "$deadline" ] || { log "namespace $NS still there after 30 min"; break; }
+  sleep 5
+done
+left=$(queues_left)
+if [ "$left" -gt 0 ]; then
+  log "$left queues left behind; deleting them through the management API"
+  "${CURL[@]}" "$MANAGEMENT/api/queues/%2F?columns=name" | grep -o "\"conveyor\\.$NS\\.[^\"]*\"" | tr -d '"' |
+    while read -r q; do "${CURL[@]}" -X DELETE "$MANAGEMENT/api/queues/%2F/$q" >/dev/null || true; done
+fi
+
+cat >"$REPORT" <<EOF
+# The operator at scale
+
+\`scripts/operator-scale.sh $N $STEADY\` on $(date -u +%Y-%m-%d), $(nproc) cores, the local
+stack (debug build of the operator, one process; RabbitMQ and PostgreSQL on the same
+machine). $N TaskTypes (maxRetries 1: four quorum queues each) and $N WorkerPools
+(autoscaled 0-2, no work, so no pods) applied in one \`kubectl apply\`. Counts from outside
+the reconcilers: /proc for the operator process, the apiserver's \`apiserver_request_total\`
+(every client, so the baseline is shown beside it), the operator's
+\`operator_broker_requests_total\` (management API requests and AMQP declarations).
+
+| | before the objects | with $N + $N objects |
+|---|---|---|
+| TaskTypes Ready | — | $ready of $N after ${to_ready} s (operator CPU ${cpu_to_ready} s) |
+| queues declared | — | $queues |
+| operator CPU, s per minute (steady) | $base_cpu | $cpu |
+| operator RSS, MiB | $base_rss | $rss (peak $hwm) |
+| apiserver requests per minute (all clients) | $base_api | $api |
+| operator broker requests per minute | $base_broker | $broker |
+| queues left after deleting the namespace | — | $left (before the script's own clean-up) |
+EOF
+log "wrote $REPORT"
