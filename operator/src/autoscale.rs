@@ -64,6 +64,12 @@ impl History {
         }
     }
 
+    /// Records a count held without a recommendation (paused, or no statistics), so the
+    /// window afterwards starts from it rather than empty.
+    pub fn held(&mut self, now: f64, replicas: i32, window: f64) {
+        self.record(now, replicas, window);
+    }
+
     fn record(&mut self, now: f64, replicas: i32, window: f64) {
         self.recommendations.push_back((now, replicas));
         while self
@@ -327,6 +333,23 @@ mod tests {
             1,
             "once the window has passed, the lower recommendation applies"
         );
+    }
+
+    #[test]
+    fn a_pool_held_through_an_outage_does_not_shrink_at_once_afterwards() {
+        let p = policy(0, 20);
+        let mut history = History::default();
+        assert_eq!(
+            desired_replicas(&seen(800, 0, 8), &p, &mut history, 0.0).replicas,
+            8
+        );
+        // Statistics unavailable for longer than the window: the count is held...
+        for t in [30.0, 60.0, 90.0] {
+            history.held(t, 8, 60.0);
+        }
+        // ...and the first reading after it, lower, waits for the window again.
+        let d = desired_replicas(&seen(100, 0, 8), &p, &mut history, 100.0);
+        assert_eq!(d.replicas, 8, "{}", d.reason);
     }
 
     #[test]

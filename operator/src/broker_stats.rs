@@ -74,6 +74,11 @@ impl BrokerStats {
         rates_in(self.latest()?.as_ref(), task_type)
     }
 
+    /// Whether the latest snapshot lists `queue`; `None` without a recent one.
+    pub fn lists(&self, queue: &str) -> Option<bool> {
+        self.latest().ok().map(|queues| queues.contains_key(queue))
+    }
+
     fn latest(&self) -> Result<Arc<Queues>, ManagementError> {
         let state = self.state.read().unwrap_or_else(|p| p.into_inner());
         match &state.snapshot {

@@ -18,6 +18,10 @@ use crate::broker_stats::BrokerStats;
 use crate::build::ConnectionSecret;
 use crate::rabbitmq::ManagementApi;
 
+/// Queue declarations under way at once: the broker serializes a channel's declarations, so
+/// more would only wait there, against their timeout.
+pub const DECLARATIONS_AT_ONCE: usize = 2;
+
 pub struct Context {
     pub client: Client,
     pub recorder: Recorder,
@@ -33,7 +37,13 @@ pub struct Context {
     pub backoff: Backoff,
     /// The broker's queue statistics, polled once for every reconcile to read.
     pub broker: BrokerStats,
-    /// TaskTypes (`namespace/name`) declared: at which generation, and when.
+    /// Turns to declare queues over the operator's AMQP channel ([`DECLARATIONS_AT_ONCE`]).
+    pub declarations: tokio::sync::Semaphore,
+    /// Every TaskType as the TaskType controller's watch sees it (set by
+    /// `controllers::run`); pool reconciles read it instead of listing the API each time.
+    pub task_types:
+        std::sync::OnceLock<kube::runtime::reflector::Store<conveyor_core::crd::TaskType>>,
+    /// TaskTypes (by uid) declared: at which generation, and when.
     pub declared: Mutex<HashMap<String, (Option<i64>, Instant)>>,
     started: Instant,
 }
@@ -58,7 +68,9 @@ impl Context {
             histories: Mutex::default(),
             backoff: Backoff::default(),
             broker: BrokerStats::default(),
+            task_types: std::sync::OnceLock::new(),
             declared: Mutex::default(),
+            declarations: tokio::sync::Semaphore::new(DECLARATIONS_AT_ONCE),
             started: Instant::now(),
         }
     }

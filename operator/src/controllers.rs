@@ -47,6 +47,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     .reflect(types_writer)
     .applied_objects()
     .predicate_filter(predicates::generation, Default::default());
+    let _ = ctx.task_types.set(types.clone());
     let task_type_controller = Controller::for_stream(type_changes, types)
         .with_config(config.clone())
         .graceful_shutdown_on(stop.clone().cancelled_owned())

@@ -27,6 +27,9 @@ impl Error {
         match self {
             Error::Kube(_) => "KubernetesApi",
             Error::Management(err) => err.category(),
+            // A configuration problem is not an outage.
+            Error::Amqp(AmqpError::Mismatch { .. }) => "QueueArgumentsMismatch",
+            Error::Amqp(AmqpError::Tls(_)) => "TLSSettings",
             Error::Amqp(_) => "RabbitMQUnavailable",
             Error::Build(err) => err.category(),
             Error::InvalidSpec(_) => "InvalidSpec",

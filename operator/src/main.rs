@@ -21,6 +21,9 @@ use kube::runtime::events::Reporter;
 use kube::Client;
 use tokio_util::sync::CancellationToken;
 
+/// How long reconciles under way may take to finish once the controllers are told to stop.
+const STOP_WITHIN: Duration = Duration::from_secs(3);
+
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-operator", version)]
 struct Args {
@@ -144,11 +147,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     if !leader.acquire(&shutdown).await {
         return Ok(());
     }
-    // Losing the lease stops the controllers exactly like a shutdown does.
+    // Losing the lease stops the controllers exactly like a shutdown does. The lease is
+    // renewed until the controllers have stopped (`stopped`), not only until shutdown began:
+    // a standby must not start while reconciles still drain here.
     let stop = CancellationToken::new();
+    let stopped = CancellationToken::new();
     let holder = tokio::spawn({
-        let (leader, shutdown, stop) = (leader.clone(), shutdown.clone(), stop.clone());
-        async move { leader.hold(shutdown, stop).await }
+        let (leader, stopped, stop) = (leader.clone(), stopped.clone(), stop.clone());
+        async move { leader.hold(stopped, stop).await }
     });
     let relay = stop.clone();
     let outer = shutdown.clone();
@@ -180,7 +186,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics,
     ));
 
-    controllers::run(ctx, stop).await;
+    // Reconciles still under way when the lease is lost or shutdown begins get a bound to
+    // finish in, well inside the renew deadline; then the process exits regardless.
+    let deadline = stop.clone();
+    tokio::select! {
+        () = controllers::run(ctx, stop) => {}
+        () = async {
+            deadline.cancelled().await;
+            tokio::time::sleep(STOP_WITHIN).await;
+        } => tracing::warn!(within = ?STOP_WITHIN, "controllers did not stop in time; exiting"),
+    }
+    stopped.cancel();
     if !shutdown.is_cancelled() {
         anyhow::bail!("lost leadership");
     }

@@ -126,12 +126,16 @@ async fn declare_unless_current(
     Ok(depths)
 }
 
+/// By uid: a TaskType deleted and created again under the same name is another object,
+/// declared afresh.
 fn declared_key(task_type: &TaskType) -> String {
-    format!(
-        "{}/{}",
-        task_type.namespace().unwrap_or_default(),
-        task_type.name_any()
-    )
+    task_type.uid().unwrap_or_else(|| {
+        format!(
+            "{}/{}",
+            task_type.namespace().unwrap_or_default(),
+            task_type.name_any()
+        )
+    })
 }
 
 fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -142,6 +146,14 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// reconcile), puts the policies, drops drained tiers and reads the depths. Depths the broker
 /// has not counted yet are unknown (`None`), which does not make the type unready.
 async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDepths>> {
+    // Declarations share the operator's one channel, where the broker runs them one after
+    // another (a quorum queue takes a while): a few at a time, and the timeout counts only
+    // the broker's own time, not the wait for a turn.
+    let _turn = ctx
+        .declarations
+        .acquire()
+        .await
+        .map_err(|_| Error::Timeout("waiting to declare (shutting down)", Duration::ZERO))?;
     ctx.metrics
         .broker_requests
         .with_label_values(&["amqp"])
@@ -168,9 +180,12 @@ async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDept
 async fn delete_drained_tiers(spec: &NamedTaskType, ctx: &Context) -> Result<()> {
     let queues = QueueNames::of(&spec.name);
     for tier in spec.retry_tiers()..MAX_RETRY_TIERS {
-        ctx.management
-            .delete_queue_if_empty(&queues.retry_tier(tier))
-            .await?;
+        let queue = queues.retry_tier(tier);
+        // The poller's list says which tiers exist: no request for the many that never did.
+        if ctx.broker.lists(&queue) == Some(false) {
+            continue;
+        }
+        ctx.management.delete_queue_if_empty(&queue).await?;
     }
     Ok(())
 }

@@ -18,7 +18,9 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::autoscale::{deletion_costs, desired_replicas, hold, shrink_to_idle, Observation};
+use crate::autoscale::{
+    deletion_costs, desired_replicas, hold, shrink_to_idle, Decision, Observation,
+};
 use crate::build::{self, selector, FIELD_MANAGER, METRICS_PORT};
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
@@ -53,13 +55,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     let name = pool.name_any();
     let client = ctx.client.clone();
 
-    let task_types: Vec<NamedTaskType> = Api::<TaskType>::namespaced(client.clone(), &namespace)
-        .list(&ListParams::default())
-        .await?
-        .items
-        .iter()
-        .map(NamedTaskType::from)
-        .collect();
+    let task_types = namespace_task_types(&namespace, &ctx).await?;
     let load = read_load(&pool, &task_types, &ctx).await;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
     let deployment = deployments.get_opt(&format!("{name}-worker")).await?;
@@ -151,6 +147,28 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     }))
 }
 
+/// The namespace's TaskTypes: from the TaskType controller's cache once it has synced (a
+/// thousand pools must not list a thousand types each, every 10 s), else from the API.
+async fn namespace_task_types(namespace: &str, ctx: &Context) -> Result<Vec<NamedTaskType>> {
+    if let Some(store) = ctx.task_types.get() {
+        if store.wait_until_ready().await.is_ok() {
+            return Ok(store
+                .state()
+                .iter()
+                .filter(|t| t.namespace().as_deref() == Some(namespace))
+                .map(|t| NamedTaskType::from(t.as_ref()))
+                .collect());
+        }
+    }
+    Ok(Api::<TaskType>::namespaced(ctx.client.clone(), namespace)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .map(NamedTaskType::from)
+        .collect())
+}
+
 /// The replica count and why: the autoscaler's decision, the count held within bounds when
 /// the queues cannot be read, or `spec.replicas`.
 fn decide(
@@ -163,18 +181,24 @@ fn decide(
         let wanted = pool.spec.replicas.unwrap_or(1).max(0);
         return (wanted, format!("spec.replicas is {wanted}"));
     };
-    if pool
+    let key = format!(
+        "{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    );
+    let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
+    let history = histories.entry(key).or_default();
+    let window = f64::from(policy.scale_down_stabilization_seconds);
+    let paused = pool
         .annotations()
         .get(AUTOSCALING_PAUSED)
         .map(String::as_str)
-        == Some("true")
-    {
-        return (
-            current,
-            format!("holding at {current}: {AUTOSCALING_PAUSED} is \"true\""),
-        );
-    }
+        == Some("true");
     let decision = match load {
+        _ if paused => Decision {
+            replicas: current,
+            reason: format!("holding at {current}: {AUTOSCALING_PAUSED} is \"true\""),
+        },
         Ok(load) => {
             let observation = Observation {
                 ready: load.ready,
@@ -184,23 +208,19 @@ fn decide(
                 arrival_rate: load.arrival,
                 current_replicas: current,
             };
-            let key = format!(
-                "{}/{}",
-                pool.namespace().unwrap_or_default(),
-                pool.name_any()
-            );
-            let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
-            desired_replicas(
-                &observation,
-                policy,
-                histories.entry(key).or_default(),
-                ctx.now(),
-            )
+            return into_pair(desired_replicas(&observation, policy, history, ctx.now()));
         }
         // Unknown is not zero: hold rather than guess (a pool whose queues are not declared
         // yet has no work to scale for), but within the bounds.
         Err(err) => hold(current, policy, &err.to_string()),
     };
+    // What is held counts as recommended: the first reading after a pause or an outage
+    // does not shrink the pool at once.
+    history.held(ctx.now(), decision.replicas, window);
+    into_pair(decision)
+}
+
+fn into_pair(decision: Decision) -> (i32, String) {
     (decision.replicas, decision.reason)
 }
 
@@ -274,7 +294,13 @@ async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) -> usize {
         .list(&ListParams::default().labels(&selector(&pool.name_any())))
         .await
     {
-        Ok(list) => list.items,
+        // A terminating pod is on its way out (and may be draining tasks): neither a
+        // candidate nor idle.
+        Ok(list) => list
+            .items
+            .into_iter()
+            .filter(|pod| pod.metadata.deletion_timestamp.is_none())
+            .collect::<Vec<_>>(),
         Err(err) => {
             tracing::warn!(error = %err, "cannot list pods for deletion costs");
             return 0;

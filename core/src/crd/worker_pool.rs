@@ -43,7 +43,7 @@ pub const AUTOSCALING_PAUSED: &str = "conveyor.dev/autoscaling-paused";
     // Two scalers would fight; `kubectl scale` (or an HPA) on an autoscaled pool is refused
     // here rather than silently ignored.
     {"rule": "!has(self.autoscaling) || !has(self.replicas)",
-     "message": "replicas and autoscaling are exclusive: spec.autoscaling decides the count of this pool; remove it to scale by hand, with kubectl scale, or with an HPA or KEDA on /scale"}
+     "message": "replicas and autoscaling are exclusive: spec.autoscaling decides the count of this pool; remove it and set spec.replicas to scale by hand, with kubectl scale, or with an HPA or KEDA on /scale"}
 ]))]
 pub struct WorkerPoolSpec {
     /// Names of the TaskTypes (in this namespace) the pool consumes.
