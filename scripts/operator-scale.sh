@@ -46,9 +46,9 @@ ready_types() {
 # A steady window: CPU seconds, apiserver and broker requests per minute.
 measure() { # seconds → "cpu_per_min api_per_min broker_per_min"
   local c0 a0 b0 c1 a1 b1
-  c0=$(cpu_seconds); a0=$(apiserver_requests); b0=$(operator_counter operator_broker_requests_total)
+  c0=$(cpu_seconds); a0=$(apiserver_requests); b0=$(operator_counter conveyor_operator_broker_requests_total)
   sleep "$1"
-  c1=$(cpu_seconds); a1=$(apiserver_requests); b1=$(operator_counter operator_broker_requests_total)
+  c1=$(cpu_seconds); a1=$(apiserver_requests); b1=$(operator_counter conveyor_operator_broker_requests_total)
   awk -v c="$(minus "$c1" "$c0")" -v a=$((a1 - a0)) -v b=$((b1 - b0)) -v s="$1" \
     'BEGIN {printf "%.2f %.0f %.0f\n", c * 60 / s, a * 60 / s, b * 60 / s}'
 }
@@ -108,7 +108,7 @@ machine). $N TaskTypes (maxRetries 1: four quorum queues each) and $N WorkerPool
 (autoscaled 0-2, no work, so no pods) applied in one \`kubectl apply\`. Counts from outside
 the reconcilers: /proc for the operator process, the apiserver's \`apiserver_request_total\`
 (every client, so the baseline is shown beside it), the operator's
-\`operator_broker_requests_total\` (management API requests and AMQP declarations).
+\`conveyor_operator_broker_requests_total\` (management API requests and AMQP declarations).
 
 | | before the objects | with $N + $N objects |
 |---|---|---|

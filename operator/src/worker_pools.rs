@@ -55,7 +55,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     let name = pool.name_any();
     let client = ctx.client.clone();
 
-    let task_types = namespace_task_types(&namespace, &ctx).await?;
+    let task_types = namespace_task_types(&pool, &ctx).await?;
     let load = read_load(&pool, &task_types, &ctx).await;
     let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
     let deployment = deployments.get_opt(&format!("{name}-worker")).await?;
@@ -148,19 +148,29 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
 }
 
 /// The namespace's TaskTypes: from the TaskType controller's cache once it has synced (a
-/// thousand pools must not list a thousand types each, every 10 s), else from the API.
-async fn namespace_task_types(namespace: &str, ctx: &Context) -> Result<Vec<NamedTaskType>> {
+/// thousand pools must not list a thousand types each, every 10 s), from the API when the
+/// cache lacks one the pool consumes (it may lag the watch that woke this reconcile).
+async fn namespace_task_types(pool: &WorkerPool, ctx: &Context) -> Result<Vec<NamedTaskType>> {
+    let namespace = pool.namespace().unwrap_or_default();
     if let Some(store) = ctx.task_types.get() {
         if store.wait_until_ready().await.is_ok() {
-            return Ok(store
+            let cached: Vec<NamedTaskType> = store
                 .state()
                 .iter()
-                .filter(|t| t.namespace().as_deref() == Some(namespace))
+                .filter(|t| t.namespace().as_deref() == Some(namespace.as_str()))
                 .map(|t| NamedTaskType::from(t.as_ref()))
-                .collect());
+                .collect();
+            let complete = pool
+                .spec
+                .task_types
+                .iter()
+                .all(|wanted| cached.iter().any(|t| t.local_name() == wanted));
+            if complete {
+                return Ok(cached);
+            }
         }
     }
-    Ok(Api::<TaskType>::namespaced(ctx.client.clone(), namespace)
+    Ok(Api::<TaskType>::namespaced(ctx.client.clone(), &namespace)
         .list(&ListParams::default())
         .await?
         .items
