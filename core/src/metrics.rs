@@ -35,6 +35,8 @@ pub struct Metrics {
     /// Tasks this worker is processing now; the operator reads it to pick idle pods to
     /// remove on scale-down.
     pub in_flight: IntGauge,
+    /// Worker: 1 while it takes no new tasks because the operator chose it for removal.
+    pub draining: IntGauge,
     /// Worker: the database circuit breaker, 0 closed, 1 half-open, 2 open.
     pub breaker_state: IntGauge,
     /// Worker: breaker state changes, by the state entered.
@@ -103,6 +105,11 @@ impl Metrics {
             .expect("metric registered once");
         Metrics {
             in_flight: gauge(r, "in_flight_tasks", "Tasks this worker is processing"),
+            draining: gauge(
+                r,
+                "worker_draining",
+                "1 while the worker takes no new tasks (chosen for removal)",
+            ),
             breaker_state: gauge(
                 r,
                 "database_breaker_state",

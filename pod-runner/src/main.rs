@@ -7,7 +7,8 @@
 mod plan;
 mod supervisor;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::pin::pin;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use clap::Parser;
 use conveyor_core::config::TelemetryArgs;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kube::api::{Patch, PatchParams};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
@@ -36,6 +38,9 @@ struct Args {
     /// Where bare command names (`conveyor-worker`) are found.
     #[arg(long, default_value = "target/debug")]
     bin_dir: PathBuf,
+    /// Pods get loopback addresses 127.SUBNET.x.y (one runner per subnet).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=254))]
+    pod_subnet: u8,
     /// Per-pod directories (volumes, logs).
     #[arg(long, default_value = ".dev/pods")]
     state_dir: PathBuf,
@@ -80,6 +85,7 @@ async fn main() -> anyhow::Result<()> {
         args,
         running: HashMap::new(),
         stopping: Vec::new(),
+        addresses: HashMap::new(),
         refused: HashMap::new(),
     };
     let mut tick = tokio::time::interval(Duration::from_secs(2));
@@ -116,7 +122,10 @@ struct Runner {
     args: Args,
     /// By pod uid.
     running: HashMap<String, Supervisor>,
-    stopping: Vec<Supervisor>,
+    /// Processes of deleted pods, draining; each keeps its pod's address until it exits.
+    stopping: Vec<(Supervisor, Ipv4Addr)>,
+    /// The address of each running pod, by uid.
+    addresses: HashMap<String, Ipv4Addr>,
     /// Pods that cannot run here, with why (logged once per reason).
     refused: HashMap<String, String>,
 }
@@ -140,23 +149,32 @@ impl Runner {
             .cloned()
             .collect();
         for uid in gone {
-            if let Some(supervisor) = self.running.remove(&uid) {
+            if let (Some(supervisor), Some(address)) =
+                (self.running.remove(&uid), self.addresses.remove(&uid))
+            {
                 supervisor.stop();
-                self.stopping.push(supervisor);
+                self.stopping.push((supervisor, address));
             }
         }
-        self.stopping.retain(|s| !s.is_finished());
+        self.stopping.retain(|(s, _)| !s.is_finished());
         self.refused.retain(|uid, _| wanted.contains_key(uid));
         for (uid, pod) in wanted {
-            if self.running.contains_key(&uid) {
+            if let Some(address) = self.addresses.get(&uid) {
+                self.report_address(&pod, *address).await;
                 continue;
             }
             let key = format!("{}/{}", pod.namespace().unwrap_or_default(), pod.name_any());
-            match self.prepare(&pod).await {
+            let Some(address) = self.free_address() else {
+                tracing::warn!(pod = %key, "no free pod address on this runner");
+                continue;
+            };
+            match self.prepare(&pod, address).await {
                 Ok((launch, log)) => {
                     self.refused.remove(&uid);
                     self.running
-                        .insert(uid, Supervisor::spawn(key, launch, log));
+                        .insert(uid.clone(), Supervisor::spawn(key, launch, log));
+                    self.addresses.insert(uid, address);
+                    self.report_address(&pod, address).await;
                 }
                 Err(err) => {
                     let reason = format!("{err:#}");
@@ -169,7 +187,48 @@ impl Runner {
         }
     }
 
-    async fn prepare(&self, pod: &Pod) -> anyhow::Result<(plan::Launch, PathBuf)> {
+    /// The lowest address no running or draining pod holds.
+    fn free_address(&self) -> Option<Ipv4Addr> {
+        let taken: HashSet<Ipv4Addr> = self
+            .addresses
+            .values()
+            .chain(self.stopping.iter().map(|(_, a)| a))
+            .copied()
+            .collect();
+        (0..=255u8)
+            .flat_map(|x| (1..=254u8).map(move |y| (x, y)))
+            .map(|(x, y)| Ipv4Addr::new(127, self.args.pod_subnet, x, y))
+            .find(|a| !taken.contains(a))
+    }
+
+    /// Writes the pod's address to `status.podIP`, as a kubelet does, so that whoever
+    /// reaches pods by address (the operator reads each worker's drain state) reaches this
+    /// process.
+    async fn report_address(&self, pod: &Pod, address: Ipv4Addr) {
+        let ip = address.to_string();
+        if pod.status.as_ref().and_then(|s| s.pod_ip.as_deref()) == Some(ip.as_str()) {
+            return;
+        }
+        let pods: Api<Pod> =
+            Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+        let patch = serde_json::json!({"status": {"podIP": ip, "podIPs": [{"ip": ip}]}});
+        if let Err(err) = pods
+            .patch_status(
+                &pod.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            tracing::warn!(pod = %pod.name_any(), error = %err, "cannot report the pod's address");
+        }
+    }
+
+    async fn prepare(
+        &self,
+        pod: &Pod,
+        address: Ipv4Addr,
+    ) -> anyhow::Result<(plan::Launch, PathBuf)> {
         let namespace = pod.namespace().unwrap_or_default();
         let refs = plan::references(pod)?;
         let mut objects = Objects::default();
@@ -195,17 +254,11 @@ impl Runner {
             }
         }
         let pod_dir = self.args.state_dir.join(&namespace).join(pod.name_any());
-        let mut ports = BTreeMap::new();
-        for container in pod.spec.iter().flat_map(|s| &s.containers) {
-            for port in container.ports.iter().flatten() {
-                ports.insert(port.container_port, free_port()?);
-            }
-        }
         let host = Host {
             bin_dir: self.args.bin_dir.clone(),
             pod_dir: pod_dir.clone(),
             path_maps: self.args.path_maps.clone(),
-            ports,
+            address,
         };
         let launch = plan::plan(pod, &objects, &host)?;
         Ok((launch, pod_dir.join("container.log")))
@@ -214,17 +267,14 @@ impl Runner {
     /// Stops every process, as a node shutting down would.
     async fn shutdown(self) {
         tracing::info!(pods = self.running.len(), "stopping all pods");
-        let all: Vec<Supervisor> = self.running.into_values().chain(self.stopping).collect();
+        let all: Vec<Supervisor> = self
+            .running
+            .into_values()
+            .chain(self.stopping.into_iter().map(|(s, _)| s))
+            .collect();
         for supervisor in &all {
             supervisor.stop();
         }
         futures_util::future::join_all(all.into_iter().map(Supervisor::join)).await;
     }
-}
-
-/// A loopback port nobody listens on now.
-fn free_port() -> std::io::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
 }

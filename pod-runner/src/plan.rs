@@ -1,7 +1,7 @@
 //! What a pod means on this machine: the pure translation of a pod's container into a local
 //! process (program, arguments, environment, files), given the Secrets and ConfigMaps it
-//! refers to. Paths inside the image and the pod's mounts become directories here; container
-//! ports bound on 0.0.0.0 become free loopback ports.
+//! refers to. Paths inside the image and the pod's mounts become directories here; ports
+//! bound on 0.0.0.0 are bound on the pod's own loopback address (its podIP) instead.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -30,8 +30,9 @@ pub struct Host {
     pub pod_dir: PathBuf,
     /// Image path prefix → local directory (e.g. the handler scripts).
     pub path_maps: Vec<(String, PathBuf)>,
-    /// Container port → loopback port.
-    pub ports: BTreeMap<i32, u16>,
+    /// The pod's own loopback address (its `status.podIP`): the pod's ports keep their
+    /// numbers there, so `podIP:containerPort` reaches it as in a cluster.
+    pub address: std::net::Ipv4Addr,
 }
 
 /// The Secrets and ConfigMaps of the pod's namespace that it refers to, by name.
@@ -143,12 +144,7 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
     for (prefix, dir) in &host.path_maps {
         rewrites.push((prefix.clone(), display(dir)));
     }
-    for (container_port, local) in &host.ports {
-        rewrites.push((
-            format!("0.0.0.0:{container_port}"),
-            format!("127.0.0.1:{local}"),
-        ));
-    }
+    rewrites.push(("0.0.0.0:".to_owned(), format!("{}:", host.address)));
     // Longest pattern first, so `/etc/conveyor/x` wins over `/etc`.
     rewrites.sort_by_key(|(from, _)| std::cmp::Reverse(from.len()));
     let localize = |s: &str| {
@@ -185,7 +181,7 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
     dirs.push(host.pod_dir.join("tmp"));
     for var in container.env.iter().flatten() {
         let value = match (&var.value, &var.value_from) {
-            (_, Some(from)) => env_from(pod, &var.name, from, objects)?,
+            (_, Some(from)) => env_from(pod, &var.name, from, objects, host)?,
             (Some(value), None) => localize(value),
             (None, None) => String::new(),
         };
@@ -241,6 +237,7 @@ fn env_from(
     var: &str,
     from: &EnvVarSource,
     objects: &Objects,
+    host: &Host,
 ) -> Result<String, PlanError> {
     if let Some(secret) = &from.secret_key_ref {
         return objects
@@ -281,7 +278,8 @@ fn env_from(
             .as_ref()
             .and_then(|s| s.node_name.clone())
             .unwrap_or_default()),
-        "status.podIP" | "status.hostIP" => Ok("127.0.0.1".to_owned()),
+        "status.podIP" => Ok(host.address.to_string()),
+        "status.hostIP" => Ok("127.0.0.1".to_owned()),
         other => Err(unsupported(&format!("fieldRef {other}"))),
     }
 }
@@ -328,7 +326,7 @@ mod tests {
                 "/usr/local/lib/conveyor/handlers".to_owned(),
                 PathBuf::from("/src/handlers"),
             )],
-            ports: [(9090, 41000)].into(),
+            address: std::net::Ipv4Addr::new(127, 1, 0, 7),
         }
     }
 
@@ -362,7 +360,7 @@ mod tests {
             launch.args,
             [
                 "--task-types=/run/pods/video/w-1/volumes/config/task-types.yaml",
-                "--metrics-listen=127.0.0.1:41000",
+                "--metrics-listen=127.1.0.7:9090",
                 "--",
                 "/src/handlers/light.sh"
             ]

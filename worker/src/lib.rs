@@ -6,6 +6,7 @@ pub mod breaker;
 pub mod buffer;
 pub mod handler;
 pub mod inflight;
+pub mod intake;
 pub mod outcome;
 pub mod process;
 pub mod reaper;
@@ -21,7 +22,7 @@ use conveyor_core::amqp::{self, Publisher, QueueNames};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::NamedTaskType;
-use futures_util::stream::{select_all, StreamExt};
+use futures_util::stream::{select_all, SelectAll, StreamExt};
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -31,6 +32,7 @@ use crate::breaker::Breaker;
 use crate::buffer::Buffer;
 use crate::handler::Handler;
 use crate::inflight::InFlight;
+use crate::intake::Intake;
 use crate::outcome::Recorder;
 use crate::process::Processor;
 
@@ -138,14 +140,20 @@ pub async fn run(
         metrics: metrics.clone(),
     };
     let in_flight = InFlight::default();
+    let intake = Intake::new(metrics.draining.clone());
     // Background loops outlive the consumer: they stop after the drain.
     let background = CancellationToken::new();
 
     if let Some(listener) = admin_listener {
         let recorder = recorder.clone();
+        let draining = intake.clone();
         let ready: admin::ReadinessCheck = Arc::new(move || {
             let recorder = recorder.clone();
+            let draining = draining.is_draining();
             Box::pin(async move {
+                if draining {
+                    return Err("draining: chosen for removal, taking no new tasks".to_owned());
+                }
                 match recorder.breaker.state() {
                     breaker::State::Closed { .. } => {}
                     _ => {
@@ -162,7 +170,8 @@ pub async fn run(
                     .map_err(|e| format!("database: {e}"))
             })
         });
-        let app = admin::router(metrics.registry.clone(), ready);
+        let app =
+            admin::router(metrics.registry.clone(), ready).merge(intake::router(intake.clone()));
         let stop = background.clone();
         tokio::spawn(async move {
             let served = axum::serve(listener, app)
@@ -207,7 +216,7 @@ pub async fn run(
     tracing::info!(worker = config.worker_id, types = ?processor.recorder.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");
     let recorder = processor.recorder.clone();
-    let result = consume(&config, processor, in_flight, shutdown).await;
+    let result = consume(&config, processor, in_flight, intake, shutdown).await;
     background.cancel();
     last_replay(&recorder).await;
     result
@@ -235,6 +244,7 @@ async fn consume(
     config: &WorkerConfig,
     processor: Arc<Processor>,
     in_flight: InFlight,
+    intake: Intake,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
     let queues: Vec<String> = config
@@ -289,9 +299,9 @@ async fn consume(
             let (channel, consumers) =
                 amqp::consume(&conn, &present, per_type, &config.worker_id).await?;
             let missing = present.len() < queues.len();
-            Ok::<_, amqp::AmqpError>((conn, channel, consumers, missing))
+            Ok::<_, amqp::AmqpError>((conn, channel, consumers, missing, present, per_type))
         };
-        let (conn, channel, consumers, missing) = match session.await {
+        let (conn, channel, consumers, missing, present, per_type) = match session.await {
             Ok(session) => session,
             Err(err) => {
                 tracing::warn!(error = %err, "cannot consume; retrying in {retry_delay:?}");
@@ -305,7 +315,12 @@ async fn consume(
         };
         retry_delay = Duration::from_millis(200);
         tracing::info!(?queues, missing, "consuming");
+        let mut channel = channel;
+        // Channels whose consumers a drain cancelled: their deliveries in flight still ack
+        // on them, so they stay open until the connection closes.
+        let mut retired = Vec::new();
         let mut deliveries = select_all(consumers);
+        let mut cancelled = false;
         let recheck = async {
             if missing {
                 tokio::time::sleep(MISSING_QUEUE_RECHECK).await
@@ -317,6 +332,11 @@ async fn consume(
         loop {
             let permit = tokio::select! {
                 _ = shutdown.cancelled() => break,
+                () = intake.drain_requested(), if !cancelled => {
+                    cancel_consumers(&channel, &deliveries).await;
+                    cancelled = true;
+                    continue;
+                }
                 permit = permits.clone().acquire_owned() => permit?,
             };
             // Degraded (breaker open): take nothing new; deliveries wait in the broker.
@@ -326,7 +346,12 @@ async fn consume(
             }
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break,
-                () = &mut recheck => {
+                () = intake.drain_requested(), if !cancelled => {
+                    cancel_consumers(&channel, &deliveries).await;
+                    cancelled = true;
+                    continue;
+                }
+                () = &mut recheck, if !cancelled => {
                     tracing::info!("looking for the missing queues again");
                     break;
                 }
@@ -335,14 +360,36 @@ async fn consume(
             match next {
                 Some(Ok(delivery)) => {
                     let processor = processor.clone();
+                    let held = intake.handling();
                     running.spawn(async move {
                         processor.handle(delivery).await;
+                        drop(held);
                         drop(permit);
                     });
                 }
                 Some(Err(err)) => {
                     tracing::warn!(error = %err, "consumer failed; reconnecting");
                     break;
+                }
+                None if cancelled => {
+                    // Drained: what the broker had sent is in hand, nothing more comes.
+                    intake.set_stopped(true);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        () = intake.resume_requested() => {}
+                    }
+                    intake.set_stopped(false);
+                    match amqp::consume(&conn, &present, per_type, &config.worker_id).await {
+                        Ok((fresh, consumers)) => {
+                            retired.push(std::mem::replace(&mut channel, fresh));
+                            deliveries = select_all(consumers);
+                            cancelled = false;
+                        }
+                        Err(err) => {
+                            tracing::warn!(error = %err, "cannot consume again; reconnecting");
+                            break;
+                        }
+                    }
                 }
                 None => {
                     tracing::warn!("broker closed the consumer; reconnecting");
@@ -354,11 +401,7 @@ async fn consume(
         }
         if shutdown.is_cancelled() {
             // Stop deliveries but keep the channel open: in-flight tasks still need to ack.
-            for consumer in deliveries.into_iter() {
-                let _ = channel
-                    .basic_cancel(consumer.tag().as_str(), Default::default())
-                    .await;
-            }
+            cancel_consumers(&channel, &deliveries).await;
             drain(&mut running, &in_flight, config.drain_grace).await;
             let _ = conn.close(200, "worker shutting down").await;
         } else {
@@ -370,6 +413,16 @@ async fn consume(
     }
     drain(&mut running, &in_flight, config.drain_grace).await;
     Ok(())
+}
+
+/// Asks the broker to send no more; what it already sent still arrives, then each
+/// consumer's stream ends.
+async fn cancel_consumers(channel: &lapin::Channel, deliveries: &SelectAll<lapin::Consumer>) {
+    for consumer in deliveries.iter() {
+        let _ = channel
+            .basic_cancel(consumer.tag().as_str(), Default::default())
+            .await;
+    }
 }
 
 /// Lets in-flight tasks finish within `grace`, then cancels the rest, which release their

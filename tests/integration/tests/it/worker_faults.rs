@@ -164,3 +164,98 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
     );
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes() {
+    let spec = test_type("quiesce");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut worker = harness.spawn_worker_process(
+        "quiesced",
+        &[&name],
+        &[
+            "--handler",
+            "sleep",
+            "--concurrency",
+            "2",
+            "--metrics-listen",
+            &listen,
+        ],
+    );
+    let held: Vec<_> = futures_util::future::join_all(
+        (0..2).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 3000}))),
+    )
+    .await;
+    wait_until("both tasks running", Duration::from_secs(20), || async {
+        harness.count(&name, Processing).await == 2
+    })
+    .await;
+
+    // The operator's scale-down handshake: stop taking tasks, finish what is held.
+    let drain = format!("http://{listen}/drain");
+    let answer: serde_json::Value = harness
+        .http
+        .post(&drain)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["draining"], true, "{answer}");
+    assert_eq!(answer["idle"], false, "two tasks in hand: {answer}");
+    let ready = harness
+        .http
+        .get(format!("http://{listen}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503, "a draining worker is not ready");
+    let later: Vec<_> = futures_util::future::join_all(
+        (0..3).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 10}))),
+    )
+    .await;
+    wait_until("drained and idle", Duration::from_secs(30), || async {
+        let state: serde_json::Value = match harness.http.get(&drain).send().await {
+            Ok(r) => r.json().await.unwrap_or_default(),
+            Err(_) => return false,
+        };
+        state["idle"] == true
+    })
+    .await;
+    // What it held finished where it ran; what came later waits in the queue.
+    for id in &held {
+        let task = harness.db.task(*id).await.unwrap().unwrap();
+        assert_eq!((task.state, task.attempt), (Completed, 0));
+    }
+    assert_eq!(harness.count(&name, Completed).await, 2);
+    assert_eq!(harness.ready_count(&queue(&name).main).await, 3);
+
+    // Needed again: it takes tasks as before.
+    let answer: serde_json::Value = harness
+        .http
+        .delete(&drain)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(answer["draining"], false, "{answer}");
+    harness
+        .wait_for_state(&name, Completed, 5, Duration::from_secs(30))
+        .await;
+    for id in held.iter().chain(&later) {
+        let events = harness.events(*id).await;
+        assert_valid_chain(&events);
+        assert!(
+            !events.iter().any(|e| e.to_state == RetryClaimed),
+            "re-run: {:?}",
+            states(&events)
+        );
+    }
+    kill(&worker, "TERM");
+    worker.wait().unwrap();
+    harness.shutdown().await;
+}
