@@ -206,43 +206,6 @@ pub fn hold(current: i32, policy: &Autoscaling, why: &str) -> Decision {
     Decision { replicas, reason }
 }
 
-/// Limits a scale-down from `current` to `replicas` to the `idle` workers: the rest of the
-/// shrink waits until more are idle. Returns why, when it held any back.
-pub fn shrink_to_idle(current: i32, replicas: &mut i32, idle: usize) -> Option<String> {
-    let floor = current
-        .saturating_sub(i32::try_from(idle).unwrap_or(i32::MAX))
-        .max(0);
-    if *replicas >= floor {
-        return None;
-    }
-    let wanted = *replicas;
-    *replicas = floor;
-    Some(format!(
-        "scale-down to {wanted} held at {floor}: {idle} of {current} workers idle (busy workers are not removed)"
-    ))
-}
-
-/// The deletion cost of a pod whose in-flight count could not be read: it may be busy, so
-/// it goes after every pod known to be idle or less busy.
-pub const UNKNOWN_COST: i32 = i32::MAX;
-
-/// `controller.kubernetes.io/pod-deletion-cost` per pod: its in-flight tasks, so that on
-/// scale-down the ReplicaSet removes idle workers first. A pod missing from
-/// `in_flight_by_pod` (its metrics could not be read) costs [`UNKNOWN_COST`].
-pub fn deletion_costs<'a>(
-    pods: impl IntoIterator<Item = &'a str>,
-    in_flight_by_pod: &std::collections::HashMap<String, u64>,
-) -> Vec<(String, i32)> {
-    pods.into_iter()
-        .map(|pod| {
-            let cost = in_flight_by_pod
-                .get(pod)
-                .map_or(UNKNOWN_COST, |&busy| busy.min(i32::MAX as u64 - 1) as i32);
-            (pod.to_owned(), cost)
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -368,20 +331,6 @@ mod tests {
     }
 
     #[test]
-    fn a_scale_down_removes_only_idle_workers() {
-        let mut replicas = 2;
-        let why = shrink_to_idle(6, &mut replicas, 1).unwrap();
-        assert_eq!(replicas, 5, "one idle worker: one goes");
-        assert!(why.contains("1 of 6 workers idle"), "{why}");
-        let mut replicas = 2;
-        assert_eq!(shrink_to_idle(6, &mut replicas, 4), None);
-        assert_eq!(replicas, 2, "enough idle workers: the whole step");
-        let mut replicas = 0;
-        shrink_to_idle(3, &mut replicas, 0);
-        assert_eq!(replicas, 3, "nobody idle (or unreadable): nobody goes");
-    }
-
-    #[test]
     fn holding_without_statistics_still_applies_the_bounds() {
         let d = hold(7, &policy(0, 4), "queue statistics unavailable");
         assert_eq!(d.replicas, 4);
@@ -418,22 +367,6 @@ mod tests {
         assert_eq!(d.replicas, 1);
         let d = desired_replicas(&seen(0, 0, 1), &p, &mut history, 1.0);
         assert_eq!(d.replicas, 0, "idle: zero is allowed");
-    }
-
-    #[test]
-    fn idle_pods_cost_least_to_delete_and_unread_ones_most() {
-        let busy: std::collections::HashMap<String, u64> =
-            [("w-a".to_owned(), 3), ("w-c".to_owned(), 1)].into();
-        let costs = deletion_costs(["w-a", "w-b", "w-c"], &busy);
-        assert_eq!(
-            costs,
-            [
-                ("w-a".into(), 3),
-                ("w-b".into(), UNKNOWN_COST),
-                ("w-c".into(), 1)
-            ],
-            "a pod whose metrics could not be read may be busy: it goes last"
-        );
     }
 
     #[test]

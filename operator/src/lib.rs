@@ -11,5 +11,6 @@ pub mod controllers;
 pub mod error;
 pub mod leader;
 pub mod rabbitmq;
+pub mod scale_down;
 pub mod task_types;
 pub mod worker_pools;

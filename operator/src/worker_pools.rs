@@ -2,7 +2,6 @@
 //! objects (pure, `build.rs`) → apply them with server-side apply → status, with an Event
 //! for every scaling decision.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,26 +10,23 @@ use conveyor_core::crd::worker_pool::{WorkerPoolStatus, AUTOSCALING_PAUSED};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_core::task_type::NamedTaskType;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::autoscale::{
-    deletion_costs, desired_replicas, hold, shrink_to_idle, Decision, Observation,
-};
-use crate::build::{self, selector, FIELD_MANAGER, METRICS_PORT};
+use crate::autoscale::{desired_replicas, hold, Decision, Observation};
+use crate::build::{self, selector, FIELD_MANAGER};
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
+use crate::scale_down;
 
 /// How often an autoscaled pool is looked at again.
 const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
 const RESYNC: Duration = Duration::from_secs(60);
-const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
-/// How long a worker's metrics may take to answer before the pod counts as unknown.
-const SCRAPE_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often a pool with workers draining is looked at again, to remove each once idle.
+const DRAIN_POLL: Duration = Duration::from_secs(2);
 
 /// What the pool's queues hold now.
 #[derive(Debug, Default, Clone, Copy)]
@@ -70,16 +66,12 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
 
-    let (mut replicas, mut reason) = decide(&pool, &load, current, &ctx);
-    if replicas < current {
-        let idle = mark_idle_pods(&pool, &ctx).await;
-        if pool.spec.autoscaling.is_some() {
-            // The autoscaler chooses when: it removes only workers known to be idle, so a
-            // scale-down never takes a task in flight (the rest go as they become idle).
-            if let Some(why) = shrink_to_idle(current, &mut replicas, idle) {
-                reason = format!("{reason}; {why}");
-            }
-        }
+    let (wanted, mut reason) = decide(&pool, &load, current, &ctx);
+    // Workers leave only once drained (scale_down.rs): the Deployment shrinks as they do.
+    let settled = scale_down::settle(&pool, &ctx, current, wanted).await;
+    let replicas = settled.replicas;
+    if let Some(note) = settled.note {
+        reason = format!("{reason}; {note}");
     }
 
     let objects = match build::pool_objects(&pool, &task_types, replicas, &ctx.secret) {
@@ -121,26 +113,26 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .err()
         .map(|err| (err.category(), err.to_string()));
     let load = load.unwrap_or_default();
+    let settling = wanted != current || settled.waiting > 0;
     let status = Status {
         metrics,
-        phase: if ready_replicas == replicas {
+        phase: if ready_replicas == wanted && !settling {
             "Ready"
         } else {
             "Scaling"
         },
-        reason: if replicas == current {
-            "Stable"
-        } else {
-            "Scaling"
-        },
+        reason: if settling { "Scaling" } else { "Stable" },
         message: reason,
-        replicas,
+        wanted,
         current,
         ready_replicas,
+        draining: settled.waiting,
         load,
     };
     write_status(&pool, &ctx, status).await?;
-    Ok(Action::requeue(if pool.spec.autoscaling.is_some() {
+    Ok(Action::requeue(if settled.waiting > 0 {
+        DRAIN_POLL
+    } else if pool.spec.autoscaling.is_some() {
         AUTOSCALE_PERIOD
     } else {
         RESYNC
@@ -293,101 +285,18 @@ where
     Ok(())
 }
 
-/// Before shrinking, tells the ReplicaSet which pods are idle: each pod's deletion cost is
-/// its in-flight task count, read from its metrics. A pod that cannot be read may be busy:
-/// it costs the most. A pod with no address yet runs nothing: it costs 0 (the ReplicaSet
-/// removes unstarted pods first anyway). Returns how many pods are marked idle.
-async fn mark_idle_pods(pool: &WorkerPool, ctx: &Context) -> usize {
-    let namespace = pool.namespace().unwrap_or_default();
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
-    let list = match pods
-        .list(&ListParams::default().labels(&selector(&pool.name_any())))
-        .await
-    {
-        // A terminating pod is on its way out (and may be draining tasks): neither a
-        // candidate nor idle.
-        Ok(list) => list
-            .items
-            .into_iter()
-            .filter(|pod| pod.metadata.deletion_timestamp.is_none())
-            .collect::<Vec<_>>(),
-        Err(err) => {
-            tracing::warn!(error = %err, "cannot list pods for deletion costs");
-            return 0;
-        }
-    };
-    let http = reqwest::Client::builder()
-        .timeout(SCRAPE_TIMEOUT)
-        .build()
-        .unwrap_or_default();
-    // All pods at once: one slow pod costs one timeout, not one each.
-    let scrapes = list.iter().filter_map(|pod| {
-        let ip = pod.status.as_ref()?.pod_ip.clone()?;
-        let url = format!("http://{ip}:{METRICS_PORT}/metrics");
-        let http = http.clone();
-        Some(async move {
-            let text = async {
-                http.get(&url)
-                    .send()
-                    .await?
-                    .error_for_status()?
-                    .text()
-                    .await
-            };
-            text.await
-                .ok()
-                .and_then(|text| in_flight_from_metrics(&text))
-                .map(|busy| (pod.name_any(), busy))
-        })
-    });
-    let mut busy: HashMap<String, u64> = futures_util::future::join_all(scrapes)
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
-    for pod in &list {
-        if pod
-            .status
-            .as_ref()
-            .and_then(|s| s.pod_ip.as_ref())
-            .is_none()
-        {
-            busy.insert(pod.name_any(), 0);
-        }
-    }
-    let mut idle = 0;
-    let names: Vec<String> = list.iter().map(|p| p.name_any()).collect();
-    for (pod, cost) in deletion_costs(names.iter().map(String::as_str), &busy) {
-        let patch = json!({"metadata": {"annotations": {DELETION_COST: cost.to_string()}}});
-        match pods
-            .patch(&pod, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) if cost == 0 => idle += 1,
-            Ok(_) => {}
-            Err(err) => tracing::warn!(pod, error = %err, "cannot set pod deletion cost"),
-        }
-    }
-    idle
-}
-
-/// `conveyor_in_flight_tasks` from a worker's metrics text; `None` when it is not there.
-pub fn in_flight_from_metrics(text: &str) -> Option<u64> {
-    text.lines()
-        .find_map(|line| line.strip_prefix("conveyor_in_flight_tasks "))
-        .and_then(|value| value.trim().parse::<f64>().ok())
-        .map(|v| v.max(0.0) as u64)
-}
-
 struct Status {
     /// Why the queues' statistics could not be read; `None` when they were.
     metrics: Option<(&'static str, String)>,
     phase: &'static str,
     reason: &'static str,
     message: String,
-    replicas: i32,
+    /// Workers wanted (the Deployment follows as draining workers become idle).
+    wanted: i32,
     current: i32,
     ready_replicas: i32,
+    /// Workers draining before their removal.
+    draining: usize,
     load: Load,
 }
 
@@ -399,9 +308,10 @@ impl Status {
             phase: "Degraded",
             reason,
             message,
-            replicas: current,
+            wanted: current,
             current,
             ready_replicas: ready,
+            draining: 0,
             load: Load::default(),
         }
     }
@@ -419,7 +329,8 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
         observed_generation: generation,
         replicas: status.current,
         ready_replicas: status.ready_replicas,
-        desired_replicas: status.replicas,
+        desired_replicas: status.wanted,
+        draining: i32::try_from(status.draining).unwrap_or(i32::MAX),
         selector: Some(selector(&pool.name_any())),
         queued: status.load.ready,
         in_flight: status.load.in_flight,
@@ -431,7 +342,7 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
             condition(
                 &previous,
                 READY,
-                healthy && (status.ready_replicas > 0 || status.replicas == 0),
+                healthy && (status.ready_replicas > 0 || status.wanted == 0),
                 status.reason,
                 status.message.clone(),
                 generation,
@@ -439,7 +350,7 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
             condition(
                 &previous,
                 SCALING,
-                status.replicas != status.current,
+                status.wanted != status.current || status.draining > 0,
                 status.reason,
                 status.message,
                 generation,
@@ -482,17 +393,4 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
     )
     .await?;
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn in_flight_is_read_from_worker_metrics() {
-        let text =
-            "# HELP conveyor_in_flight_tasks x\nconveyor_in_flight_tasks 3\nconveyor_other 9\n";
-        assert_eq!(in_flight_from_metrics(text), Some(3));
-        assert_eq!(in_flight_from_metrics("nothing"), None, "unknown, not idle");
-    }
 }

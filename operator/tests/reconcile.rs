@@ -744,10 +744,14 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
         ),
     ];
     if shrinks {
-        // Deletion costs first. The pods beyond 4 have not started (no address): idle,
-        // so the autoscaler may remove them.
+        // The pods beyond 4 have not started (no address) and were marked removable on an
+        // earlier round: the Deployment shrinks by them at once.
         let pending: Vec<Value> = (4..replicas)
-            .map(|i| json!({"metadata": {"name": format!("scaled-worker-{i}"), "namespace": "video"}}))
+            .map(|i| json!({"metadata": {
+                "name": format!("scaled-worker-{i}"),
+                "namespace": "video",
+                "annotations": {"controller.kubernetes.io/pod-deletion-cost": i32::MIN.to_string()},
+            }}))
             .collect();
         script.push(expect(
             Method::GET,
@@ -755,14 +759,6 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
             200,
             json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": pending}),
         ));
-        for i in 4..replicas {
-            script.push(expect(
-                Method::PATCH,
-                &format!("/api/v1/namespaces/video/pods/scaled-worker-{i}"),
-                200,
-                json!({}),
-            ));
-        }
     }
     script.extend(applies("scaled"));
     if shrinks {

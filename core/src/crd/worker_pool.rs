@@ -195,6 +195,10 @@ pub struct WorkerPoolStatus {
     /// Workers wanted now.
     #[serde(default)]
     pub desired_replicas: i32,
+    /// Workers asked to stop taking tasks, removed as each becomes idle (or its drain
+    /// grace ends).
+    #[serde(default)]
+    pub draining: i32,
     /// Label selector of the workers, for the scale subresource.
     #[serde(default)]
     pub selector: Option<String>,

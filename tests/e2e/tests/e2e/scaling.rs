@@ -1,0 +1,179 @@
+//! Pools growing and shrinking: by hand, by the autoscaler, across an operator restart, and
+//! never by removing a worker with a task in flight.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use conveyor_core::testing::wait_until;
+use conveyor_core::TaskState;
+use conveyor_e2e_tests::{assert_valid_chain, restart_operator};
+use serde_json::json;
+
+use crate::{pool_stack, MINUTE};
+
+#[tokio::test]
+async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
+    let autoscaling = "  concurrency: 4\n  drainGraceSeconds: 30\n  autoscaling:\n    \
+        minReplicas: 1\n    maxReplicas: 4\n    targetBacklogPerReplica: 400\n    \
+        scaleDownStabilizationSeconds: 5\n";
+    let (stack, t) = pool_stack("autoscale", "scaler", autoscaling, 1).await;
+
+    let ids = stack
+        .submit_all(&t, vec![json!({"sleepMs": 200}); 2000])
+        .await;
+    assert_eq!(ids.len(), 2000);
+    // The most replicas seen while tasks were still pending.
+    let most = Cell::new(0);
+    wait_until("2,000 tasks completed", 5 * MINUTE, || async {
+        let replicas = stack.deployment_replicas("scaler").await.unwrap_or(0);
+        most.set(most.get().max(replicas));
+        stack.count(&t, TaskState::Completed).await == 2000
+    })
+    .await;
+    assert!(
+        most.get() > 1,
+        "the pool never grew under a backlog of 2,000 (most {} replicas)",
+        most.get()
+    );
+    // The autoscaler removes only idle workers: under a backlog nobody is idle, so the pool
+    // shrinks as the backlog ends, and no task runs twice because of it (checked below).
+    wait_until(
+        "the pool back at 1 replica and 1 worker",
+        3 * MINUTE,
+        || async {
+            stack.deployment_replicas("scaler").await == Some(1)
+                && stack.running_pods("scaler").await.len() == 1
+                && stack.consumers(&stack.queue_of(&t, "")).await == 1
+        },
+    )
+    .await;
+
+    let completions = stack.completions(&t).await;
+    assert_eq!(completions.len(), 2000, "every task completed");
+    let twice: Vec<_> = completions.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "completed more than once: {twice:?}");
+    let reruns = stack.reruns(&t).await;
+    assert!(reruns.is_empty(), "scaling down re-ran tasks: {reruns:?}");
+    for id in ids {
+        assert_valid_chain(&stack.events(id).await);
+    }
+    for state in [
+        TaskState::DeadLetter,
+        TaskState::Failed,
+        TaskState::Processing,
+    ] {
+        assert_eq!(stack.count(&t, state).await, 0, "tasks left {state}");
+    }
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn scaling_a_pool_with_kubectl_gives_three_workers() {
+    let (stack, t) = pool_stack("scale", "manual", "  replicas: 1\n", 1).await;
+    stack.kubectl(&["scale", "workerpool/manual", "--replicas=3"]);
+    wait_until("3 running workers", MINUTE, || async {
+        stack.running_pods("manual").await.len() == 3
+            && stack.consumers(&stack.queue_of(&t, "")).await == 3
+    })
+    .await;
+    let replicas = stack.kubectl(&[
+        "get",
+        "workerpool/manual",
+        "-o",
+        "jsonpath={.spec.replicas}",
+    ]);
+    assert_eq!(replicas, "3");
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn an_operator_restarted_during_a_scale_up_finishes_it() {
+    let (stack, t) = pool_stack("oprestart", "growing", "  replicas: 1\n", 1).await;
+    stack.kubectl(&["scale", "workerpool/growing", "--replicas=3"]);
+    restart_operator();
+    wait_until(
+        "3 running workers after the restart",
+        2 * MINUTE,
+        || async {
+            stack.running_pods("growing").await.len() == 3
+                && stack.consumers(&stack.queue_of(&t, "")).await == 3
+        },
+    )
+    .await;
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn a_scale_down_under_load_removes_no_worker_with_a_task_in_flight() {
+    let pool = "  replicas: 3\n  concurrency: 2\n  drainGraceSeconds: 120\n";
+    let (stack, t) = pool_stack("drain", "shrinking", pool, 3).await;
+    // Tasks of 4 s, more than the three workers can take at once.
+    let ids = stack
+        .submit_all(&t, vec![json!({"sleepMs": 4000}); 24])
+        .await;
+    wait_until("every worker busy", 2 * MINUTE, || async {
+        let owners: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT owner FROM tasks WHERE task_type = $1 AND state = 'PROCESSING'",
+        )
+        .bind(stack.key(&t))
+        .fetch_all(stack.db.pool())
+        .await
+        .unwrap();
+        owners.len() == 3
+    })
+    .await;
+    stack.kubectl(&["scale", "workerpool/shrinking", "--replicas=1"]);
+
+    // When each pod was seen going (terminating or gone), watched from outside.
+    let mut gone: BTreeMap<String, chrono::DateTime<chrono::Utc>> = BTreeMap::new();
+    let mut alive: BTreeSet<String> = BTreeSet::new();
+    let deadline = std::time::Instant::now() + 5 * MINUTE;
+    loop {
+        let now = chrono::Utc::now();
+        let pods = stack.running_pods("shrinking").await;
+        let names: BTreeSet<String> = pods
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .collect();
+        for pod in alive.difference(&names) {
+            gone.entry(pod.clone()).or_insert(now);
+        }
+        alive.extend(names.iter().cloned());
+        let done = stack.count(&t, TaskState::Completed).await == ids.len() as i64;
+        if done && names.len() == 1 && stack.deployment_replicas("shrinking").await == Some(1) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not settled at 1 worker with every task done within 5 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(gone.len(), 2, "two workers removed: {gone:?}");
+
+    // Each removed worker had finished its last task before its pod went.
+    for (pod, at) in &gone {
+        let last: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+            "SELECT max(at) FROM task_events
+             WHERE task_type = $1 AND to_state = 'COMPLETED' AND worker_id LIKE $2",
+        )
+        .bind(stack.key(&t))
+        .bind(format!("{pod}%"))
+        .fetch_one(stack.db.pool())
+        .await
+        .unwrap();
+        if let Some(last) = last {
+            assert!(
+                last <= *at,
+                "{pod} was removed at {at} with a task in flight (completed at {last})"
+            );
+        }
+    }
+    let completions = stack.completions(&t).await;
+    assert_eq!(completions.len(), ids.len());
+    assert!(completions.values().all(|n| *n == 1), "completed twice");
+    let reruns = stack.reruns(&t).await;
+    assert!(reruns.is_empty(), "the scale-down re-ran tasks: {reruns:?}");
+    stack.finish().await;
+}
