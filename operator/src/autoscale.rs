@@ -39,6 +39,8 @@ pub struct Observation {
     pub arrival_rate: Option<f64>,
     /// Workers the pool has now.
     pub current_replicas: i32,
+    /// Tasks each worker runs at once.
+    pub concurrency: u32,
 }
 
 /// A scaling decision and why.
@@ -53,6 +55,8 @@ pub struct Decision {
 #[derive(Debug, Clone, Default)]
 pub struct History {
     recommendations: VecDeque<(f64, i32)>,
+    /// Since when the queue statistics have been unreadable, if they are.
+    unavailable_since: Option<f64>,
 }
 
 impl History {
@@ -134,9 +138,32 @@ pub fn desired_replicas(
             }
         }
     }
+    // Slots busy beyond the target utilisation: more workers, whatever the queue says.
+    if let (Some(percent), true) = (policy.target_utilization_percent, seen.concurrency > 0) {
+        let slots = u64::from(seen.concurrency) * u64::from(percent.clamp(1, 100));
+        let by_utilization = (seen.in_flight * 100).div_ceil(slots) as i64;
+        if by_utilization > wanted {
+            reasons.push(format!(
+                "{} in flight at {percent}% of {} slots per worker needs {by_utilization}",
+                seen.in_flight, seen.concurrency
+            ));
+            wanted = by_utilization;
+        }
+    }
     // Work in flight, waiting or coming back from a retry keeps at least one worker,
-    // whatever minReplicas says.
-    let keeps_one = work > 0 || seen.retrying > 0;
+    // whatever minReplicas says; an idle pool at zero waits for the activation backlog.
+    let dormant = seen.current_replicas == 0
+        && seen.in_flight == 0
+        && seen.ready <= u64::from(policy.activation_backlog)
+        && (seen.ready > 0 || seen.retrying > 0);
+    if dormant {
+        reasons.push(format!(
+            "{} ready, not above the activation backlog of {}: staying at zero",
+            seen.ready, policy.activation_backlog
+        ));
+        wanted = 0;
+    }
+    let keeps_one = !dormant && (work > 0 || seen.retrying > 0);
     if seen.retrying > 0 {
         reasons.push(format!(
             "{} retries waiting out their backoff",
@@ -175,14 +202,23 @@ pub fn desired_replicas(
         }
         recommendation.min(limit)
     } else {
-        // Shrink only to the highest recommendation within the window.
+        // Shrink only to the highest recommendation within the window, and by at most
+        // scaleDownMaxPercent of the pool a step.
         let stable = history.highest().unwrap_or(recommendation).min(current);
         if stable > recommendation {
             reasons.push(format!(
                 "scale-down to {recommendation} held at {stable} for the {window:.0}s stabilization window"
             ));
         }
-        stable
+        let percent = i64::from(policy.scale_down_max_percent.clamp(1, 100));
+        let step = (i64::from(current) * percent / 100).max(1) as i32;
+        let floor = current - step;
+        if stable < floor {
+            reasons.push(format!(
+                "scale-down to {stable} limited to {floor} this step (at most {percent}% of the pool)"
+            ));
+        }
+        stable.max(floor)
     };
     Decision {
         replicas,
@@ -190,9 +226,47 @@ pub fn desired_replicas(
     }
 }
 
-/// The decision when the queues' statistics cannot be read: the current count, brought
-/// within the pool's bounds (an edited minReplicas or maxReplicas still applies), never a
-/// guess from missing numbers.
+/// The decision when the queues' statistics cannot be read: the pool's fallback once they
+/// have been unreadable for its `afterSeconds`, else the current count, both within the
+/// pool's bounds (an edited minReplicas or maxReplicas still applies); never a guess from
+/// missing numbers. The count decided enters the stabilization window.
+pub fn without_statistics(
+    current: i32,
+    policy: &Autoscaling,
+    history: &mut History,
+    now: f64,
+    why: &str,
+) -> Decision {
+    let since = *history.unavailable_since.get_or_insert(now);
+    let decision = match &policy.fallback {
+        Some(fallback) if now - since >= f64::from(fallback.after_seconds) => {
+            let replicas = fallback
+                .replicas
+                .clamp(policy.min_replicas, policy.max_replicas);
+            Decision {
+                replicas,
+                reason: format!(
+                    "fallback to {replicas}: no statistics for {:.0}s ({why})",
+                    now - since
+                ),
+            }
+        }
+        _ => hold(current, policy, why),
+    };
+    history.held(
+        now,
+        decision.replicas,
+        f64::from(policy.scale_down_stabilization_seconds),
+    );
+    decision
+}
+
+/// Statistics were read again: a later outage counts its fallback delay afresh.
+pub fn statistics_read(history: &mut History) {
+    history.unavailable_since = None;
+}
+
+/// The current count within the pool's bounds.
 pub fn hold(current: i32, policy: &Autoscaling, why: &str) -> Decision {
     let replicas = current.clamp(policy.min_replicas, policy.max_replicas);
     let reason = if replicas == current {
@@ -216,6 +290,10 @@ mod tests {
             max_replicas: max,
             target_backlog_per_replica: 100,
             scale_down_stabilization_seconds: 60,
+            activation_backlog: 0,
+            target_utilization_percent: None,
+            scale_down_max_percent: 100,
+            fallback: None,
         }
     }
 
@@ -227,6 +305,7 @@ mod tests {
             processing_rate: None,
             arrival_rate: None,
             current_replicas: current,
+            concurrency: 16,
         }
     }
 
@@ -380,5 +459,82 @@ mod tests {
         let decision = desired_replicas(&waiting, &policy, &mut history, 0.0);
         assert_eq!(decision.replicas, 1, "{}", decision.reason);
         assert!(decision.reason.contains("3 retries"), "{}", decision.reason);
+    }
+
+    #[test]
+    fn a_dormant_pool_waits_for_the_activation_backlog() {
+        let p = Autoscaling {
+            activation_backlog: 5,
+            ..policy(0, 10)
+        };
+        let d = desired_replicas(&seen(5, 0, 0), &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 0, "{}", d.reason);
+        assert!(d.reason.contains("activation"), "{}", d.reason);
+        let d = desired_replicas(&seen(6, 0, 0), &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 1, "above it: one worker");
+        // A running pool is never stopped by the threshold: its work keeps a worker.
+        let d = desired_replicas(&seen(3, 0, 1), &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 1, "{}", d.reason);
+    }
+
+    #[test]
+    fn busy_slots_beyond_the_target_utilization_add_workers() {
+        let p = Autoscaling {
+            target_utilization_percent: Some(80),
+            ..policy(0, 20)
+        };
+        // Long tasks: 4 workers of 2 slots all busy, nothing ready. Backlog says 1.
+        let mut observed = seen(0, 8, 4);
+        observed.concurrency = 2;
+        let d = desired_replicas(&observed, &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 5, "8 / (2 * 0.8) = 5: {}", d.reason);
+        assert!(d.reason.contains("80%"), "{}", d.reason);
+    }
+
+    #[test]
+    fn a_scale_down_step_removes_at_most_its_percent_of_the_pool() {
+        let p = Autoscaling {
+            scale_down_max_percent: 25,
+            scale_down_stabilization_seconds: 0,
+            ..policy(0, 20)
+        };
+        let d = desired_replicas(&seen(0, 0, 12), &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 9, "{}", d.reason);
+        assert!(d.reason.contains("25%"), "{}", d.reason);
+        let d = desired_replicas(&seen(0, 0, 2), &p, &mut History::default(), 0.0);
+        assert_eq!(d.replicas, 1, "at least one worker a step");
+    }
+
+    #[test]
+    fn without_statistics_the_pool_holds_then_takes_its_fallback() {
+        let p = Autoscaling {
+            fallback: Some(conveyor_core::crd::worker_pool::Fallback {
+                replicas: 6,
+                after_seconds: 30,
+            }),
+            ..policy(0, 10)
+        };
+        let mut history = History::default();
+        assert_eq!(
+            without_statistics(2, &p, &mut history, 0.0, "down").replicas,
+            2
+        );
+        assert_eq!(
+            without_statistics(2, &p, &mut history, 29.0, "down").replicas,
+            2
+        );
+        let d = without_statistics(2, &p, &mut history, 30.0, "down");
+        assert_eq!(d.replicas, 6, "{}", d.reason);
+        assert!(d.reason.contains("fallback"), "{}", d.reason);
+        // Read again, then lost again: the delay starts over.
+        statistics_read(&mut history);
+        assert_eq!(
+            without_statistics(6, &p, &mut history, 40.0, "down").replicas,
+            6
+        );
+        assert_eq!(
+            without_statistics(3, &p, &mut history, 41.0, "down").replicas,
+            3
+        );
     }
 }

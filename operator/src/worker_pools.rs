@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conveyor_core::crd::conditions::{METRICS_AVAILABLE, READY, SCALING};
-use conveyor_core::crd::worker_pool::{WorkerPoolStatus, AUTOSCALING_PAUSED};
+use conveyor_core::crd::worker_pool::{ScaleRecord, WorkerPoolStatus, AUTOSCALING_PAUSED};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_core::task_type::NamedTaskType;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -16,7 +16,9 @@ use kube::{Resource, ResourceExt};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::autoscale::{desired_replicas, hold, Decision, Observation};
+use crate::autoscale::{
+    desired_replicas, statistics_read, without_statistics, Decision, Observation,
+};
 use crate::build::{self, selector, FIELD_MANAGER};
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
@@ -83,7 +85,10 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
             write_status(
                 &pool,
                 &ctx,
-                Status::degraded(err.category(), message, current, ready_replicas),
+                Status {
+                    last_scale: pool.status.as_ref().and_then(|s| s.last_scale.clone()),
+                    ..Status::degraded(err.category(), message, current, ready_replicas)
+                },
             )
             .await?;
             return Err(err.into());
@@ -113,6 +118,21 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .err()
         .map(|err| (err.category(), err.to_string()));
     let load = load.unwrap_or_default();
+    let last_scale = if replicas != current {
+        Some(ScaleRecord {
+            time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            from: current,
+            to: replicas,
+            reason: reason.clone(),
+            ready: load.ready,
+            in_flight: load.in_flight,
+            retrying: load.retrying,
+            processing_rate: load.rate,
+            arrival_rate: load.arrival,
+        })
+    } else {
+        pool.status.as_ref().and_then(|s| s.last_scale.clone())
+    };
     let settling = wanted != current || settled.waiting > 0;
     let status = Status {
         metrics,
@@ -128,6 +148,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         ready_replicas,
         draining: settled.waiting,
         load,
+        last_scale,
     };
     write_status(&pool, &ctx, status).await?;
     Ok(Action::requeue(if settled.waiting > 0 {
@@ -190,18 +211,26 @@ fn decide(
     );
     let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
     let history = histories.entry(key).or_default();
-    let window = f64::from(policy.scale_down_stabilization_seconds);
     let paused = pool
         .annotations()
         .get(AUTOSCALING_PAUSED)
         .map(String::as_str)
         == Some("true");
+    let now = ctx.now();
     let decision = match load {
-        _ if paused => Decision {
-            replicas: current,
-            reason: format!("holding at {current}: {AUTOSCALING_PAUSED} is \"true\""),
-        },
+        _ if paused => {
+            let decision = Decision {
+                replicas: current,
+                reason: format!("holding at {current}: {AUTOSCALING_PAUSED} is \"true\""),
+            };
+            // What is held counts as recommended: the first reading after a pause does not
+            // shrink the pool at once.
+            let window = f64::from(policy.scale_down_stabilization_seconds);
+            history.held(now, decision.replicas, window);
+            decision
+        }
         Ok(load) => {
+            statistics_read(history);
             let observation = Observation {
                 ready: load.ready,
                 in_flight: load.in_flight,
@@ -209,16 +238,14 @@ fn decide(
                 processing_rate: load.rate,
                 arrival_rate: load.arrival,
                 current_replicas: current,
+                concurrency: u32::from(pool.spec.concurrency),
             };
-            return into_pair(desired_replicas(&observation, policy, history, ctx.now()));
+            desired_replicas(&observation, policy, history, now)
         }
-        // Unknown is not zero: hold rather than guess (a pool whose queues are not declared
-        // yet has no work to scale for), but within the bounds.
-        Err(err) => hold(current, policy, &err.to_string()),
+        // Unknown is not zero: hold (or take the pool's fallback) rather than guess; a pool
+        // whose queues are not declared yet has no work to scale for.
+        Err(err) => without_statistics(current, policy, history, now, &err.to_string()),
     };
-    // What is held counts as recommended: the first reading after a pause or an outage
-    // does not shrink the pool at once.
-    history.held(ctx.now(), decision.replicas, window);
     into_pair(decision)
 }
 
@@ -298,6 +325,7 @@ struct Status {
     /// Workers draining before their removal.
     draining: usize,
     load: Load,
+    last_scale: Option<ScaleRecord>,
 }
 
 impl Status {
@@ -313,6 +341,7 @@ impl Status {
             ready_replicas: ready,
             draining: 0,
             load: Load::default(),
+            last_scale: None,
         }
     }
 }
@@ -331,6 +360,7 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
         ready_replicas: status.ready_replicas,
         desired_replicas: status.wanted,
         draining: i32::try_from(status.draining).unwrap_or(i32::MAX),
+        last_scale: status.last_scale,
         selector: Some(selector(&pool.name_any())),
         queued: status.load.ready,
         in_flight: status.load.in_flight,

@@ -147,6 +147,37 @@ pub struct Autoscaling {
     #[serde(default = "default_stabilization")]
     #[schemars(range(min = 0, max = 3600))]
     pub scale_down_stabilization_seconds: u32,
+    /// Ready tasks a pool at zero workers must see before it starts one (0: the first task
+    /// starts it), so that a trickle does not keep waking an idle pool.
+    #[serde(default)]
+    pub activation_backlog: u32,
+    /// Keep the tasks in flight at about this percent of the workers' slots (workers ×
+    /// concurrency), beside the backlog term; for long tasks, where a backlog per worker
+    /// says little. Unset: backlog and rates only.
+    #[serde(default)]
+    #[schemars(range(min = 1, max = 100))]
+    pub target_utilization_percent: Option<u32>,
+    /// Most of the pool one decision may remove, in percent (at least one worker).
+    #[serde(default = "default_scale_down_percent")]
+    #[schemars(range(min = 1, max = 100))]
+    pub scale_down_max_percent: u32,
+    /// What to run while the queue statistics cannot be read; unset: hold the current count
+    /// (within min and max).
+    #[serde(default)]
+    pub fallback: Option<Fallback>,
+}
+
+/// Workers to run once the queue statistics have been unreadable for a while.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Fallback {
+    /// Workers to run (within minReplicas and maxReplicas).
+    #[schemars(range(min = 0))]
+    pub replicas: i32,
+    /// Seconds without statistics before the fallback applies; until then the pool holds.
+    #[serde(default = "default_fallback_after")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub after_seconds: u32,
 }
 
 /// Overrides for the worker pods.
@@ -211,6 +242,10 @@ pub struct WorkerPoolStatus {
     /// Tasks in the remediation queues.
     #[serde(default)]
     pub dead_lettered: u64,
+    /// The last change of the worker count: when, from what to what, why, and what the
+    /// operator saw.
+    #[serde(default)]
+    pub last_scale: Option<ScaleRecord>,
     /// Ready, Scaling or Degraded.
     #[serde(default)]
     pub phase: Option<String>,
@@ -218,6 +253,27 @@ pub struct WorkerPoolStatus {
     #[serde(default)]
     #[schemars(schema_with = "super::condition_list")]
     pub conditions: Vec<Condition>,
+}
+
+/// One scaling decision that changed the worker count, with its inputs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScaleRecord {
+    /// When (RFC 3339).
+    pub time: String,
+    pub from: i32,
+    pub to: i32,
+    pub reason: String,
+    /// Ready tasks in the pool's work queues.
+    pub ready: u64,
+    pub in_flight: u64,
+    /// Failed attempts waiting out their backoff.
+    pub retrying: u64,
+    /// Tasks per second finished and arriving, when the broker had measured them.
+    #[serde(default)]
+    pub processing_rate: Option<f64>,
+    #[serde(default)]
+    pub arrival_rate: Option<f64>,
 }
 
 fn default_concurrency() -> u16 {
@@ -231,4 +287,10 @@ fn default_backlog_per_replica() -> u32 {
 }
 fn default_stabilization() -> u32 {
     300
+}
+fn default_scale_down_percent() -> u32 {
+    50
+}
+fn default_fallback_after() -> u32 {
+    60
 }
