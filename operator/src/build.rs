@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::worker_pool::HandlerKind;
 use conveyor_core::crd::WorkerPool;
 use conveyor_core::task_type::NamedTaskType;
@@ -47,9 +48,9 @@ impl BuildError {
     /// Stable label for metrics and Event reasons.
     pub fn category(&self) -> &'static str {
         match self {
-            BuildError::Missing(_) => "InvalidObject",
-            BuildError::UnknownTaskType(_) => "UnknownTaskType",
-            BuildError::Serde { .. } => "BuildFailed",
+            BuildError::Missing(_) => reasons::INVALID_OBJECT,
+            BuildError::UnknownTaskType(_) => reasons::UNKNOWN_TASK_TYPE,
+            BuildError::Serde { .. } => reasons::BUILD_FAILED,
         }
     }
 }

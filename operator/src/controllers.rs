@@ -39,14 +39,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     tokio::spawn(async move { poller.broker.poll(&poller.management, poll_stop).await });
 
     let (types, types_writer) = reflector::store::<TaskType>();
-    let type_changes = watcher(
-        Api::<TaskType>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .reflect(types_writer)
-    .applied_objects()
-    .predicate_filter(predicates::generation, Default::default());
+    let type_changes = spec_changes(&client, types_writer);
     let _ = ctx.task_types.set(types.clone());
     let task_type_controller = Controller::for_stream(type_changes, types)
         .with_config(config.clone())
@@ -59,14 +52,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .for_each(|_| async {});
 
     let (pools, pools_writer) = reflector::store::<WorkerPool>();
-    let pool_changes = watcher(
-        Api::<WorkerPool>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .reflect(pools_writer)
-    .applied_objects()
-    .predicate_filter(predicates::generation, Default::default());
+    let pool_changes = spec_changes(&client, pools_writer);
     let consumers = pools.clone();
     let type_edits = watcher(
         Api::<TaskType>::all(client.clone()),
@@ -90,6 +76,28 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .for_each(|_| async {});
     tracing::info!("reconciling TaskTypes and WorkerPools");
     tokio::join!(task_type_controller, pool_controller);
+}
+
+/// Every object of kind `K` in the cluster, kept in `writer`'s store; yields those whose
+/// spec changed (generation), so that status writes wake nothing.
+fn spec_changes<K>(
+    client: &kube::Client,
+    writer: reflector::store::Writer<K>,
+) -> impl futures_util::Stream<Item = Result<K, watcher::Error>>
+where
+    K: Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
+    watcher(Api::<K>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .applied_objects()
+        .predicate_filter(predicates::generation, Default::default())
 }
 
 /// The pools in `task_type`'s namespace that consume it.
@@ -173,15 +181,15 @@ fn error_policy<K: Resource<DynamicType = ()>>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use conveyor_core::crd::TaskTypeSpec;
 
     fn pool(namespace: &str, name: &str, types: &[&str]) -> WorkerPool {
-        serde_json::from_value(serde_json::json!({
-            "apiVersion": "conveyor.dev/v1alpha1", "kind": "WorkerPool",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {"taskTypes": types, "image": "conveyor:dev", "handler": {"type": "noop"}}
-        }))
-        .unwrap()
+        types
+            .iter()
+            .fold(
+                WorkerPool::test().named(name).in_namespace(namespace),
+                |p, t| p.consumes(t),
+            )
+            .build()
     }
 
     #[test]
@@ -194,8 +202,7 @@ mod tests {
         ] {
             writer.apply_watcher_event(&watcher::Event::Apply(p));
         }
-        let mut task_type = TaskType::new("transcode", TaskTypeSpec::default());
-        task_type.metadata.namespace = Some("video".into());
+        let task_type = TaskType::test("transcode").build();
         let woken = pools_consuming(&store, &task_type);
         assert_eq!(woken.len(), 1, "{woken:?}");
         assert_eq!(woken[0].name, "transcode");

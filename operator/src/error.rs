@@ -2,6 +2,7 @@
 //! Event reasons.
 
 use conveyor_core::amqp::AmqpError;
+use conveyor_core::crd::status::reasons;
 
 use crate::build::BuildError;
 use crate::rabbitmq::ManagementError;
@@ -25,15 +26,15 @@ pub enum Error {
 impl Error {
     pub fn category(&self) -> &'static str {
         match self {
-            Error::Kube(_) => "KubernetesApi",
+            Error::Kube(_) => reasons::KUBERNETES_API,
             Error::Management(err) => err.category(),
             // A configuration problem is not an outage.
-            Error::Amqp(AmqpError::Mismatch { .. }) => "QueueArgumentsMismatch",
-            Error::Amqp(AmqpError::Tls(_)) => "TLSSettings",
-            Error::Amqp(_) => "RabbitMQUnavailable",
+            Error::Amqp(AmqpError::Mismatch { .. }) => reasons::QUEUE_ARGUMENTS_MISMATCH,
+            Error::Amqp(AmqpError::Tls(_)) => reasons::TLS_SETTINGS,
+            Error::Amqp(_) => reasons::RABBITMQ_UNAVAILABLE,
             Error::Build(err) => err.category(),
-            Error::InvalidSpec(_) => "InvalidSpec",
-            Error::Timeout(..) => "RabbitMQUnavailable",
+            Error::InvalidSpec(_) => reasons::INVALID_SPEC,
+            Error::Timeout(..) => reasons::RABBITMQ_UNAVAILABLE,
         }
     }
 }

@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use conveyor_core::amqp::QueueNames;
+use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::task_type::QueueDepths;
 pub use conveyor_core::policies::{task_type_policies, Policy};
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
@@ -40,11 +41,11 @@ pub enum ManagementError {
 impl ManagementError {
     pub fn category(&self) -> &'static str {
         match self {
-            ManagementError::Unreachable { .. } => "RabbitMQUnavailable",
-            ManagementError::Client(_) => "RabbitMQClient",
-            ManagementError::Refused { .. } => "RabbitMQRefused",
+            ManagementError::Unreachable { .. } => reasons::RABBITMQ_UNAVAILABLE,
+            ManagementError::Client(_) => reasons::RABBITMQ_CLIENT,
+            ManagementError::Refused { .. } => reasons::RABBITMQ_REFUSED,
             ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {
-                "MetricsUnavailable"
+                reasons::METRICS_UNAVAILABLE
             }
         }
     }

@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use conveyor_core::amqp::QueueNames;
-use conveyor_core::crd::conditions::{QUEUES_DECLARED, READY};
+use conveyor_core::crd::status::conditions::{QUEUES_DECLARED, READY};
+use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::task_type::{DeletionPolicy, QueueDepths, TaskTypeStatus};
 use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
@@ -48,7 +49,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
                 Ok(()) => delete_queues(&task_type, &ctx).await?,
                 Err(message) => {
                     let why = format!("{message}; no queue is deleted under this name");
-                    ctx.event(task_type.as_ref(), true, "InvalidSpec", why)
+                    ctx.event(task_type.as_ref(), true, reasons::INVALID_SPEC, why)
                         .await;
                 }
             }
@@ -63,13 +64,18 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
             &api,
             &task_type,
             false,
-            "InvalidSpec",
+            reasons::INVALID_SPEC,
             message.clone(),
             None,
         )
         .await?;
-        ctx.event(task_type.as_ref(), true, "InvalidSpec", message.clone())
-            .await;
+        ctx.event(
+            task_type.as_ref(),
+            true,
+            reasons::INVALID_SPEC,
+            message.clone(),
+        )
+        .await;
         return Err(Error::InvalidSpec(message));
     }
     let wants_finalizer = task_type.spec.deletion_policy == DeletionPolicy::Delete;
@@ -91,7 +97,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
         &api,
         &task_type,
         true,
-        "QueuesDeclared",
+        reasons::QUEUES_DECLARED,
         format!(
             "queues {} (+ retry queues, .remediation) declared with policies",
             QueueNames::of(&spec.name).main
@@ -204,7 +210,7 @@ async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {
     ctx.event(
         task_type,
         false,
-        "QueuesDeleted",
+        reasons::QUEUES_DELETED,
         format!(
             "deletionPolicy Delete: removed {} and its retry and remediation queues",
             queues.main

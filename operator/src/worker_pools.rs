@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use conveyor_core::crd::conditions::{METRICS_AVAILABLE, READY, SCALING};
+use conveyor_core::crd::status::conditions::{METRICS_AVAILABLE, READY, SCALING};
+use conveyor_core::crd::status::{phases, reasons};
 use conveyor_core::crd::worker_pool::{ScaleRecord, WorkerPoolStatus, AUTOSCALING_PAUSED};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_core::task_type::NamedTaskType;
@@ -108,7 +109,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         // Each decision its own Event: the recorder's series would keep the first note.
         ctx.event_each(
             pool.as_ref(),
-            "Scaled",
+            reasons::SCALED,
             format!("{current} → {replicas} workers: {reason}"),
         )
         .await;
@@ -137,11 +138,15 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     let status = Status {
         metrics,
         phase: if ready_replicas == wanted && !settling {
-            "Ready"
+            phases::READY
         } else {
-            "Scaling"
+            phases::SCALING
         },
-        reason: if settling { "Scaling" } else { "Stable" },
+        reason: if settling {
+            reasons::SCALING
+        } else {
+            reasons::STABLE
+        },
         message: reason,
         wanted,
         current,
@@ -333,7 +338,7 @@ impl Status {
     fn degraded(reason: &'static str, message: String, current: i32, ready: i32) -> Status {
         Status {
             metrics: None,
-            phase: "Degraded",
+            phase: phases::DEGRADED,
             reason,
             message,
             wanted: current,
@@ -353,7 +358,7 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
         .map(|s| s.conditions.clone())
         .unwrap_or_default();
     let generation = pool.meta().generation;
-    let healthy = status.phase != "Degraded";
+    let healthy = status.phase != phases::DEGRADED;
     let body = WorkerPoolStatus {
         observed_generation: generation,
         replicas: status.current,
@@ -390,7 +395,7 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
                     &previous,
                     METRICS_AVAILABLE,
                     true,
-                    "QueuesRead",
+                    reasons::QUEUES_READ,
                     "queue depths and rates read from RabbitMQ".to_owned(),
                     generation,
                 ),

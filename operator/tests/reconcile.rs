@@ -74,6 +74,11 @@ fn api_server(script: Vec<Expect>) -> (Client, JoinHandle<Vec<Seen>>) {
 }
 
 fn context(client: Client, management_url: &str) -> Arc<Context> {
+    context_with(client, management_url, &testing::amqp_url())
+}
+
+/// A context whose broker is at `amqp_url` (an address nobody answers, say).
+fn context_with(client: Client, management_url: &str, amqp_url: &str) -> Arc<Context> {
     let reporter = Reporter {
         controller: "conveyor-operator".into(),
         instance: None,
@@ -89,19 +94,14 @@ fn context(client: Client, management_url: &str) -> Arc<Context> {
             &testing::dev_roots(),
         )
         .unwrap(),
-        Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5)),
+        Publisher::new(amqp_url, "operator-test", Duration::from_secs(1)),
         ConnectionSecret::default(),
         OperatorMetrics::new(),
     ))
 }
 
 fn task_type(name: &str, spec: TaskTypeSpec) -> TaskType {
-    let mut tt = TaskType::new(name, spec);
-    tt.metadata.namespace = Some("video".into());
-    tt.metadata.uid = Some("3b7f0d1e-0000-4000-8000-000000000001".into());
-    tt.metadata.generation = Some(2);
-    tt.metadata.resource_version = Some("41".into());
-    tt
+    TaskType::test(name).spec(spec).build()
 }
 
 fn status_answer(object: &impl serde::Serialize) -> Value {
@@ -322,29 +322,11 @@ async fn rabbitmq_down_makes_the_type_not_ready_with_a_category() {
     let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
     let (client, verifier) =
         api_server(vec![expect(Method::PATCH, &path, 200, status_answer(&tt))]);
-    let reporter = Reporter {
-        controller: "conveyor-operator".into(),
-        instance: None,
-    };
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        reporter,
-        ManagementApi::new(
-            "http://127.0.0.1:1",
-            "conveyor",
-            "conveyor",
-            "/",
-            &Default::default(),
-        )
-        .unwrap(),
-        Publisher::new(
-            "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
-            "operator-test",
-            Duration::from_secs(1),
-        ),
-        ConnectionSecret::default(),
-        OperatorMetrics::new(),
-    ));
+    let ctx = context_with(
+        client,
+        "http://127.0.0.1:1",
+        "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
+    );
     let err = task_types::reconcile(Arc::new(tt), ctx).await.unwrap_err();
     assert_eq!(err.category(), "RabbitMQUnavailable");
     let seen = verifier.await.unwrap();
@@ -398,22 +380,6 @@ async fn a_payload_schema_that_does_not_compile_is_not_ready() {
     );
 }
 
-fn pool(name: &str, types: &[&str], autoscaling: Value) -> WorkerPool {
-    serde_json::from_value(json!({
-        "apiVersion": "conveyor.dev/v1alpha1",
-        "kind": "WorkerPool",
-        "metadata": {"name": name, "namespace": "video", "uid": "9d0c1f52-0000-4000-8000-000000000002", "generation": 1},
-        "spec": {
-            "taskTypes": types,
-            "image": "conveyor:dev",
-            "handler": {"type": "noop"},
-            "replicas": 2,
-            "autoscaling": autoscaling,
-        }
-    }))
-    .unwrap()
-}
-
 fn task_type_list(names: &[&str]) -> Value {
     let items: Vec<Value> = names
         .iter()
@@ -462,7 +428,11 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
     publisher.declare_task_type(&in_video(&name)).await.unwrap();
-    let wp = pool("transcode", &[&name], Value::Null);
+    let wp = WorkerPool::test()
+        .named("transcode")
+        .consumes(&name)
+        .replicas(2)
+        .build();
     let (client, verifier) = api_server(
         [
             vec![
@@ -527,7 +497,11 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
     publisher.declare_task_type(&in_video(&name)).await.unwrap();
-    let wp = pool("thumbs", &[&name], Value::Null);
+    let wp = WorkerPool::test()
+        .named("thumbs")
+        .consumes(&name)
+        .replicas(2)
+        .build();
     // Someone edited the Deployment by hand (image and replicas): the next reconcile
     // applies the pool's version over it, with force.
     let drifted = json!({
@@ -653,11 +627,11 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    let wp = pool(
-        "scaled",
-        &[&name],
-        json!({"minReplicas": 0, "maxReplicas": 10}),
-    );
+    let wp = WorkerPool::test()
+        .named("scaled")
+        .consumes(&name)
+        .autoscaled(0, 10)
+        .build();
     let current = json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "scaled-worker", "namespace": "video"},
@@ -791,12 +765,11 @@ fn pool_status(seen: &[Seen]) -> &Value {
 
 #[tokio::test]
 async fn an_autoscaled_pool_without_statistics_holds_within_its_bounds() {
-    let mut wp = pool(
-        "scaled",
-        &["t"],
-        json!({"minReplicas": 0, "maxReplicas": 4}),
-    );
-    wp.spec.replicas = None;
+    let wp = WorkerPool::test()
+        .named("scaled")
+        .consumes("t")
+        .autoscaled(0, 4)
+        .build();
     let seen = reconcile_without_statistics(wp, 7).await;
     assert_eq!(
         *deployment_replicas(&seen),
@@ -811,19 +784,12 @@ async fn an_autoscaled_pool_without_statistics_holds_within_its_bounds() {
 
 #[tokio::test]
 async fn a_paused_pool_holds_its_count() {
-    let mut wp = pool(
-        "scaled",
-        &["t"],
-        json!({"minReplicas": 0, "maxReplicas": 10}),
-    );
-    wp.spec.replicas = None;
-    wp.metadata.annotations = Some(
-        [(
-            "conveyor.dev/autoscaling-paused".to_owned(),
-            "true".to_owned(),
-        )]
-        .into(),
-    );
+    let wp = WorkerPool::test()
+        .named("scaled")
+        .consumes("t")
+        .autoscaled(0, 10)
+        .annotated("conveyor.dev/autoscaling-paused", "true")
+        .build();
     let seen = reconcile_without_statistics(wp, 3).await;
     assert_eq!(*deployment_replicas(&seen), 3);
     let ready = &pool_status(&seen)["conditions"][0];

@@ -4,26 +4,19 @@
 //! description `kubectl explain` shows.
 
 pub mod client_token;
+pub mod status;
 pub mod task_type;
 pub mod worker_pool;
 
 use kube::CustomResourceExt;
 
 pub use client_token::{ClientToken, ClientTokenSpec};
+pub use status::conditions;
 pub use task_type::{TaskType, TaskTypeSpec, TaskTypeStatus};
 pub use worker_pool::{WorkerPool, WorkerPoolSpec, WorkerPoolStatus};
 
 pub const GROUP: &str = "conveyor.dev";
 pub const VERSION: &str = "v1alpha1";
-
-/// Condition types and reasons, as constants so that code, tests and docs agree.
-pub mod conditions {
-    pub const READY: &str = "Ready";
-    pub const QUEUES_DECLARED: &str = "QueuesDeclared";
-    pub const SCALING: &str = "Scaling";
-    /// Whether the autoscaler could read the queues' statistics (unknown is not zero).
-    pub const METRICS_AVAILABLE: &str = "MetricsAvailable";
-}
 
 /// The CRDs as YAML documents, in the order `crds/` stores them.
 pub fn crd_documents() -> Vec<(&'static str, String)> {

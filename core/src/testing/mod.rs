@@ -2,6 +2,7 @@
 //! parallel against the same PostgreSQL and RabbitMQ without seeing each other.
 
 pub mod proxy;
+pub mod resources;
 
 use std::time::{Duration, Instant};
 
