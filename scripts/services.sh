@@ -288,9 +288,10 @@ down() {
 }
 
 case "${1:-up}" in
-  # jq: the example handlers (and their tests) read payloads with it.
+  # jq: the example handlers (and their tests) read payloads with it. faketime: the e2e
+  # suite runs an operator with a skewed clock.
   up)
-    install_packages jq
+    install_packages jq faketime
     tls_up
     pg_up
     rabbit_up

@@ -118,7 +118,13 @@ impl Context {
         let namespace = object.namespace().unwrap_or_else(|| "default".to_owned());
         let event = EventObject {
             metadata: ObjectMeta {
-                generate_name: Some(format!("{}.", object.name_any())),
+                // The apiserver validates the prefix as a name with one trailing dash
+                // allowed: `pool.` is refused, `pool.scaled-` is not.
+                generate_name: Some(format!(
+                    "{}.{}-",
+                    object.name_any(),
+                    reason.to_ascii_lowercase()
+                )),
                 namespace: Some(namespace.clone()),
                 ..ObjectMeta::default()
             },

@@ -359,55 +359,111 @@ impl Stack {
     }
 }
 
+fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The pid of the operator `scripts/stack.sh` runs; `None` on kind (or when it is not
+/// running here).
+fn stack_operator_pid() -> Option<String> {
+    let pid = std::fs::read_to_string(repo_root().join(".dev/operator.pid")).ok()?;
+    let alive = std::process::Command::new("kill")
+        .args(["-0", pid.trim()])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    alive.then(|| pid.trim().to_owned())
+}
+
+/// Kills the stack's operator with -9 and waits until it is gone; false on kind.
+pub fn kill_operator() -> bool {
+    let Some(pid) = stack_operator_pid() else {
+        return false;
+    };
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &pid])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success(), "kill -9 of the operator");
+    for _ in 0..100 {
+        if stack_operator_pid().is_none() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    true
+}
+
+/// Starts the stack's operator again (a no-op while it runs).
+pub fn start_operator() {
+    let started = std::process::Command::new(repo_root().join("scripts/stack.sh"))
+        .arg("up")
+        .status()
+        .expect("stack.sh runs");
+    assert!(
+        started.success(),
+        "scripts/stack.sh up restarts the operator"
+    );
+}
+
+/// Tests that stop or start operators hold this, so that one test's restart does not
+/// take the lease in another's story.
+pub async fn operators_to_myself() -> tokio::sync::MutexGuard<'static, ()> {
+    static OPERATORS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    OPERATORS.lock().await
+}
+
 /// Kills the operator at once (kill -9 of the local process; on kind, its pod) and has it
 /// started again (scripts/stack.sh here, the Deployment on kind).
 pub fn restart_operator() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let pid_file = root.join(".dev/operator.pid");
-    match std::fs::read_to_string(&pid_file) {
-        Ok(pid) => {
-            let killed = std::process::Command::new("kill")
-                .args(["-KILL", pid.trim()])
-                .status()
-                .expect("kill runs");
-            assert!(killed.success(), "kill -9 of the operator");
-            // Gone (and reaped) before the stack looks for it.
-            for _ in 0..100 {
-                let alive = std::process::Command::new("kill")
-                    .args(["-0", pid.trim()])
-                    .stderr(std::process::Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if !alive {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(50));
-            }
-            let started = std::process::Command::new(root.join("scripts/stack.sh"))
-                .arg("up")
-                .status()
-                .expect("stack.sh runs");
-            assert!(
-                started.success(),
-                "scripts/stack.sh up restarts the operator"
-            );
-        }
-        Err(_) => {
-            kubectl_with(
-                &[
-                    "-n",
-                    "conveyor-system",
-                    "delete",
-                    "pod",
-                    "-l",
-                    "app.kubernetes.io/name=conveyor-operator",
-                    "--wait=false",
-                ],
-                None,
-            )
-            .expect("delete the operator pod");
-        }
+    if repo_root().join(".dev/operator.pid").exists() {
+        kill_operator();
+        start_operator();
+        return;
     }
+    kubectl_with(
+        &[
+            "-n",
+            "conveyor-system",
+            "delete",
+            "pod",
+            "-l",
+            "app.kubernetes.io/name=conveyor-operator",
+            "--wait=false",
+        ],
+        None,
+    )
+    .expect("delete the operator pod");
+}
+
+/// A second operator beside the stack's, with identity `identity`, its admin routes on
+/// `listen`, and `env` added (libfaketime's, say): the same binary, credentials and lease
+/// settings as `scripts/stack.sh` gives the first.
+pub fn standby_operator(identity: &str, listen: &str, env: &[(&str, &str)]) -> std::process::Child {
+    let root = repo_root();
+    let tls = "/etc/conveyor/dev-tls";
+    let mut command = std::process::Command::new(root.join("target/debug/conveyor-operator"));
+    command
+        .env("CONVEYOR_CA_FILE", format!("{tls}/ca.crt"))
+        .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+        .envs(env.iter().copied());
+    let log = std::fs::File::create(root.join(format!(".dev/operator-{identity}.log")))
+        .expect("log file");
+    command
+        .arg("run")
+        .env(
+            "KUBECONFIG",
+            root.join(".dev/cluster/conveyor-operator.kubeconfig"),
+        )
+        .env("POD_NAMESPACE", "conveyor-system")
+        .env("POD_NAME", identity)
+        .env("CONVEYOR_OPERATOR_LISTEN", listen)
+        .env("CONVEYOR_LEASE_SECONDS", "5")
+        .stdin(std::process::Stdio::null())
+        .stdout(log.try_clone().expect("log file"))
+        .stderr(log)
+        .spawn()
+        .expect("start a second conveyor-operator")
 }
 
 /// `http://user:password@host:port` → (`http://host:port`, user, password).

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use conveyor_core::testing::wait_until;
 use conveyor_core::TaskState;
-use conveyor_e2e_tests::{assert_valid_chain, restart_operator};
+use conveyor_e2e_tests::{assert_valid_chain, operators_to_myself, restart_operator};
 use serde_json::json;
 
 use crate::{pool_stack, MINUTE};
@@ -89,6 +89,7 @@ async fn scaling_a_pool_with_kubectl_gives_three_workers() {
 
 #[tokio::test]
 async fn an_operator_restarted_during_a_scale_up_finishes_it() {
+    let _operators = operators_to_myself().await;
     let (stack, t) = pool_stack("oprestart", "growing", "  replicas: 1\n", 1).await;
     stack.kubectl(&["scale", "workerpool/growing", "--replicas=3"]);
     restart_operator();
@@ -175,5 +176,68 @@ async fn a_scale_down_under_load_removes_no_worker_with_a_task_in_flight() {
     assert!(completions.values().all(|n| *n == 1), "completed twice");
     let reruns = stack.reruns(&t).await;
     assert!(reruns.is_empty(), "the scale-down re-ran tasks: {reruns:?}");
+    stack.finish().await;
+}
+
+#[tokio::test]
+async fn arrivals_outpacing_the_pool_grow_it_before_the_queue_builds_up() {
+    // The backlog term alone would wait for 1,000 queued tasks per worker; one worker runs
+    // about 5 tasks/s here, and 25 arrive each second.
+    let autoscaling =
+        "  concurrency: 1\n  autoscaling:\n    minReplicas: 1\n    maxReplicas: 4\n    \
+        targetBacklogPerReplica: 1000\n    scaleDownStabilizationSeconds: 600\n";
+    let (stack, t) = pool_stack("arrival", "arrivals", autoscaling, 1).await;
+    let queue = stack.queue_of(&t, "");
+    let mut submitted = 0;
+    let mut grown_at = None;
+    let deadline = std::time::Instant::now() + 3 * MINUTE;
+    while grown_at.is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the pool did not grow within 3 minutes of arrivals outpacing it"
+        );
+        submitted += stack
+            .submit_all(&t, vec![json!({"sleepMs": 200}); 25])
+            .await
+            .len();
+        let ready = stack
+            .queue(&queue)
+            .await
+            .and_then(|q| q["messages_ready"].as_u64())
+            .unwrap_or(0);
+        if stack.deployment_replicas("arrivals").await.unwrap_or(0) > 1 {
+            // Why, read at once: later decisions replace the last change.
+            let why = stack.kubectl(&[
+                "get",
+                "workerpool/arrivals",
+                "-o",
+                "jsonpath={.status.lastScale.reason}",
+            ]);
+            grown_at = Some((ready, why));
+        }
+        assert!(
+            ready < 1000,
+            "the queue reached the backlog target ({ready} ready) before the pool grew"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    stack
+        .wait_for_state(&t, TaskState::Completed, submitted as i64, 5 * MINUTE)
+        .await;
+    let (ready, why) = grown_at.unwrap();
+    assert!(
+        why.contains("arriving"),
+        "grew with {ready} ready for another reason: {why}"
+    );
+    // Each decision is an Event of its own, with its reason.
+    let notes = stack.kubectl(&[
+        "get",
+        "events.events.k8s.io",
+        "--field-selector",
+        "reason=Scaled",
+        "-o",
+        "jsonpath={.items[*].note}",
+    ]);
+    assert!(notes.contains("arriving"), "Scaled events: {notes}");
     stack.finish().await;
 }
