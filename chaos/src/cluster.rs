@@ -1,7 +1,8 @@
 //! Scenarios through Kubernetes: the stack `scripts/stack.sh up` runs (operator, gateway,
 //! pod runner) hosts a WorkerPool whose pods call the suite's sidecar, and the faults are a
-//! pod deleted mid-task, the operator killed during a scale-up, a rolling update, and the
-//! pool scaled to zero after its node died, each under load. The run loop, load generator and oracle are the other scenarios' own
+//! pod deleted mid-task, the operator killed during a scale-up, a rolling update, the pool
+//! scaled to zero after its node died, and RabbitMQ stopped under the operator, each under
+//! load. The run loop, load generator and oracle are the other scenarios' own
 //! (`run.rs`); this is the target and its faults.
 
 use std::process::Command;
@@ -168,6 +169,7 @@ async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> (Instant,
             pool_scaled_to_zero(stack, task_type, &mut failures).await;
             Instant::now()
         }
+        Scenario::BrokerStoppedCluster => broker_stopped(stack, &mut failures).await,
         _ => {
             failures.push(format!("{} is not a cluster scenario", scenario.name()));
             Instant::now()
@@ -226,6 +228,100 @@ async fn pool_scaled_to_zero(stack: &Stack, task_type: &str, failures: &mut Vec<
         &format!("workerpool/{POOL}"),
         &format!("--replicas={REPLICAS}"),
     ]);
+}
+
+/// An autoscaled pool (2 to 3 workers) while RabbitMQ is stopped: the operator says so on
+/// the TaskType and the pool, and holds the pool within its bounds, reading nothing as
+/// zero; once the broker is back, both are Ready and read their queues again.
+async fn broker_stopped(stack: &Stack, failures: &mut Vec<String>) -> Instant {
+    stack.kubectl(&[
+        "patch",
+        "workerpool",
+        POOL,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"replicas":null,"autoscaling":{"minReplicas":2,"maxReplicas":3,"targetBacklogPerReplica":1000}}}"#,
+    ]);
+    let type_name = stack
+        .kubectl(&[
+            "get",
+            "tasktypes",
+            "-o",
+            "jsonpath={.items[0].metadata.name}",
+        ])
+        .trim()
+        .to_owned();
+    let condition = |kind: &str, name: &str, condition: &str| {
+        stack.kubectl(&[
+            "get",
+            kind,
+            name,
+            "-o",
+            &format!(
+                "jsonpath={{.status.conditions[?(@.type==\"{condition}\")].status}}/{{.status.conditions[?(@.type==\"{condition}\")].reason}}"
+            ),
+        ])
+    };
+    let stopped = Command::new("rabbitmqctl")
+        .args(["-q", "shutdown"])
+        .status();
+    if !stopped.is_ok_and(|s| s.success()) {
+        failures.push("rabbitmqctl shutdown failed".to_owned());
+    }
+    // Up to two minutes for the operator to notice (its statistics go stale after 30 s,
+    // a TaskType looks again every 15 s), checking the pool's bounds all along.
+    let mut seen_type = false;
+    let mut seen_pool = false;
+    let until = Instant::now() + 2 * MINUTE;
+    while Instant::now() < until && !(seen_type && seen_pool) {
+        seen_type |= condition("tasktype", &type_name, "Ready") == "False/RabbitMQUnavailable";
+        seen_pool |= condition("workerpool", POOL, "MetricsAvailable").starts_with("False/");
+        if let Some(replicas) = stack.deployment_replicas(POOL).await {
+            if !(2..=3).contains(&replicas) {
+                failures.push(format!(
+                    "the pool ran {replicas} workers without statistics (bounds 2 to 3)"
+                ));
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    if !seen_type {
+        failures.push(format!(
+            "the TaskType never reported RabbitMQ down: {}",
+            condition("tasktype", &type_name, "Ready")
+        ));
+    }
+    if !seen_pool {
+        failures.push(format!(
+            "the pool never reported its statistics missing: {}",
+            condition("workerpool", POOL, "MetricsAvailable")
+        ));
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/services.sh");
+    if !Command::new(&script)
+        .arg("up")
+        .status()
+        .is_ok_and(|s| s.success())
+    {
+        failures.push("scripts/services.sh up did not bring RabbitMQ back".to_owned());
+    }
+    let healed = Instant::now();
+    let recovered = tokio::time::timeout(2 * MINUTE, async {
+        while condition("tasktype", &type_name, "Ready") != "True/QueuesDeclared"
+            || !condition("workerpool", POOL, "MetricsAvailable").starts_with("True/")
+        {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+    .await;
+    if recovered.is_err() {
+        failures.push(format!(
+            "not recovered 2 minutes after RabbitMQ came back: TaskType {}, pool {}",
+            condition("tasktype", &type_name, "Ready"),
+            condition("workerpool", POOL, "MetricsAvailable")
+        ));
+    }
+    healed
 }
 
 /// Kills at once every worker whose command line matches `pattern` (the pod runner starts

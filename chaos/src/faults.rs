@@ -242,7 +242,8 @@ pub async fn inject(
         Scenario::PodDelete
         | Scenario::OperatorRestart
         | Scenario::RollingUpdate
-        | Scenario::PoolScaledToZero => {
+        | Scenario::PoolScaledToZero
+        | Scenario::BrokerStoppedCluster => {
             anyhow::bail!("{} runs in the cluster (cluster.rs)", scenario.name())
         }
     }

@@ -67,9 +67,13 @@ pub enum Scenario {
     ///     WorkerPool scaled to zero before anything replaced them; the gateway's reaper
     ///     re-queues the orphans with no worker anywhere, and they run once the pool is back.
     PoolScaledToZero,
+    /// 15. In the local cluster: RabbitMQ stopped under load with an autoscaled pool. The
+    ///     TaskType reports RabbitMQUnavailable, the pool's MetricsAvailable goes False and
+    ///     its count stays within min/max; both recover once the broker is back.
+    BrokerStoppedCluster,
 }
 
-pub const ALL: [Scenario; 23] = [
+pub const ALL: [Scenario; 24] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
@@ -93,6 +97,7 @@ pub const ALL: [Scenario; 23] = [
     Scenario::PartitionsMonth,
     Scenario::WorkersGone,
     Scenario::PoolScaledToZero,
+    Scenario::BrokerStoppedCluster,
 ];
 
 /// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`);
@@ -135,6 +140,7 @@ impl Scenario {
             Scenario::PartitionsMonth => "partitions-month",
             Scenario::WorkersGone => "workers-gone",
             Scenario::PoolScaledToZero => "pool-scaled-to-zero",
+            Scenario::BrokerStoppedCluster => "rabbitmq-stopped-cluster",
         }
     }
 
@@ -221,6 +227,7 @@ impl Scenario {
                 | Scenario::OperatorRestart
                 | Scenario::RollingUpdate
                 | Scenario::PoolScaledToZero
+                | Scenario::BrokerStoppedCluster
         )
     }
 
