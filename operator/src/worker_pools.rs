@@ -1,6 +1,7 @@
-//! WorkerPool reconcile: read the pool's task types and load → decide replicas → build the
-//! objects (pure, `build.rs`) → apply them with server-side apply → status, with an Event
-//! for every scaling decision.
+//! WorkerPool reconcile, in steps: observe (the pool's task types, its queues' load, its
+//! Deployment) → decide the count (`autoscale.rs`, or `spec.replicas`) → settle it
+//! (`scale_down.rs`: workers leave only once drained) → apply the objects (pure `build.rs`,
+//! server-side apply) → announce a change (an Event of its own) → report (status).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,20 +45,49 @@ struct Load {
     arrival: Option<f64>,
 }
 
+/// What one reconcile saw of the pool before deciding.
+struct Seen {
+    task_types: Vec<NamedTaskType>,
+    load: Result<Load, Error>,
+    /// The Deployment's count now, and how many of its workers are ready.
+    current: i32,
+    ready_replicas: i32,
+}
+
 #[tracing::instrument(skip_all, fields(pool = %pool.name_any()))]
 pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Action> {
     ctx.metrics
         .reconciles
         .with_label_values(&["workerpool"])
         .inc();
-    let namespace = pool.namespace().unwrap_or_default();
-    let name = pool.name_any();
-    let client = ctx.client.clone();
+    let seen = observe(&pool, &ctx).await?;
+    let (wanted, mut reason) = decide(&pool, &seen.load, seen.current, &ctx);
+    // Workers leave only once drained (scale_down.rs): the Deployment shrinks as they do.
+    let settled = scale_down::settle(&pool, &ctx, seen.current, wanted).await;
+    if let Some(note) = &settled.note {
+        reason = format!("{reason}; {note}");
+    }
+    apply_objects(&pool, &ctx, &seen, settled.replicas).await?;
+    announce(&pool, &ctx, seen.current, settled.replicas, &reason).await;
+    report(&pool, &ctx, seen, wanted, &settled, reason).await?;
+    Ok(Action::requeue(if settled.waiting > 0 {
+        DRAIN_POLL
+    } else if pool.spec.autoscaling.is_some() {
+        AUTOSCALE_PERIOD
+    } else {
+        RESYNC
+    }))
+}
 
-    let task_types = namespace_task_types(&pool, &ctx).await?;
-    let load = read_load(&pool, &task_types, &ctx).await;
-    let deployments: Api<Deployment> = Api::namespaced(client.clone(), &namespace);
-    let deployment = deployments.get_opt(&format!("{name}-worker")).await?;
+/// The pool's task types, its queues' load and its Deployment's counts.
+async fn observe(pool: &WorkerPool, ctx: &Context) -> Result<Seen> {
+    let task_types = namespace_task_types(pool, ctx).await?;
+    let load = read_load(pool, &task_types, ctx).await;
+    let deployments: Api<Deployment> =
+        Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
+    let deployment = deployments
+        .get_opt(&format!("{}-worker", pool.name_any()))
+        .await?;
     let current = deployment
         .as_ref()
         .and_then(|d| d.spec.as_ref())
@@ -68,57 +98,78 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .and_then(|d| d.status.as_ref())
         .and_then(|s| s.ready_replicas)
         .unwrap_or(0);
+    Ok(Seen {
+        task_types,
+        load,
+        current,
+        ready_replicas,
+    })
+}
 
-    let (wanted, mut reason) = decide(&pool, &load, current, &ctx);
-    // Workers leave only once drained (scale_down.rs): the Deployment shrinks as they do.
-    let settled = scale_down::settle(&pool, &ctx, current, wanted).await;
-    let replicas = settled.replicas;
-    if let Some(note) = settled.note {
-        reason = format!("{reason}; {note}");
-    }
-
-    let objects = match build::pool_objects(&pool, &task_types, replicas, &ctx.secret) {
+/// Builds the pool's objects with `replicas` workers and applies them; when they cannot be
+/// built, the pool is Degraded and the Deployment keeps its count.
+async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: i32) -> Result<()> {
+    let objects = match build::pool_objects(pool, &seen.task_types, replicas, &ctx.secret) {
         Ok(objects) => objects,
         Err(err) => {
             let message = err.to_string();
-            ctx.event(pool.as_ref(), true, err.category(), message.clone())
-                .await;
+            ctx.event(pool, true, err.category(), message.clone()).await;
+            let degraded =
+                Status::degraded(err.category(), message, seen.current, seen.ready_replicas);
             write_status(
-                &pool,
-                &ctx,
+                pool,
+                ctx,
                 Status {
                     last_scale: pool.status.as_ref().and_then(|s| s.last_scale.clone()),
-                    ..Status::degraded(err.category(), message, current, ready_replicas)
+                    ..degraded
                 },
             )
             .await?;
             return Err(err.into());
         }
     };
-    apply(&client, &namespace, &objects.config_map).await?;
-    apply(&client, &namespace, &objects.service).await?;
-    apply(&client, &namespace, &objects.pod_disruption_budget).await?;
-    apply(&client, &namespace, &objects.deployment).await?;
+    let namespace = pool.namespace().unwrap_or_default();
+    apply(&ctx.client, &namespace, &objects.config_map).await?;
+    apply(&ctx.client, &namespace, &objects.service).await?;
+    apply(&ctx.client, &namespace, &objects.pod_disruption_budget).await?;
+    apply(&ctx.client, &namespace, &objects.deployment).await
+}
 
-    if replicas != current {
-        let direction = if replicas > current { "up" } else { "down" };
-        ctx.metrics
-            .scaling_decisions
-            .with_label_values(&[direction])
-            .inc();
-        // Each decision its own Event: the recorder's series would keep the first note.
-        ctx.event_each(
-            pool.as_ref(),
-            reasons::SCALED,
-            format!("{current} → {replicas} workers: {reason}"),
-        )
-        .await;
+/// A change of the worker count: counted, and an Event of its own (the recorder's series
+/// would keep the first note).
+async fn announce(pool: &WorkerPool, ctx: &Context, current: i32, replicas: i32, reason: &str) {
+    if replicas == current {
+        return;
     }
-    let metrics = load
+    let direction = if replicas > current { "up" } else { "down" };
+    ctx.metrics
+        .scaling_decisions
+        .with_label_values(&[direction])
+        .inc();
+    ctx.event_each(
+        pool,
+        reasons::SCALED,
+        format!("{current} → {replicas} workers: {reason}"),
+    )
+    .await;
+}
+
+/// Status: counts, load, conditions, and the last change with its inputs.
+async fn report(
+    pool: &WorkerPool,
+    ctx: &Context,
+    seen: Seen,
+    wanted: i32,
+    settled: &scale_down::Settled,
+    reason: String,
+) -> Result<()> {
+    let (current, replicas) = (seen.current, settled.replicas);
+    let metrics = seen
+        .load
         .as_ref()
         .err()
         .map(|err| (err.category(), err.to_string()));
-    let load = load.unwrap_or_default();
+    let load = seen.load.unwrap_or_default();
     let last_scale = if replicas != current {
         Some(ScaleRecord {
             time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
@@ -137,7 +188,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     let settling = wanted != current || settled.waiting > 0;
     let status = Status {
         metrics,
-        phase: if ready_replicas == wanted && !settling {
+        phase: if seen.ready_replicas == wanted && !settling {
             phases::READY
         } else {
             phases::SCALING
@@ -150,19 +201,12 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         message: reason,
         wanted,
         current,
-        ready_replicas,
+        ready_replicas: seen.ready_replicas,
         draining: settled.waiting,
         load,
         last_scale,
     };
-    write_status(&pool, &ctx, status).await?;
-    Ok(Action::requeue(if settled.waiting > 0 {
-        DRAIN_POLL
-    } else if pool.spec.autoscaling.is_some() {
-        AUTOSCALE_PERIOD
-    } else {
-        RESYNC
-    }))
+    write_status(pool, ctx, status).await
 }
 
 /// The namespace's TaskTypes: from the TaskType controller's cache once it has synced (a
