@@ -231,8 +231,9 @@ async fn pool_scaled_to_zero(stack: &Stack, task_type: &str, failures: &mut Vec<
 }
 
 /// An autoscaled pool (2 to 3 workers) while RabbitMQ is stopped: the operator says so on
-/// the TaskType and the pool, and holds the pool within its bounds, reading nothing as
-/// zero; once the broker is back, both are Ready and read their queues again.
+/// the TaskType and the pool, holds the pool within its bounds, reading nothing as zero,
+/// and applies a minReplicas raised meanwhile; once the broker is back, both are Ready and
+/// read their queues again.
 async fn broker_stopped(stack: &Stack, failures: &mut Vec<String>) -> Instant {
     stack.kubectl(&[
         "patch",
@@ -295,6 +296,27 @@ async fn broker_stopped(stack: &Stack, failures: &mut Vec<String>) -> Instant {
         failures.push(format!(
             "the pool never reported its statistics missing: {}",
             condition("workerpool", POOL, "MetricsAvailable")
+        ));
+    }
+    // An edited minReplicas applies while the statistics are missing: the pool goes to 3.
+    stack.kubectl(&[
+        "patch",
+        "workerpool",
+        POOL,
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"autoscaling":{"minReplicas":3,"maxReplicas":4}}}"#,
+    ]);
+    let raised = tokio::time::timeout(MINUTE, async {
+        while stack.deployment_replicas(POOL).await != Some(3) {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    })
+    .await;
+    if raised.is_err() {
+        failures.push(format!(
+            "minReplicas 3 did not apply without statistics: the Deployment has {:?}",
+            stack.deployment_replicas(POOL).await
         ));
     }
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/services.sh");

@@ -22,6 +22,9 @@ pub const DRAIN_TARGET: Duration = Duration::from_secs(60);
 pub const ARRIVAL_MARGIN: f64 = 1.1;
 /// Workers one decision may add beyond doubling the pool (the HPA's default policy).
 pub const SCALE_UP_STEP: i32 = 4;
+/// The shortest time between two scale-up steps (the HPA's default period): a pool's own
+/// Deployment change wakes its reconcile at once, and must not double it again.
+pub const SCALE_UP_PERIOD: Duration = Duration::from_secs(15);
 
 /// What the operator saw of a pool and its queues.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,6 +60,8 @@ pub struct History {
     recommendations: VecDeque<(f64, i32)>,
     /// Since when the queue statistics have been unreadable, if they are.
     unavailable_since: Option<f64>,
+    /// When the last scale-up step was decided.
+    last_up: Option<f64>,
 }
 
 impl History {
@@ -191,16 +196,31 @@ pub fn desired_replicas(
         history.seed(now, current);
     }
     history.record(now, recommendation, window);
-    let replicas = if recommendation >= current {
-        let limit = current
-            .saturating_mul(2)
-            .max(current.saturating_add(SCALE_UP_STEP));
-        if recommendation > limit {
-            reasons.push(format!(
-                "scale-up to {recommendation} limited to {limit} this step (at most double or +{SCALE_UP_STEP})"
-            ));
+    let replicas = if recommendation > current {
+        let period = SCALE_UP_PERIOD.as_secs_f64();
+        match history.last_up {
+            Some(at) if now - at < period => {
+                reasons.push(format!(
+                    "scale-up to {recommendation} waits: the last step was {:.0}s ago (one per {period:.0}s)",
+                    now - at
+                ));
+                current
+            }
+            _ => {
+                let limit = current
+                    .saturating_mul(2)
+                    .max(current.saturating_add(SCALE_UP_STEP));
+                if recommendation > limit {
+                    reasons.push(format!(
+                        "scale-up to {recommendation} limited to {limit} this step (at most double or +{SCALE_UP_STEP})"
+                    ));
+                }
+                history.last_up = Some(now);
+                recommendation.min(limit)
+            }
         }
-        recommendation.min(limit)
+    } else if recommendation == current {
+        current
     } else {
         // Shrink only to the highest recommendation within the window, and by at most
         // scaleDownMaxPercent of the pool a step.
@@ -315,7 +335,7 @@ mod tests {
         let d = desired_replicas(&seen(950, 50, 6), &policy(0, 20), &mut history, 0.0);
         assert_eq!(d.replicas, 10);
         assert!(d.reason.contains("backlog 1000"), "{}", d.reason);
-        let d = desired_replicas(&seen(100_000, 0, 10), &policy(0, 20), &mut history, 1.0);
+        let d = desired_replicas(&seen(100_000, 0, 10), &policy(0, 20), &mut history, 20.0);
         assert_eq!(d.replicas, 20);
         assert!(d.reason.contains("bounded to [0, 20]"), "{}", d.reason);
         let d = desired_replicas(&seen(0, 0, 0), &policy(2, 20), &mut History::default(), 0.0);
@@ -401,10 +421,14 @@ mod tests {
         let d = desired_replicas(&seen(10_000, 0, 1), &p, &mut history, 0.0);
         assert_eq!(d.replicas, 5, "{}", d.reason);
         assert!(d.reason.contains("limited to 5"), "{}", d.reason);
-        let d = desired_replicas(&seen(10_000, 0, 10), &p, &mut history, 10.0);
+        // Its own Deployment change wakes the pool at once: no second step yet.
+        let d = desired_replicas(&seen(10_000, 0, 5), &p, &mut history, 0.5);
+        assert_eq!(d.replicas, 5, "{}", d.reason);
+        assert!(d.reason.contains("waits"), "{}", d.reason);
+        let d = desired_replicas(&seen(10_000, 0, 10), &p, &mut history, 16.0);
         assert_eq!(d.replicas, 20, "{}", d.reason);
         assert_eq!(
-            desired_replicas(&seen(0, 0, 0), &p, &mut history, 20.0).replicas,
+            desired_replicas(&seen(0, 0, 0), &p, &mut history, 40.0).replicas,
             0
         );
     }

@@ -43,6 +43,8 @@ pub struct Context {
     /// `controllers::run`); pool reconciles read it instead of listing the API each time.
     pub task_types:
         std::sync::OnceLock<kube::runtime::reflector::Store<conveyor_core::crd::TaskType>>,
+    /// Drains seen and pools looked at, for safe scale-down.
+    pub drains: crate::scale_down::Memory,
     /// TaskTypes (by uid) declared: at which generation, and when.
     pub declared: Mutex<HashMap<String, (Option<i64>, Instant)>>,
     started: Instant,
@@ -70,6 +72,7 @@ impl Context {
             broker: BrokerStats::default(),
             task_types: std::sync::OnceLock::new(),
             declared: Mutex::default(),
+            drains: Default::default(),
             declarations: tokio::sync::Semaphore::new(DECLARATIONS_AT_ONCE),
             started: Instant::now(),
         }

@@ -7,13 +7,14 @@
 //! idle one could be, and none is removed with a task in flight unless its grace ran out.
 //!
 //! The state lives on the pods (the worker's drain state and the `draining-since`
-//! annotation), so a restarted or newly elected operator carries on where the last one was.
+//! annotation), so a restarted or newly elected operator carries on where the last one was;
+//! the grace is timed on the operator's own monotonic clock from when it first saw the drain.
 //! [`plan`] is the pure decision; [`settle`] reads the pods and carries it out.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
 use conveyor_core::crd::WorkerPool;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -29,8 +30,6 @@ pub const DRAINING_SINCE: &str = "conveyor.dev/draining-since";
 pub const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 /// The cost of a worker that may go now: below every other.
 pub const REMOVABLE_COST: i32 = i32::MIN;
-/// The cost of a worker whose state could not be read: it may be busy, so it goes last.
-pub const UNKNOWN_COST: i32 = i32::MAX;
 /// How long a worker's admin port may take to answer.
 const ASK_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -51,25 +50,31 @@ pub struct Worker {
     pub unstarted: bool,
     /// `None`: the worker did not answer.
     pub state: Option<DrainState>,
-    pub draining_since: Option<DateTime<Utc>>,
-    /// Already carries [`REMOVABLE_COST`] (set on an earlier round).
+    /// Carries the [`DRAINING_SINCE`] stamp (asked to drain by some operator).
+    pub stamped: bool,
+    /// How long this operator process has seen it draining, on its own monotonic clock:
+    /// another operator's wall-clock stamp is not trusted for the grace (decision 0017).
+    pub draining_for: Option<Duration>,
+    /// Carries [`REMOVABLE_COST`].
     pub marked: bool,
 }
 
 impl Worker {
     fn draining(&self) -> bool {
-        self.state
-            .map_or(self.draining_since.is_some(), |s| s.draining)
+        self.state.map_or(self.stamped, |s| s.draining)
     }
 
-    fn removable(&self, grace: Duration, now: DateTime<Utc>) -> bool {
-        let grace_over = self.draining_since.is_some_and(|since| {
-            now.signed_duration_since(since)
-                .to_std()
-                .unwrap_or_default()
-                >= grace
-        });
-        self.unstarted || (self.draining() && (self.state.is_some_and(|s| s.idle) || grace_over))
+    /// Holds nothing: not started, or no delivery in hand (and, draining, none to come).
+    fn idle(&self) -> bool {
+        self.unstarted
+            || self
+                .state
+                .is_some_and(|s| if s.draining { s.idle } else { s.in_flight == 0 })
+    }
+
+    fn removable(&self, grace: Duration) -> bool {
+        self.unstarted
+            || (self.draining() && (self.idle() || self.draining_for.is_some_and(|d| d >= grace)))
     }
 
     fn busy(&self) -> u64 {
@@ -84,43 +89,50 @@ pub struct Plan {
     pub drain: Vec<String>,
     /// Draining workers no longer to be removed.
     pub resume: Vec<String>,
-    /// Workers that may go now, to be given [`REMOVABLE_COST`].
+    /// Workers that may go now, to carry [`REMOVABLE_COST`].
     pub remove: Vec<String>,
-    /// Workers draining (asked before or now), not removable yet.
+    /// Workers carrying [`REMOVABLE_COST`] that are not to go (a pod marked before it
+    /// started, a worker taken back): their cost goes back to 0.
+    pub unmark: Vec<String>,
+    /// Workers chosen to go that are not removable yet.
     pub waiting: usize,
 }
 
-/// Decides, for a pool with `surplus` workers too many (0 when none), which to drain, which
-/// to resume and which may go.
-pub fn plan(workers: &[Worker], surplus: usize, grace: Duration, now: DateTime<Utc>) -> Plan {
+/// Decides, for a pool whose live pods are `surplus` too many (0 when none), which workers
+/// go: unstarted ones first, then idle ones (draining or not), then the least busy, with
+/// those already draining before the others among equally busy ones. An unreadable worker
+/// that was not asked to drain may be busy and is never chosen. The chosen go once
+/// removable (idle, or draining for the grace); the rest are asked to drain; workers
+/// draining that were not chosen are taken back.
+pub fn plan(workers: &[Worker], surplus: usize, grace: Duration) -> Plan {
     let mut plan = Plan::default();
-    let (out, staying): (Vec<&Worker>, Vec<&Worker>) =
-        workers.iter().partition(|w| w.unstarted || w.draining());
-    // Unstarted workers go before draining ones, idle draining ones before busy ones; the
-    // rest of those on their way out are taken back.
-    let mut out = out;
-    out.sort_by_key(|w| (!w.unstarted, !w.removable(grace, now), w.busy()));
-    for (i, worker) in out.iter().enumerate() {
-        if i >= surplus {
-            if !worker.unstarted {
-                plan.resume.push(worker.pod.clone());
-            }
-        } else if worker.removable(grace, now) {
+    let mut candidates: Vec<&Worker> = workers
+        .iter()
+        .filter(|w| w.unstarted || w.state.is_some() || w.draining())
+        .collect();
+    candidates.sort_by_key(|w| (!w.unstarted, !w.idle(), !w.draining(), w.busy()));
+    let chosen: Vec<&str> = candidates
+        .iter()
+        .take(surplus)
+        .map(|w| w.pod.as_str())
+        .collect();
+    for worker in workers {
+        let going = chosen.contains(&worker.pod.as_str());
+        if going && worker.removable(grace) {
             plan.remove.push(worker.pod.clone());
-        } else {
-            plan.waiting += 1;
+            continue;
         }
-    }
-    // Too few on their way out: drain the least busy of those known (an unreadable worker
-    // may be busy, and could not be asked anyway).
-    let mut candidates: Vec<&Worker> = staying.into_iter().filter(|w| w.state.is_some()).collect();
-    candidates.sort_by_key(|w| w.busy());
-    for worker in candidates
-        .into_iter()
-        .take(surplus.saturating_sub(out.len()))
-    {
-        plan.drain.push(worker.pod.clone());
-        plan.waiting += 1;
+        if going {
+            if !worker.draining() {
+                plan.drain.push(worker.pod.clone());
+            }
+            plan.waiting += 1;
+        } else if worker.draining() {
+            plan.resume.push(worker.pod.clone());
+        }
+        if worker.marked {
+            plan.unmark.push(worker.pod.clone());
+        }
     }
     plan
 }
@@ -130,17 +142,47 @@ pub fn plan(workers: &[Worker], surplus: usize, grace: Duration, now: DateTime<U
 pub struct Settled {
     pub replicas: i32,
     pub note: Option<String>,
-    /// Workers draining and not yet removable: look again soon.
+    /// Workers chosen to go and not removable yet (or whose drain could not be undone):
+    /// look again soon.
     pub waiting: usize,
+}
+
+/// What the operator process remembers between rounds: since when it has seen each pod
+/// draining (by uid), and when it last looked at each pool's pods (`namespace/name`).
+#[derive(Default)]
+pub struct Memory {
+    draining_since: Mutex<HashMap<String, Instant>>,
+    looked: Mutex<HashMap<String, Instant>>,
+}
+
+/// A pool with nothing to shrink and no drain known is still looked at this often, so that
+/// a drain left by a crashed operator (or a status write that failed) is undone.
+const LOOK_EVERY: Duration = Duration::from_secs(60);
+
+/// Drains of pods this process has not seen for this long are forgotten (the pod is gone).
+const FORGET_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Brings the pool from `current` workers towards `wanted`: a scale-up applies at once (and
 /// takes back workers that were draining); a scale-down removes only the workers that
 /// [`plan`] allows, and asks the others to drain.
 pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32) -> Settled {
-    let surplus = usize::try_from(current - wanted).unwrap_or(0);
-    let was_draining = pool.status.as_ref().is_some_and(|s| s.draining > 0);
-    if surplus == 0 && !was_draining {
+    let key = format!(
+        "{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    );
+    let previous = pool
+        .status
+        .as_ref()
+        .map_or(0, |s| usize::try_from(s.draining).unwrap_or(0));
+    let due = lock(&ctx.drains.looked)
+        .get(&key)
+        .is_none_or(|at| at.elapsed() >= LOOK_EVERY);
+    if wanted >= current && previous == 0 && !due {
         return Settled {
             replicas: wanted,
             note: None,
@@ -158,13 +200,14 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
             tracing::warn!(error = %err, "cannot list the pool's pods; not shrinking");
             return Settled {
                 replicas: current.max(wanted),
-                note: Some(format!(
-                    "scale-down to {wanted} waits: cannot list pods ({err})"
-                )),
-                waiting: 0,
+                note: (wanted < current)
+                    .then(|| format!("scale-down to {wanted} waits: cannot list pods ({err})")),
+                // Drains known before stay known: the next round looks again.
+                waiting: previous,
             };
         }
     };
+    lock(&ctx.drains.looked).insert(key, Instant::now());
     // A terminating pod is on its way out already: neither a candidate nor counted.
     let live: Vec<Pod> = listed
         .into_iter()
@@ -174,46 +217,73 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
         .timeout(ASK_TIMEOUT)
         .build()
         .unwrap_or_default();
-    let workers = futures_util::future::join_all(live.iter().map(|pod| observe(&http, pod))).await;
+    let mut workers =
+        futures_util::future::join_all(live.iter().map(|pod| observe(&http, pod))).await;
+    remember_drains(ctx, &live, &mut workers);
     let grace = Duration::from_secs(u64::from(pool.spec.drain_grace_seconds));
-    let now = Utc::now();
-    let plan = plan(&workers, surplus, grace, now);
+    // From the live pods, not the Deployment's count: pods the ReplicaSet still owes a
+    // deletion (marked on an earlier round, not terminating yet) are counted once.
+    let surplus = live
+        .len()
+        .saturating_sub(usize::try_from(wanted).unwrap_or(0));
+    let plan = plan(&workers, surplus, grace);
 
     let addresses: HashMap<String, String> = live
         .iter()
         .filter_map(|pod| Some((pod.name_any(), pod.status.as_ref()?.pod_ip.clone()?)))
         .collect();
+    let now = chrono::Utc::now().to_rfc3339();
     for pod in &plan.drain {
         if ask(&http, &addresses, pod, reqwest::Method::POST).await {
-            annotate(&pods, pod, Some(&now.to_rfc3339()), 0).await;
+            annotate(&pods, pod, json!({DRAINING_SINCE: now, DELETION_COST: "0"})).await;
         }
     }
+    let mut not_undone = 0;
     for pod in &plan.resume {
-        ask(&http, &addresses, pod, reqwest::Method::DELETE).await;
-        annotate(&pods, pod, None, 0).await;
+        // An unstarted or unreachable worker cannot be asked: its stamp stays, and it is
+        // asked again next round.
+        if ask(&http, &addresses, pod, reqwest::Method::DELETE).await {
+            annotate(
+                &pods,
+                pod,
+                json!({DRAINING_SINCE: null, DELETION_COST: "0"}),
+            )
+            .await;
+        } else {
+            not_undone += 1;
+        }
+    }
+    for pod in &plan.unmark {
+        annotate(&pods, pod, json!({DELETION_COST: "0"})).await;
     }
     // Marked on an earlier round: the ReplicaSet controller has seen the cost by now.
-    // Marked this round: removed on the next one.
-    let mut removing: i32 = 0;
+    // Marked this round: counted on the next one.
+    let mut marked = 0;
     let mut marking = 0;
     for pod in &plan.remove {
         if workers.iter().any(|w| &w.pod == pod && w.marked) {
-            removing += 1;
-        } else if annotate(&pods, pod, None, REMOVABLE_COST).await {
+            marked += 1;
+        } else if annotate(
+            &pods,
+            pod,
+            json!({DELETION_COST: REMOVABLE_COST.to_string()}),
+        )
+        .await
+        {
             marking += 1;
         }
     }
-    let waiting = plan.waiting + marking;
-    let replicas = if surplus == 0 {
+    let waiting = plan.waiting + marking + not_undone;
+    let replicas = if wanted >= current {
         wanted
     } else {
-        current - removing
+        let after = i32::try_from(live.len() - marked).unwrap_or(i32::MAX);
+        after.clamp(wanted, current)
     };
     let note = (replicas != wanted).then(|| {
         format!(
-            "scale-down to {wanted} at {replicas} for now: {} worker(s) draining, removed as each \
-             is idle or after its {}s drain grace (busy workers are not removed)",
-            waiting,
+            "scale-down to {wanted} at {replicas} for now: {waiting} worker(s) draining, \
+             removed as each is idle or after its {}s drain grace (busy workers are not removed)",
             grace.as_secs()
         )
     });
@@ -224,12 +294,33 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
     }
 }
 
+/// Keeps, per pod uid, when this process first saw it draining, and sets each worker's
+/// `draining_for` from it; pods no longer draining (or gone) are forgotten.
+fn remember_drains(ctx: &Context, live: &[Pod], workers: &mut [Worker]) {
+    let mut seen = lock(&ctx.drains.draining_since);
+    let mut still = HashMap::new();
+    for (pod, worker) in live.iter().zip(workers.iter_mut()) {
+        if !worker.draining() {
+            continue;
+        }
+        let uid = pod
+            .metadata
+            .uid
+            .clone()
+            .unwrap_or_else(|| worker.pod.clone());
+        let since = seen.get(&uid).copied().unwrap_or_else(Instant::now);
+        worker.draining_for = Some(since.elapsed());
+        still.insert(uid, since);
+    }
+    // Other pools' pods are kept: only this pool's are replaced.
+    let names: std::collections::HashSet<String> =
+        live.iter().filter_map(|p| p.metadata.uid.clone()).collect();
+    seen.retain(|uid, at| !names.contains(uid) && at.elapsed() < FORGET_AFTER);
+    seen.extend(still);
+}
+
 async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
-    let draining_since = pod
-        .annotations()
-        .get(DRAINING_SINCE)
-        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-        .map(|t| t.with_timezone(&Utc));
+    let stamped = pod.annotations().contains_key(DRAINING_SINCE);
     let marked = pod.annotations().get(DELETION_COST).map(String::as_str)
         == Some(REMOVABLE_COST.to_string().as_str());
     let Some(ip) = pod.status.as_ref().and_then(|s| s.pod_ip.clone()) else {
@@ -237,7 +328,8 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
             pod: pod.name_any(),
             unstarted: true,
             state: None,
-            draining_since,
+            stamped,
+            draining_for: None,
             marked,
         };
     };
@@ -256,7 +348,8 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
         pod: pod.name_any(),
         unstarted: false,
         state,
-        draining_since,
+        stamped,
+        draining_for: None,
         marked,
     }
 }
@@ -285,12 +378,9 @@ async fn ask(
     }
 }
 
-/// Sets (or, with `None`, removes) a pod's draining-since annotation and its deletion cost.
-async fn annotate(pods: &Api<Pod>, pod: &str, since: Option<&str>, cost: i32) -> bool {
-    let patch = json!({"metadata": {"annotations": {
-        DRAINING_SINCE: since,
-        DELETION_COST: cost.to_string(),
-    }}});
+/// Merges `annotations` (a null removes one) into a pod's; whether it worked.
+async fn annotate(pods: &Api<Pod>, pod: &str, annotations: serde_json::Value) -> bool {
+    let patch = json!({"metadata": {"annotations": annotations}});
     match pods
         .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await
@@ -309,12 +399,6 @@ mod tests {
 
     const GRACE: Duration = Duration::from_secs(30);
 
-    fn now() -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339("2026-12-02T10:00:00Z")
-            .unwrap()
-            .with_timezone(&Utc)
-    }
-
     fn worker(pod: &str, in_flight: u64) -> Worker {
         Worker {
             pod: pod.to_owned(),
@@ -324,19 +408,21 @@ mod tests {
                 in_flight,
                 idle: false,
             }),
-            draining_since: None,
+            stamped: false,
+            draining_for: None,
             marked: false,
         }
     }
 
-    fn draining(pod: &str, in_flight: u64, seconds_ago: i64) -> Worker {
+    fn draining(pod: &str, in_flight: u64, seconds: u64) -> Worker {
         Worker {
             state: Some(DrainState {
                 draining: true,
                 in_flight,
                 idle: in_flight == 0,
             }),
-            draining_since: Some(now() - chrono::Duration::seconds(seconds_ago)),
+            stamped: true,
+            draining_for: Some(Duration::from_secs(seconds)),
             ..worker(pod, in_flight)
         }
     }
@@ -344,7 +430,7 @@ mod tests {
     #[test]
     fn the_least_busy_workers_are_asked_to_drain_and_nobody_goes_yet() {
         let workers = [worker("a", 3), worker("b", 1), worker("c", 2)];
-        let plan = plan(&workers, 2, GRACE, now());
+        let plan = plan(&workers, 2, GRACE);
         assert_eq!(plan.drain, ["b", "c"]);
         assert!(plan.remove.is_empty(), "busy workers are not removed");
         assert_eq!(plan.waiting, 2);
@@ -353,21 +439,28 @@ mod tests {
     #[test]
     fn a_drained_idle_worker_goes_and_a_busy_one_waits_for_its_grace() {
         let workers = [worker("a", 3), draining("b", 0, 5), draining("c", 2, 5)];
-        let plan = plan(&workers, 2, GRACE, now());
-        assert_eq!(plan.remove, ["b"]);
-        assert_eq!(plan.waiting, 1);
-        assert!(plan.drain.is_empty());
-        let later = plan_after(&workers, 31);
-        assert_eq!(later.remove, ["b", "c"], "grace over: it goes anyway");
+        let now = plan(&workers, 2, GRACE);
+        assert_eq!(now.remove, ["b"]);
+        assert_eq!(now.waiting, 1);
+        assert!(now.drain.is_empty() && now.resume.is_empty());
+        let later = [worker("a", 3), draining("b", 0, 31), draining("c", 2, 31)];
+        assert_eq!(
+            plan(&later, 2, GRACE).remove,
+            ["b", "c"],
+            "grace over: it goes anyway"
+        );
     }
 
-    fn plan_after(workers: &[Worker], seconds: i64) -> Plan {
-        plan(
-            workers,
-            2,
-            GRACE,
-            now() + chrono::Duration::seconds(seconds - 5),
-        )
+    #[test]
+    fn an_idle_worker_goes_before_a_busy_draining_one() {
+        let workers = [draining("busy", 3, 1), worker("idle", 0)];
+        let plan = plan(&workers, 1, GRACE);
+        assert_eq!(plan.drain, ["idle"]);
+        assert_eq!(
+            plan.resume,
+            ["busy"],
+            "taken back: an idle worker can go instead"
+        );
     }
 
     #[test]
@@ -381,23 +474,47 @@ mod tests {
             state: None,
             ..worker("new", 0)
         };
-        let plan = plan(&[unknown, unstarted, worker("a", 4)], 2, GRACE, now());
+        let plan = plan(&[unknown, unstarted, worker("a", 4)], 2, GRACE);
         assert_eq!(plan.remove, ["new"]);
         assert_eq!(plan.drain, ["a"], "the unreadable one may be busy");
     }
 
     #[test]
-    fn workers_draining_beyond_the_surplus_are_taken_back_busiest_first() {
-        let workers = [draining("a", 0, 1), draining("b", 4, 1), worker("c", 0)];
-        let plan = plan(&workers, 1, GRACE, now());
+    fn workers_draining_beyond_the_surplus_are_taken_back_and_stale_marks_cleared() {
+        let marked_and_started = Worker {
+            marked: true,
+            ..worker("c", 2)
+        };
+        let workers = [draining("a", 0, 1), draining("b", 4, 1), marked_and_started];
+        let plan = plan(&workers, 1, GRACE);
         assert_eq!(plan.remove, ["a"]);
         assert_eq!(plan.resume, ["b"]);
-        let none = super::plan(&workers, 0, GRACE, now());
+        assert_eq!(
+            plan.unmark,
+            ["c"],
+            "a pod marked before it started keeps no low cost"
+        );
+        let none = super::plan(&workers, 0, GRACE);
         assert_eq!(
             none.resume,
             ["a", "b"],
             "no scale-down: every drain is undone"
         );
         assert!(none.remove.is_empty());
+    }
+
+    #[test]
+    fn a_drain_stamped_by_another_operator_is_judged_on_this_ones_clock() {
+        // Stamped, unreadable, first seen just now: its grace starts now, not at the
+        // stamp another operator's (perhaps skewed) clock wrote.
+        let stamped = Worker {
+            state: None,
+            stamped: true,
+            draining_for: Some(Duration::ZERO),
+            ..worker("s", 0)
+        };
+        let plan = plan(&[stamped], 1, GRACE);
+        assert!(plan.remove.is_empty());
+        assert_eq!(plan.waiting, 1);
     }
 }

@@ -121,6 +121,11 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
                 ctx,
                 Status {
                     last_scale: pool.status.as_ref().and_then(|s| s.last_scale.clone()),
+                    // Drains under way stay known: the next round takes them up again.
+                    draining: pool
+                        .status
+                        .as_ref()
+                        .map_or(0, |s| usize::try_from(s.draining).unwrap_or(0)),
                     ..degraded
                 },
             )
@@ -169,18 +174,18 @@ async fn report(
         .as_ref()
         .err()
         .map(|err| (err.category(), err.to_string()));
-    let load = seen.load.unwrap_or_default();
+    let load = seen.load.ok();
     let last_scale = if replicas != current {
         Some(ScaleRecord {
             time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             from: current,
             to: replicas,
             reason: reason.clone(),
-            ready: load.ready,
-            in_flight: load.in_flight,
-            retrying: load.retrying,
-            processing_rate: load.rate,
-            arrival_rate: load.arrival,
+            ready: load.map(|l| l.ready),
+            in_flight: load.map(|l| l.in_flight),
+            retrying: load.map(|l| l.retrying),
+            processing_rate: load.and_then(|l| l.rate),
+            arrival_rate: load.and_then(|l| l.arrival),
         })
     } else {
         pool.status.as_ref().and_then(|s| s.last_scale.clone())
@@ -373,7 +378,8 @@ struct Status {
     ready_replicas: i32,
     /// Workers draining before their removal.
     draining: usize,
-    load: Load,
+    /// `None`: the broker could not be read.
+    load: Option<Load>,
     last_scale: Option<ScaleRecord>,
 }
 
@@ -389,7 +395,7 @@ impl Status {
             current,
             ready_replicas: ready,
             draining: 0,
-            load: Load::default(),
+            load: None,
             last_scale: None,
         }
     }
@@ -411,9 +417,9 @@ async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Resul
         draining: i32::try_from(status.draining).unwrap_or(i32::MAX),
         last_scale: status.last_scale,
         selector: Some(selector(&pool.name_any())),
-        queued: status.load.ready,
-        in_flight: status.load.in_flight,
-        dead_lettered: status.load.dead_lettered,
+        queued: status.load.map(|l| l.ready),
+        in_flight: status.load.map(|l| l.in_flight),
+        dead_lettered: status.load.map(|l| l.dead_lettered),
         phase: Some(status.phase.to_owned()),
         conditions: vec![
             // Ready means serving, not settled: a scaling step is the Scaling condition's

@@ -382,6 +382,12 @@ async fn consume(
                     match amqp::consume(&conn, &present, per_type, &config.worker_id).await {
                         Ok((fresh, consumers)) => {
                             retired.push(std::mem::replace(&mut channel, fresh));
+                            // Nothing in hand acks on the old channels any more.
+                            if intake.state().in_flight == 0 {
+                                for old in retired.drain(..) {
+                                    let _ = old.close(200, "drained").await;
+                                }
+                            }
                             deliveries = select_all(consumers);
                             cancelled = false;
                         }

@@ -233,15 +233,16 @@ pub struct WorkerPoolStatus {
     /// Label selector of the workers, for the scale subresource.
     #[serde(default)]
     pub selector: Option<String>,
-    /// Ready tasks in the pool's work queues.
+    /// Ready tasks in the pool's work queues; absent while the broker cannot be read
+    /// (unknown, not zero).
     #[serde(default)]
-    pub queued: u64,
-    /// Tasks being processed.
+    pub queued: Option<u64>,
+    /// Tasks being processed; absent while unknown.
     #[serde(default)]
-    pub in_flight: u64,
-    /// Tasks in the remediation queues.
+    pub in_flight: Option<u64>,
+    /// Tasks in the remediation queues; absent while unknown.
     #[serde(default)]
-    pub dead_lettered: u64,
+    pub dead_lettered: Option<u64>,
     /// The last change of the worker count: when, from what to what, why, and what the
     /// operator saw.
     #[serde(default)]
@@ -264,11 +265,14 @@ pub struct ScaleRecord {
     pub from: i32,
     pub to: i32,
     pub reason: String,
-    /// Ready tasks in the pool's work queues.
-    pub ready: u64,
-    pub in_flight: u64,
+    /// Ready tasks in the pool's work queues (absent: the broker could not be read).
+    #[serde(default)]
+    pub ready: Option<u64>,
+    #[serde(default)]
+    pub in_flight: Option<u64>,
     /// Failed attempts waiting out their backoff.
-    pub retrying: u64,
+    #[serde(default)]
+    pub retrying: Option<u64>,
     /// Tasks per second finished and arriving, when the broker had measured them.
     #[serde(default)]
     pub processing_rate: Option<f64>,
