@@ -149,10 +149,20 @@ pub struct Settled {
 
 /// What the operator process remembers between rounds: since when it has seen each pod
 /// draining (by uid), and when it last looked at each pool's pods (`namespace/name`).
-#[derive(Default)]
 pub struct Memory {
     draining_since: Mutex<HashMap<String, Instant>>,
     looked: Mutex<HashMap<String, Instant>>,
+    started: Instant,
+}
+
+impl Default for Memory {
+    fn default() -> Self {
+        Memory {
+            draining_since: Mutex::default(),
+            looked: Mutex::default(),
+            started: Instant::now(),
+        }
+    }
 }
 
 /// A pool with nothing to shrink and no drain known is still looked at this often, so that
@@ -179,9 +189,11 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
         .status
         .as_ref()
         .map_or(0, |s| usize::try_from(s.draining).unwrap_or(0));
+    // A pool not looked at yet counts as looked at when the process started.
     let due = lock(&ctx.drains.looked)
         .get(&key)
-        .is_none_or(|at| at.elapsed() >= LOOK_EVERY);
+        .map_or(ctx.drains.started.elapsed(), Instant::elapsed)
+        >= LOOK_EVERY;
     if wanted >= current && previous == 0 && !due {
         return Settled {
             replicas: wanted,

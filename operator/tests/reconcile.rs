@@ -718,14 +718,25 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
         ),
     ];
     if shrinks {
-        // The pods beyond 4 have not started (no address) and were marked removable on an
-        // earlier round: the Deployment shrinks by them at once.
-        let pending: Vec<Value> = (4..replicas)
-            .map(|i| json!({"metadata": {
-                "name": format!("scaled-worker-{i}"),
-                "namespace": "video",
-                "annotations": {"controller.kubernetes.io/pod-deletion-cost": i32::MIN.to_string()},
-            }}))
+        // Pods 0-3 run (their workers do not answer: never chosen); the pods beyond 4 have
+        // not started (no address) and were marked removable on an earlier round: the
+        // Deployment shrinks by them at once.
+        let pending: Vec<Value> = (0..replicas)
+            .map(|i| {
+                let mut pod = json!({"metadata": {
+                    "name": format!("scaled-worker-{i}"),
+                    "namespace": "video",
+                    "uid": format!("pod-{i}"),
+                }});
+                if i < 4 {
+                    pod["status"] = json!({"podIP": "127.0.0.2"});
+                } else {
+                    pod["metadata"]["annotations"] = json!({
+                        "controller.kubernetes.io/pod-deletion-cost": i32::MIN.to_string()
+                    });
+                }
+                pod
+            })
             .collect();
         script.push(expect(
             Method::GET,
