@@ -670,7 +670,25 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         .collect(),
     );
     let ctx = context(client, MANAGEMENT);
-    ctx.broker.refresh(&ctx.management).await.unwrap();
+    // The poller's list is what the reconcile reads: wait until it has every counter of
+    // the type's queues (a busy broker counts a new retry queue late).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        ctx.broker.refresh(&ctx.management).await.unwrap();
+        if ctx
+            .broker
+            .depths(&in_video(&name))
+            .is_ok_and(|d| d.ready == 250)
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the poller never listed the backlog with every counter: {:?}",
+            ctx.broker.depths(&in_video(&name))
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
     let seen = verifier.await.unwrap();
     assert_eq!(
