@@ -27,6 +27,8 @@ use crate::{task_types, worker_pools};
 /// Reconciles of one kind under way at once: thousands of objects must not open thousands
 /// of broker and API requests together.
 pub const CONCURRENCY: u16 = 16;
+/// Longest one reconcile may run.
+const RECONCILE_TIMEOUT: Duration = Duration::from_secs(60);
 /// An invalid spec waits for an edit (which wakes it anyway).
 const INVALID_SPEC_RETRY: Duration = Duration::from_secs(300);
 
@@ -134,7 +136,16 @@ where
     F: Future<Output = Result<Action>>,
 {
     let key = key(object.as_ref());
-    let result = reconcile(object, ctx.clone()).await;
+    // A reconcile that never returns would hold one of the CONCURRENCY slots for good
+    // (16 stuck ones stop the controller): bounded, it fails and is retried with backoff.
+    let result = match tokio::time::timeout(RECONCILE_TIMEOUT, reconcile(object, ctx.clone())).await
+    {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(object = key, "reconcile timed out");
+            Err(Error::ReconcileTimeout(RECONCILE_TIMEOUT))
+        }
+    };
     if result.is_ok() {
         ctx.backoff.succeeded(&key);
     }

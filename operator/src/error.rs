@@ -21,6 +21,8 @@ pub enum Error {
     InvalidSpec(String),
     #[error("RabbitMQ did not answer within {1:?} while {0}")]
     Timeout(&'static str, std::time::Duration),
+    #[error("the reconcile did not finish within {0:?}")]
+    ReconcileTimeout(std::time::Duration),
 }
 
 impl Error {
@@ -35,6 +37,7 @@ impl Error {
             Error::Build(err) => err.category(),
             Error::InvalidSpec(_) => reasons::INVALID_SPEC,
             Error::Timeout(..) => reasons::RABBITMQ_UNAVAILABLE,
+            Error::ReconcileTimeout(_) => reasons::RECONCILE_TIMEOUT,
         }
     }
 }

@@ -29,6 +29,8 @@ use crate::scale_down;
 /// How often an autoscaled pool is looked at again.
 const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
 const RESYNC: Duration = Duration::from_secs(60);
+/// How long a pool reconcile waits for the TaskType cache before it lists the API.
+const CACHE_WAIT: Duration = Duration::from_secs(5);
 /// How often a pool with workers draining is looked at again, to remove each once idle.
 const DRAIN_POLL: Duration = Duration::from_secs(2);
 
@@ -220,7 +222,9 @@ async fn report(
 async fn namespace_task_types(pool: &WorkerPool, ctx: &Context) -> Result<Vec<NamedTaskType>> {
     let namespace = pool.namespace().unwrap_or_default();
     if let Some(store) = ctx.task_types.get() {
-        if store.wait_until_ready().await.is_ok() {
+        // Not synced within a few seconds (its watch restarting): the API answers instead.
+        let synced = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
+        if synced.is_ok_and(|ready| ready.is_ok()) {
             let cached: Vec<NamedTaskType> = store
                 .state()
                 .iter()

@@ -35,6 +35,7 @@ pub mod reasons {
     pub const INVALID_OBJECT: &str = "InvalidObject";
     pub const UNKNOWN_TASK_TYPE: &str = "UnknownTaskType";
     pub const BUILD_FAILED: &str = "BuildFailed";
+    pub const RECONCILE_TIMEOUT: &str = "ReconcileTimeout";
 }
 
 /// A WorkerPool's `status.phase`.

@@ -181,11 +181,11 @@ async fn a_scale_down_under_load_removes_no_worker_with_a_task_in_flight() {
 
 #[tokio::test]
 async fn arrivals_outpacing_the_pool_grow_it_before_the_queue_builds_up() {
-    // The backlog term alone would wait for 1,000 queued tasks per worker; one worker runs
+    // The backlog term alone would wait for 2,000 queued tasks per worker; one worker runs
     // about 5 tasks/s here, and 25 arrive each second.
     let autoscaling =
         "  concurrency: 1\n  autoscaling:\n    minReplicas: 1\n    maxReplicas: 4\n    \
-        targetBacklogPerReplica: 1000\n    scaleDownStabilizationSeconds: 600\n";
+        targetBacklogPerReplica: 2000\n    scaleDownStabilizationSeconds: 600\n";
     let (stack, t) = pool_stack("arrival", "arrivals", autoscaling, 1).await;
     let queue = stack.queue_of(&t, "");
     let mut submitted = 0;
@@ -209,7 +209,7 @@ async fn arrivals_outpacing_the_pool_grow_it_before_the_queue_builds_up() {
             grown_at = Some(ready);
         }
         assert!(
-            ready < 1000,
+            ready < 2000,
             "the queue reached the backlog target ({ready} ready) before the pool grew"
         );
         tokio::time::sleep(Duration::from_secs(1)).await;
