@@ -36,6 +36,11 @@ const INVALID_SPEC_RETRY: Duration = Duration::from_secs(300);
 pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let client = ctx.client.clone();
     let config = controller::Config::default().concurrency(CONCURRENCY);
+    // One list before the first reconciles, so that they do not all report the queues'
+    // statistics unknown (bounded by the management client's timeout).
+    if let Err(err) = ctx.broker.refresh(&ctx.management).await {
+        tracing::warn!(error = %err, "cannot read the broker's queue statistics yet");
+    }
     let poller = ctx.clone();
     let poll_stop = stop.clone();
     tokio::spawn(async move { poller.broker.poll(&poller.management, poll_stop).await });

@@ -71,10 +71,13 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     }
     apply_objects(&pool, &ctx, &seen, settled.replicas).await?;
     announce(&pool, &ctx, seen.current, settled.replicas, &reason).await;
+    let unknown = seen.load.is_err();
     report(&pool, &ctx, seen, wanted, &settled, reason).await?;
     Ok(Action::requeue(if settled.waiting > 0 {
         DRAIN_POLL
-    } else if pool.spec.autoscaling.is_some() {
+    } else if pool.spec.autoscaling.is_some() || unknown {
+        // Unknown counts (a broker outage, or a poller that has not listed yet) are looked
+        // at again soon, so that the status shows them once they are known.
         AUTOSCALE_PERIOD
     } else {
         RESYNC

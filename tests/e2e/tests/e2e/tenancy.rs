@@ -87,7 +87,7 @@ async fn two_namespaces_with_a_type_of_one_name_work_apart_and_delete_apart() {
             .and_then(|q| q["messages_ready"].as_u64())
     }
     wait_until("audio's 20 tasks in its own queue", MINUTE, || async {
-        ready(&audio, &t).await == Some(20)
+        ready(&audio, &t).await >= Some(20)
     })
     .await;
     assert_eq!(audio.count(&t, TaskState::Completed).await, 0);
@@ -130,7 +130,10 @@ async fn two_namespaces_with_a_type_of_one_name_work_apart_and_delete_apart() {
             "audio's queue{suffix} kept"
         );
     }
-    assert_eq!(ready(&audio, &t).await, Some(20), "audio's messages kept");
+    // At least its 20 tasks: the gateway's upkeep may have a probe in the queue too
+    // (decision 0011).
+    let kept = ready(&audio, &t).await;
+    assert!(kept >= Some(20), "audio's messages kept: {kept:?} ready");
     assert_eq!(
         audio.count(&t, TaskState::Queued).await,
         waiting.len() as i64
