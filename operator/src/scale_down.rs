@@ -55,6 +55,8 @@ pub struct Worker {
     /// How long this operator process has seen it draining, on its own monotonic clock:
     /// another operator's wall-clock stamp is not trusted for the grace (decision 0017).
     pub draining_for: Option<Duration>,
+    /// How long this process has found the worker unreadable (`None`: it answered).
+    pub unreadable_for: Option<Duration>,
     /// Carries [`REMOVABLE_COST`].
     pub marked: bool,
 }
@@ -73,8 +75,10 @@ impl Worker {
     }
 
     fn removable(&self, grace: Duration) -> bool {
+        // Unreadable for a whole grace: its node is likely gone; it goes last, but it goes.
         self.unstarted
             || (self.draining() && (self.idle() || self.draining_for.is_some_and(|d| d >= grace)))
+            || self.unreadable_for.is_some_and(|d| d >= grace)
     }
 
     fn busy(&self) -> u64 {
@@ -100,16 +104,13 @@ pub struct Plan {
 
 /// Decides, for a pool whose live pods are `surplus` too many (0 when none), which workers
 /// go: unstarted ones first, then idle ones (draining or not), then the least busy, with
-/// those already draining before the others among equally busy ones. An unreadable worker
-/// that was not asked to drain may be busy and is never chosen. The chosen go once
-/// removable (idle, or draining for the grace); the rest are asked to drain; workers
-/// draining that were not chosen are taken back.
+/// those already draining before the others among equally busy ones; unreadable workers
+/// (they may be busy) last. The chosen go once removable (idle, or draining for the grace,
+/// or unreadable for the grace: a dead node's pods must not block a scale-down); the rest
+/// are asked to drain; workers draining that were not chosen are taken back.
 pub fn plan(workers: &[Worker], surplus: usize, grace: Duration) -> Plan {
     let mut plan = Plan::default();
-    let mut candidates: Vec<&Worker> = workers
-        .iter()
-        .filter(|w| w.unstarted || w.state.is_some() || w.draining())
-        .collect();
+    let mut candidates: Vec<&Worker> = workers.iter().collect();
     candidates.sort_by_key(|w| (!w.unstarted, !w.idle(), !w.draining(), w.busy()));
     let chosen: Vec<&str> = candidates
         .iter()
@@ -123,7 +124,7 @@ pub fn plan(workers: &[Worker], surplus: usize, grace: Duration) -> Plan {
             continue;
         }
         if going {
-            if !worker.draining() {
+            if !worker.draining() && worker.state.is_some() {
                 plan.drain.push(worker.pod.clone());
             }
             plan.waiting += 1;
@@ -151,6 +152,7 @@ pub struct Settled {
 /// draining (by uid), and when it last looked at each pool's pods (`namespace/name`).
 pub struct Memory {
     draining_since: Mutex<HashMap<String, Instant>>,
+    unreadable_since: Mutex<HashMap<String, Instant>>,
     looked: Mutex<HashMap<String, Instant>>,
     started: Instant,
 }
@@ -159,6 +161,7 @@ impl Default for Memory {
     fn default() -> Self {
         Memory {
             draining_since: Mutex::default(),
+            unreadable_since: Mutex::default(),
             looked: Mutex::default(),
             started: Instant::now(),
         }
@@ -306,29 +309,50 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
     }
 }
 
-/// Keeps, per pod uid, when this process first saw it draining, and sets each worker's
-/// `draining_for` from it; pods no longer draining (or gone) are forgotten.
+/// Keeps, per pod uid, when this process first saw it draining and first found it
+/// unreadable, and sets each worker's `draining_for` and `unreadable_for` from them.
 fn remember_drains(ctx: &Context, live: &[Pod], workers: &mut [Worker]) {
-    let mut seen = lock(&ctx.drains.draining_since);
-    let mut still = HashMap::new();
-    for (pod, worker) in live.iter().zip(workers.iter_mut()) {
-        if !worker.draining() {
-            continue;
-        }
-        let uid = pod
-            .metadata
-            .uid
-            .clone()
-            .unwrap_or_else(|| worker.pod.clone());
-        let since = seen.get(&uid).copied().unwrap_or_else(Instant::now);
-        worker.draining_for = Some(since.elapsed());
-        still.insert(uid, since);
+    let uids: Vec<String> = live
+        .iter()
+        .zip(workers.iter())
+        .map(|(pod, w)| pod.metadata.uid.clone().unwrap_or_else(|| w.pod.clone()))
+        .collect();
+    let draining: Vec<bool> = workers.iter().map(Worker::draining).collect();
+    let unreadable: Vec<bool> = workers
+        .iter()
+        .map(|w| !w.unstarted && w.state.is_none())
+        .collect();
+    let draining_for = since(&ctx.drains.draining_since, &uids, &draining);
+    let unreadable_for = since(&ctx.drains.unreadable_since, &uids, &unreadable);
+    for (i, worker) in workers.iter_mut().enumerate() {
+        worker.draining_for = draining_for[i];
+        worker.unreadable_for = unreadable_for[i];
     }
-    // Other pools' pods are kept: only this pool's are replaced.
-    let names: std::collections::HashSet<String> =
-        live.iter().filter_map(|p| p.metadata.uid.clone()).collect();
-    seen.retain(|uid, at| !names.contains(uid) && at.elapsed() < FORGET_AFTER);
-    seen.extend(still);
+}
+
+/// For each of `uids`, how long `flags[i]` has held as this process saw it; those of
+/// `uids` no longer flagged are forgotten, and so is anything not seen for a day.
+fn since(
+    memory: &Mutex<HashMap<String, Instant>>,
+    uids: &[String],
+    flags: &[bool],
+) -> Vec<Option<Duration>> {
+    let mut seen = lock(memory);
+    let mut kept = Vec::new();
+    let out = uids
+        .iter()
+        .zip(flags)
+        .map(|(uid, &flag)| {
+            flag.then(|| {
+                let at = seen.get(uid).copied().unwrap_or_else(Instant::now);
+                kept.push((uid.clone(), at));
+                at.elapsed()
+            })
+        })
+        .collect();
+    seen.retain(|uid, at| at.elapsed() < FORGET_AFTER && !uids.contains(uid));
+    seen.extend(kept);
+    out
 }
 
 async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
@@ -342,6 +366,7 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
             state: None,
             stamped,
             draining_for: None,
+            unreadable_for: None,
             marked,
         };
     };
@@ -362,6 +387,7 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
         state,
         stamped,
         draining_for: None,
+        unreadable_for: None,
         marked,
     }
 }
@@ -422,6 +448,7 @@ mod tests {
             }),
             stamped: false,
             draining_for: None,
+            unreadable_for: None,
             marked: false,
         }
     }
@@ -476,9 +503,10 @@ mod tests {
     }
 
     #[test]
-    fn unreadable_workers_are_never_chosen_and_unstarted_ones_go_first() {
-        let unknown = Worker {
+    fn unreadable_workers_go_last_and_only_after_a_grace_unstarted_ones_first() {
+        let unknown = |seconds| Worker {
             state: None,
+            unreadable_for: Some(Duration::from_secs(seconds)),
             ..worker("u", 0)
         };
         let unstarted = Worker {
@@ -486,9 +514,23 @@ mod tests {
             state: None,
             ..worker("new", 0)
         };
-        let plan = plan(&[unknown, unstarted, worker("a", 4)], 2, GRACE);
-        assert_eq!(plan.remove, ["new"]);
-        assert_eq!(plan.drain, ["a"], "the unreadable one may be busy");
+        let plan_now = plan(&[unknown(1), unstarted.clone(), worker("a", 4)], 2, GRACE);
+        assert_eq!(plan_now.remove, ["new"]);
+        assert_eq!(plan_now.drain, ["a"], "the unreadable one may be busy");
+        let all_three = plan(&[unknown(1), unstarted.clone(), worker("a", 4)], 3, GRACE);
+        assert!(
+            !all_three.remove.contains(&"u".to_owned()),
+            "not before its grace"
+        );
+        assert!(
+            !all_three.drain.contains(&"u".to_owned()),
+            "it cannot be asked"
+        );
+        let dead_node = plan(&[unknown(31), unstarted, worker("a", 4)], 3, GRACE);
+        assert!(
+            dead_node.remove.contains(&"u".to_owned()),
+            "unreadable for a whole grace: it goes"
+        );
     }
 
     #[test]
