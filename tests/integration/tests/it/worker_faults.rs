@@ -165,6 +165,19 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
     harness.shutdown().await;
 }
 
+/// A worker's answer to a drain request (`POST` drains, `DELETE` resumes).
+async fn ask_drain(harness: &Harness, method: reqwest::Method, url: &str) -> serde_json::Value {
+    harness
+        .http
+        .request(method, url)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes() {
     let spec = test_type("quiesce");
@@ -194,15 +207,7 @@ async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes()
 
     // The operator's scale-down handshake: stop taking tasks, finish what is held.
     let drain = format!("http://{listen}/drain");
-    let answer: serde_json::Value = harness
-        .http
-        .post(&drain)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let answer = ask_drain(&harness, reqwest::Method::POST, &drain).await;
     assert_eq!(answer["draining"], true, "{answer}");
     assert_eq!(answer["idle"], false, "two tasks in hand: {answer}");
     let ready = harness
@@ -233,15 +238,7 @@ async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes()
     assert_eq!(harness.ready_count(&queue(&name).main).await, 3);
 
     // Needed again: it takes tasks as before.
-    let answer: serde_json::Value = harness
-        .http
-        .delete(&drain)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let answer = ask_drain(&harness, reqwest::Method::DELETE, &drain).await;
     assert_eq!(answer["draining"], false, "{answer}");
     harness
         .wait_for_state(&name, Completed, 5, Duration::from_secs(30))
