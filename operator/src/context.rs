@@ -33,6 +33,9 @@ pub struct Context {
     pub metrics: OperatorMetrics,
     /// Scale-down stabilization memory per pool (`namespace/name`).
     pub histories: Mutex<HashMap<String, History>>,
+    /// The last scaling record written per pool (uid): the watch may hand a reconcile the
+    /// pool as it was before that write, and the status apply would drop the record.
+    pub last_scales: Mutex<HashMap<String, conveyor_core::crd::worker_pool::ScaleRecord>>,
     /// Consecutive reconcile failures per object, for retry delays.
     pub backoff: Backoff,
     /// The broker's queue statistics, polled once for every reconcile to read.
@@ -68,6 +71,7 @@ impl Context {
             secret,
             metrics,
             histories: Mutex::default(),
+            last_scales: Mutex::default(),
             backoff: Backoff::default(),
             broker: BrokerStats::default(),
             task_types: std::sync::OnceLock::new(),

@@ -125,7 +125,7 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
                 pool,
                 ctx,
                 Status {
-                    last_scale: pool.status.as_ref().and_then(|s| s.last_scale.clone()),
+                    last_scale: last_scale(pool, ctx),
                     // Drains under way stay known: the next round takes them up again.
                     draining: pool
                         .status
@@ -181,7 +181,7 @@ async fn report(
         .map(|err| (err.category(), err.to_string()));
     let load = seen.load.ok();
     let last_scale = if replicas != current {
-        Some(ScaleRecord {
+        let record = ScaleRecord {
             time: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
             from: current,
             to: replicas,
@@ -191,9 +191,11 @@ async fn report(
             retrying: load.map(|l| l.retrying),
             processing_rate: load.and_then(|l| l.rate),
             arrival_rate: load.and_then(|l| l.arrival),
-        })
+        };
+        remember_scale(pool, ctx, &record);
+        Some(record)
     } else {
-        pool.status.as_ref().and_then(|s| s.last_scale.clone())
+        last_scale(pool, ctx)
     };
     let settling = wanted != current || settled.waiting > 0;
     let status = Status {
@@ -217,6 +219,22 @@ async fn report(
         last_scale,
     };
     write_status(pool, ctx, status).await
+}
+
+/// The pool's last change: the one this operator wrote, which the pool it was handed may
+/// not show yet, or else the one in its status (written before this operator started).
+fn last_scale(pool: &WorkerPool, ctx: &Context) -> Option<ScaleRecord> {
+    let written = ctx.last_scales.lock().unwrap_or_else(|p| p.into_inner());
+    pool.uid()
+        .and_then(|uid| written.get(&uid).cloned())
+        .or_else(|| pool.status.as_ref().and_then(|s| s.last_scale.clone()))
+}
+
+fn remember_scale(pool: &WorkerPool, ctx: &Context, record: &ScaleRecord) {
+    if let Some(uid) = pool.uid() {
+        let mut written = ctx.last_scales.lock().unwrap_or_else(|p| p.into_inner());
+        written.insert(uid, record.clone());
+    }
 }
 
 /// The namespace's TaskTypes: from the TaskType controller's cache once it has synced (a

@@ -714,6 +714,15 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
 /// An autoscaled pool `scaled` whose Deployment has `replicas`, reconciled while the
 /// management API cannot be reached; returns what was asked of the API server.
 async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen> {
+    let (client, verifier) = api_server(without_statistics_script(&wp, replicas));
+    let ctx = context(client, "http://127.0.0.1:1");
+    assert!(ctx.broker.refresh(&ctx.management).await.is_err());
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    verifier.await.unwrap()
+}
+
+/// What a reconcile of [`reconcile_without_statistics`] asks of the API server.
+fn without_statistics_script(wp: &WorkerPool, replicas: i32) -> Vec<Expect> {
     let current = json!({
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "scaled-worker", "namespace": "video"},
@@ -771,13 +780,42 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
         Method::PATCH,
         "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/scaled/status",
         200,
-        serde_json::to_value(&wp).unwrap(),
+        serde_json::to_value(wp).unwrap(),
     ));
+    script
+}
+
+#[tokio::test]
+async fn a_pool_handed_over_before_its_status_write_keeps_its_last_scale() {
+    // The Deployment's change can wake the next reconcile before the watch delivers the
+    // status written with the change: that pool has no lastScale, and the status apply
+    // would remove it (CI saw `status.lastScale` empty after a scale-up).
+    let wp = WorkerPool::test()
+        .named("scaled")
+        .consumes("t")
+        .autoscaled(0, 4)
+        .build();
+    let mut script = without_statistics_script(&wp, 7);
+    script.extend(without_statistics_script(&wp, 4));
     let (client, verifier) = api_server(script);
     let ctx = context(client, "http://127.0.0.1:1");
     assert!(ctx.broker.refresh(&ctx.management).await.is_err());
+    worker_pools::reconcile(Arc::new(wp.clone()), ctx.clone())
+        .await
+        .unwrap();
     worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
-    verifier.await.unwrap()
+    let seen = verifier.await.unwrap();
+    let statuses: Vec<&Value> = seen
+        .iter()
+        .filter(|(_, uri, _)| uri.contains("/workerpools/scaled/status"))
+        .map(|(_, _, body)| &body["status"]["lastScale"])
+        .collect();
+    assert_eq!(statuses.len(), 2);
+    assert_eq!(statuses[0]["from"], 7, "{:?}", statuses[0]);
+    assert_eq!(
+        statuses[1], statuses[0],
+        "the second write keeps the record"
+    );
 }
 
 fn deployment_replicas(seen: &[Seen]) -> &Value {
