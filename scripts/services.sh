@@ -3,7 +3,8 @@
 # Idempotent: installs from Debian packages only when missing, makes the dev CA and certificate
 # only when absent or expiring, rewrites the config on every run and restarts a service only
 # when its config changed, creates users and the database only when absent.
-# `services.sh down` stops both.
+# `services.sh down` stops both. `services.sh reset-broker` wipes RabbitMQ's data (what tests
+# left in the dev broker: every queue and policy) and brings it up empty.
 set -euo pipefail
 
 AMQP_USER=${CONVEYOR_AMQP_USER:-conveyor}
@@ -298,5 +299,12 @@ case "${1:-up}" in
     log "PostgreSQL on 127.0.0.1:5432 (TLS only), RabbitMQ on 127.0.0.1:5671 (AMQPS; management https://127.0.0.1:15671), CA $TLS_DIR/ca.crt"
     ;;
   down) down;;
-  *) echo "usage: $0 [up|down]" >&2; exit 2;;
+  # Thousands of left-over queues and policies make each policy write take seconds.
+  reset-broker)
+    rabbit_running && { log "stopping RabbitMQ"; rabbit_stop; }
+    as_root sh -c 'rm -rf /var/lib/rabbitmq/mnesia/rabbit@localhost /var/lib/rabbitmq/mnesia/rabbit@localhost-*'
+    rabbit_up
+    log "RabbitMQ is up with an empty vhost"
+    ;;
+  *) echo "usage: $0 [up|down|reset-broker]" >&2; exit 2;;
 esac

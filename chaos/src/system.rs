@@ -8,7 +8,7 @@ use std::process::Stdio;
 use anyhow::Context as _;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{Db, DbOptions};
-use conveyor_core::policies::task_type_policies;
+use conveyor_core::policies::{shared_policies, task_type_policies};
 use conveyor_core::task_type::load_task_types;
 use conveyor_core::testing::{self, binary, free_port, log_file, proxy::Proxy, TestDatabase};
 use nix::sys::signal::{kill, Signal};
@@ -163,7 +163,10 @@ impl System {
     async fn put_policies(&self) -> anyhow::Result<()> {
         let spec = self.spec()?;
         let http = testing::http_client();
-        for policy in task_type_policies(&spec) {
+        for policy in shared_policies()
+            .into_iter()
+            .chain(task_type_policies(&spec))
+        {
             let url = format!(
                 "{}/api/policies/%2f/{}",
                 testing::management_url(),

@@ -6,7 +6,9 @@ use std::time::Duration;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::task_type::QueueDepths;
-pub use conveyor_core::policies::{task_type_policies, Policy};
+pub use conveyor_core::policies::{
+    shared_policies, task_type_policies, task_type_policy_names, Policy,
+};
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use conveyor_core::tls::TrustedRoots;
 use conveyor_core::with_causes;
@@ -223,6 +225,50 @@ impl ManagementApi {
         )
         .await
         .map(drop)
+    }
+
+    /// Puts a policy unless the broker has it as it is: a write makes RabbitMQ re-match
+    /// every queue of the vhost (seconds with thousands), a read does not. True if written.
+    pub async fn ensure_policy(&self, policy: &Policy) -> Result<bool, ManagementError> {
+        let url = self.url("policies", &policy.name);
+        let current = match self
+            .send(format!("policy {}", policy.name), self.http.get(url))
+            .await
+        {
+            Ok(response) => response.json::<serde_json::Value>().await.ok(),
+            Err(ManagementError::Refused { status: 404, .. }) => None,
+            Err(err) => return Err(err),
+        };
+        let wanted = serde_json::to_value(policy).unwrap_or_default();
+        let same = current.is_some_and(|current| {
+            ["pattern", "apply-to", "priority", "definition"]
+                .iter()
+                .all(|key| current[key] == wanted[key])
+        });
+        if same {
+            return Ok(false);
+        }
+        self.put_policy(policy).await.map(|()| true)
+    }
+
+    /// A type's policies: the shared ones, and its own where its settings differ; an own
+    /// policy left from other settings (or an older operator) goes, as a shared one then
+    /// applies.
+    pub async fn put_task_type_policies(
+        &self,
+        spec: &NamedTaskType,
+    ) -> Result<(), ManagementError> {
+        let own = task_type_policies(spec);
+        for policy in shared_policies().iter().chain(&own) {
+            self.ensure_policy(policy).await?;
+        }
+        for name in task_type_policy_names(spec) {
+            if !own.iter().any(|p| p.name == name) {
+                // A missing policy answers 404 at once; only an existing one costs a re-match.
+                self.delete_policy(&name).await?;
+            }
+        }
+        Ok(())
     }
 
     /// Creates a broker user or gives it a new password. `tags` name what it may do in the

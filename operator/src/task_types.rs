@@ -20,7 +20,7 @@ use serde_json::json;
 use crate::build::FIELD_MANAGER;
 use crate::context::{condition, Context};
 use crate::error::{Error, Result};
-use crate::rabbitmq::{task_type_policies, ManagementError};
+use crate::rabbitmq::{task_type_policy_names, ManagementError};
 
 pub const FINALIZER: &str = "conveyor.dev/delete-queues";
 /// Depths in the status are refreshed this often.
@@ -173,9 +173,7 @@ async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDept
             ))
         }
     }
-    for policy in task_type_policies(spec) {
-        ctx.management.put_policy(&policy).await?;
-    }
+    ctx.management.put_task_type_policies(spec).await?;
     delete_drained_tiers(spec, ctx).await?;
     // From the shared poller: a type declared a moment ago is not in its list yet.
     Ok(ctx.broker.depths(spec).ok())
@@ -198,8 +196,8 @@ async fn delete_drained_tiers(spec: &NamedTaskType, ctx: &Context) -> Result<()>
 
 async fn delete_queues(task_type: &TaskType, ctx: &Context) -> Result<()> {
     let spec = NamedTaskType::from(task_type);
-    for policy in task_type_policies(&spec) {
-        ctx.management.delete_policy(&policy.name).await?;
+    for name in task_type_policy_names(&spec) {
+        ctx.management.delete_policy(&name).await?;
     }
     let queues = QueueNames::of(&spec.name);
     // Every retry queue the type may have had, whatever its retries are now.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use conveyor_core::amqp::{self, QueueNames};
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::testing;
-use conveyor_operator::rabbitmq::{task_type_policies, ManagementApi};
+use conveyor_operator::rabbitmq::{task_type_policy_names, ManagementApi};
 
 fn management() -> ManagementApi {
     ManagementApi::new(
@@ -20,9 +20,7 @@ fn management() -> ManagementApi {
 }
 
 async fn apply(api: &ManagementApi, spec: &NamedTaskType) {
-    for policy in task_type_policies(spec) {
-        api.put_policy(&policy).await.unwrap();
-    }
+    api.put_task_type_policies(spec).await.unwrap();
 }
 
 /// Policies reach queues asynchronously; wait until the broker reports `key = value`.
@@ -70,8 +68,8 @@ async fn changing_retries_and_backoff_changes_the_effective_policy() {
         0
     );
 
-    for policy in task_type_policies(&spec) {
-        api.delete_policy(&policy.name).await.unwrap();
+    for name in task_type_policy_names(&spec) {
+        api.delete_policy(&name).await.unwrap();
     }
     for queue in queues.all(spec.retry_tiers()) {
         api.delete_queue(&queue).await.unwrap();

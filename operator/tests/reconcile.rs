@@ -173,6 +173,84 @@ async fn a_new_task_type_gets_queues_policies_and_a_ready_status() {
     testing::delete_queues(&in_video(&name).name).await;
 }
 
+/// The policy RabbitMQ applies to `queue` once it settles (it applies them asynchronously):
+/// its name, or null when none matches.
+async fn settled_policy(queue: &str, expected: &Value) -> Value {
+    let url = format!("{}/api/queues/%2f/{queue}", testing::management_url());
+    let mut policy = Value::Null;
+    for _ in 0..75 {
+        let info: Value = testing::http_client()
+            .get(&url)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        policy = info["policy"].clone();
+        if policy == *expected || (expected.is_null() && policy.as_str() == Some("")) {
+            return expected.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    policy
+}
+
+#[tokio::test]
+async fn a_type_with_default_settings_writes_no_policy_of_its_own() {
+    // A thousand types must not cost a thousand pairs of policy writes (each re-matches
+    // every queue of the vhost): default settings come from two shared policies, and an own
+    // policy left from earlier settings goes.
+    let name = testing::unique_type("shared");
+    let tt = task_type(&name, TaskTypeSpec::default());
+    let queues = QueueNames::of(&in_video(&name).name);
+    let http = testing::http_client();
+    let leftover = format!(
+        "{}/api/policies/%2f/{}",
+        testing::management_url(),
+        queues.main
+    );
+    let put = http
+        .put(&leftover)
+        .json(
+            &json!({"pattern": format!("^{}$", queues.main.replace('.', "\\.")),
+            "apply-to": "queues", "priority": 10, "definition": {"delivery-limit": 1}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let (client, verifier) =
+        api_server(vec![expect(Method::PATCH, &path, 200, status_answer(&tt))]);
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(tt), ctx.clone())
+        .await
+        .unwrap();
+    verifier.await.unwrap();
+
+    let shared = |name: &str| Value::from(name);
+    assert_eq!(
+        settled_policy(&queues.main, &shared("conveyor-defaults")).await,
+        "conveyor-defaults",
+        "the left-over own policy was deleted and the shared one applies"
+    );
+    assert_eq!(
+        settled_policy(&queues.retry, &shared("conveyor-defaults-retry")).await,
+        "conveyor-defaults-retry"
+    );
+    assert_eq!(
+        settled_policy(&queues.remediation, &Value::Null).await,
+        Value::Null,
+        "remediation queues keep no length limit"
+    );
+    let effective = ctx.management.effective_policy(&queues.main).await.unwrap();
+    assert_eq!(effective["delivery-limit"], 5, "maxRetries 3 + 2");
+    let own = http.get(&leftover).send().await.unwrap();
+    assert_eq!(own.status(), 404, "no own policy is left");
+    testing::delete_queues(&in_video(&name).name).await;
+}
+
 #[tokio::test]
 async fn an_old_finalizer_on_an_aliasing_name_is_released_and_deletes_nothing() {
     // TaskType `foo`'s retry queue is `conveyor.video.foo.retry`; a TaskType named

@@ -123,6 +123,14 @@ pub async fn delete_queues(task_type: &str) {
     amqp::delete_queues(&conn, &names.all(crate::task_type::MAX_RETRY_TIERS)).await;
     amqp::delete_exchange(&conn, &names).await;
     let _ = conn.close(200, "test cleanup").await;
+    // Left-over policies slow every later policy write on the shared test broker.
+    let http = http_client();
+    for name in
+        crate::policies::task_type_policy_names(&crate::task_type::NamedTaskType::named(task_type))
+    {
+        let url = format!("{}/api/policies/%2f/{name}", management_url());
+        let _ = http.delete(url).send().await;
+    }
 }
 
 /// Polls `check` every 50 ms until it holds; panics with `what` after `timeout`.
