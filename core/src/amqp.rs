@@ -33,6 +33,10 @@ use crate::task_type::NamedTaskType;
 pub enum AmqpError {
     #[error("broker unavailable: {0}")]
     Unavailable(lapin::Error),
+    /// The broker answered and refused the login or the vhost: the credentials are wrong,
+    /// not the broker down.
+    #[error("broker refused the login: {0}")]
+    LoginRefused(lapin::Error),
     /// Connecting (TCP, TLS and the AMQP handshake) took longer than this.
     #[error("broker did not accept a connection within {0:?}")]
     ConnectTimeout(Duration),
@@ -61,6 +65,7 @@ impl AmqpError {
         match self {
             AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) => "unavailable",
             AmqpError::Tls(_) => "tls_settings",
+            AmqpError::LoginRefused(_) => "login_refused",
             AmqpError::NoQueue { .. } => "no_queue",
             AmqpError::Nacked => "nacked",
             AmqpError::ConfirmTimeout(_) => "confirm_timeout",
@@ -157,8 +162,23 @@ pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
     )
     .await
     {
-        Ok(connected) => connected.map_err(AmqpError::Unavailable),
+        Ok(connected) => connected.map_err(connect_error),
         Err(_) => Err(AmqpError::ConnectTimeout(CONNECT_TIMEOUT)),
+    }
+}
+
+/// A refused login (403) or vhost (530) is the caller's settings; anything else an outage.
+fn connect_error(err: lapin::Error) -> AmqpError {
+    use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    let refused = matches!(&err, lapin::Error::ProtocolError(e) if matches!(
+        e.kind(),
+        AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+    ));
+    if refused {
+        AmqpError::LoginRefused(err)
+    } else {
+        AmqpError::Unavailable(err)
     }
 }
 
@@ -538,6 +558,7 @@ pub fn probe_id(delivery: &lapin::message::Delivery) -> Option<Uuid> {
 fn clone_error(err: &AmqpError) -> AmqpError {
     match err {
         AmqpError::Unavailable(e) => AmqpError::Unavailable(e.clone()),
+        AmqpError::LoginRefused(e) => AmqpError::LoginRefused(e.clone()),
         AmqpError::NoQueue { queue } => AmqpError::NoQueue {
             queue: queue.clone(),
         },

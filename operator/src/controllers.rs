@@ -16,6 +16,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::Api;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::utils::Predicate;
 use kube::runtime::{predicates, watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
@@ -86,7 +87,8 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
 }
 
 /// Every object of kind `K` in the cluster, kept in `writer`'s store; yields those whose
-/// spec changed (generation), so that status writes wake nothing.
+/// spec (generation) or annotations changed (a pause annotation applies at once, not at the
+/// next period), so that status writes wake nothing.
 fn spec_changes<K>(
     client: &kube::Client,
     writer: reflector::store::Writer<K>,
@@ -104,7 +106,10 @@ where
         .default_backoff()
         .reflect(writer)
         .applied_objects()
-        .predicate_filter(predicates::generation, Default::default())
+        .predicate_filter(
+            predicates::generation.combine(predicates::annotations),
+            Default::default(),
+        )
 }
 
 /// The pools in `task_type`'s namespace that consume it.

@@ -33,6 +33,7 @@ impl Error {
             // A configuration problem is not an outage.
             Error::Amqp(AmqpError::Mismatch { .. }) => reasons::QUEUE_ARGUMENTS_MISMATCH,
             Error::Amqp(AmqpError::Tls(_)) => reasons::TLS_SETTINGS,
+            Error::Amqp(AmqpError::LoginRefused(_)) => reasons::RABBITMQ_REFUSED,
             Error::Amqp(_) => reasons::RABBITMQ_UNAVAILABLE,
             Error::Build(err) => err.category(),
             Error::InvalidSpec(_) => reasons::INVALID_SPEC,

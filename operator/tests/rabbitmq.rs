@@ -149,3 +149,14 @@ async fn a_retry_tier_left_by_an_edit_is_counted_and_deleted_only_once_empty() {
     }
     let _ = conn.close(200, "done").await;
 }
+
+#[tokio::test]
+async fn a_refused_amqp_login_is_reported_as_refused_not_unavailable() {
+    // A wrong password is the user's to fix; "RabbitMQ unavailable" would send them to the
+    // broker's uptime instead.
+    let url = testing::amqp_url().replacen("conveyor:conveyor@", "conveyor:wrong-password@", 1);
+    let err = amqp::connect(&url, "operator-test").await.unwrap_err();
+    assert!(matches!(err, amqp::AmqpError::LoginRefused(_)), "{err:?}");
+    let reported = conveyor_operator::error::Error::Amqp(err);
+    assert_eq!(reported.category(), "RabbitMQRefused", "{reported}");
+}
