@@ -8,6 +8,7 @@ pub mod batch;
 pub mod config;
 pub mod crd;
 pub mod db;
+pub mod drain;
 pub mod lifecycle;
 pub mod metrics;
 pub mod policies;

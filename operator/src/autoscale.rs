@@ -25,6 +25,9 @@ pub const SCALE_UP_STEP: i32 = 4;
 /// The shortest time between two scale-up steps (the HPA's default period): a pool's own
 /// Deployment change wakes its reconcile at once, and must not double it again.
 pub const SCALE_UP_PERIOD: Duration = Duration::from_secs(15);
+/// The shortest time between two scale-down steps, for the same reason: without it
+/// `scaleDownMaxPercent` would cap a step but not the steps a minute.
+pub const SCALE_DOWN_PERIOD: Duration = Duration::from_secs(15);
 
 /// What the operator saw of a pool and its queues.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,6 +65,8 @@ pub struct History {
     unavailable_since: Option<f64>,
     /// When the last scale-up step was decided.
     last_up: Option<f64>,
+    /// When the last scale-down step was decided.
+    last_down: Option<f64>,
 }
 
 impl History {
@@ -238,7 +243,22 @@ pub fn desired_replicas(
                 "scale-down to {stable} limited to {floor} this step (at most {percent}% of the pool)"
             ));
         }
-        stable.max(floor)
+        let period = SCALE_DOWN_PERIOD.as_secs_f64();
+        match history.last_down {
+            _ if stable >= current => current,
+            Some(at) if now - at < period => {
+                reasons.push(format!(
+                    "scale-down to {} waits: the last step was {:.0}s ago (one per {period:.0}s)",
+                    stable.max(floor),
+                    now - at
+                ));
+                current
+            }
+            _ => {
+                history.last_down = Some(now);
+                stable.max(floor)
+            }
+        }
     };
     Decision {
         replicas,
@@ -468,7 +488,7 @@ mod tests {
         // Nothing ready (KEDA would scale to zero here), but one task is still running.
         let d = desired_replicas(&seen(0, 1, 3), &p, &mut history, 0.0);
         assert_eq!(d.replicas, 1);
-        let d = desired_replicas(&seen(0, 0, 1), &p, &mut history, 1.0);
+        let d = desired_replicas(&seen(0, 0, 1), &p, &mut history, 15.0);
         assert_eq!(d.replicas, 0, "idle: zero is allowed");
     }
 
@@ -527,6 +547,29 @@ mod tests {
         assert!(d.reason.contains("25%"), "{}", d.reason);
         let d = desired_replicas(&seen(0, 0, 2), &p, &mut History::default(), 0.0);
         assert_eq!(d.replicas, 1, "at least one worker a step");
+    }
+
+    #[test]
+    fn scale_down_steps_come_one_per_period() {
+        // The shrink itself wakes the pool's reconcile at once: without a period, 25% a step
+        // would take 12 workers to 1 in a few seconds.
+        let p = Autoscaling {
+            scale_down_max_percent: 25,
+            scale_down_stabilization_seconds: 0,
+            ..policy(0, 20)
+        };
+        let mut history = History::default();
+        assert_eq!(
+            desired_replicas(&seen(0, 0, 12), &p, &mut history, 0.0).replicas,
+            9
+        );
+        let woken = desired_replicas(&seen(0, 0, 9), &p, &mut history, 1.0);
+        assert_eq!(woken.replicas, 9, "{}", woken.reason);
+        assert!(woken.reason.contains("one per 15s"), "{}", woken.reason);
+        assert_eq!(
+            desired_replicas(&seen(0, 0, 9), &p, &mut history, 15.0).replicas,
+            7
+        );
     }
 
     #[test]

@@ -4,15 +4,19 @@
 //! snapshot older than [`STALE_AFTER`] is not used: the reader gets the poller's last error
 //! (or [`ManagementError::Stale`]), and an autoscaled pool holds.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use conveyor_core::crd::task_type::QueueDepths;
 use conveyor_core::task_type::NamedTaskType;
+use tokio::sync::mpsc::UnboundedSender;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::rabbitmq::{depths_in, rates_in, ManagementApi, ManagementError, Queues, Rates};
+use crate::rabbitmq::{
+    depths_in, rates_in, ManagementApi, ManagementError, QueueInfo, Queues, Rates,
+};
 
 /// How often the queue list is fetched (RabbitMQ refreshes its statistics every 5 s).
 pub const POLL_EVERY: Duration = Duration::from_secs(5);
@@ -37,12 +41,25 @@ impl BrokerStats {
     }
 
     fn store(&self, fetched: Result<Queues, ManagementError>) -> Result<(), ManagementError> {
+        self.store_changes(fetched).map(drop)
+    }
+
+    /// Keeps the list (or the error); answers the task type keys whose queues' counts
+    /// changed since the last list (every key listed, on the first).
+    fn store_changes(
+        &self,
+        fetched: Result<Queues, ManagementError>,
+    ) -> Result<BTreeSet<String>, ManagementError> {
         let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
         match fetched {
             Ok(queues) => {
+                let changed = match &state.snapshot {
+                    Some((before, _)) => changed_types(before, &queues),
+                    None => queues.keys().filter_map(|q| type_key(q)).collect(),
+                };
                 state.snapshot = Some((Arc::new(queues), Instant::now()));
                 state.last_error = None;
-                Ok(())
+                Ok(changed)
             }
             Err(err) => {
                 state.last_error = Some(err.clone());
@@ -51,11 +68,23 @@ impl BrokerStats {
         }
     }
 
-    /// Refreshes every [`POLL_EVERY`] until `stop`.
-    pub async fn poll(&self, api: &ManagementApi, stop: CancellationToken) {
+    /// Refreshes every [`POLL_EVERY`] until `stop`, sending the task type keys whose queue
+    /// counts changed to `changed` (pools at rest are woken by them, not by a timer).
+    pub async fn poll(
+        &self,
+        api: &ManagementApi,
+        changed: UnboundedSender<BTreeSet<String>>,
+        stop: CancellationToken,
+    ) {
         loop {
-            if let Err(err) = self.refresh(api).await {
-                tracing::warn!(error = %err, "cannot read the broker's queue statistics");
+            match self.store_changes(api.list_queues().await) {
+                Ok(keys) if !keys.is_empty() => {
+                    let _ = changed.send(keys);
+                }
+                Ok(_) => {}
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot read the broker's queue statistics");
+                }
             }
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -88,6 +117,33 @@ impl BrokerStats {
             })),
         }
     }
+}
+
+/// The task type a queue belongs to: `conveyor.<key>`, `.retry`, `.retry.<n>`,
+/// `.remediation`.
+fn type_key(queue: &str) -> Option<String> {
+    let rest = queue.strip_prefix("conveyor.")?;
+    let rest = rest.strip_suffix(".remediation").unwrap_or(rest);
+    let rest = match rest.rsplit_once('.') {
+        Some((head, tier)) if tier.chars().all(|c| c.is_ascii_digit()) => {
+            head.strip_suffix(".retry").unwrap_or(rest)
+        }
+        _ => rest.strip_suffix(".retry").unwrap_or(rest),
+    };
+    Some(rest.to_owned())
+}
+
+/// Keys of the types whose queues appeared, went, or changed a count.
+fn changed_types(before: &Queues, now: &Queues) -> BTreeSet<String> {
+    let changed = |name: &String| {
+        before.get(name).map(QueueInfo::counts) != now.get(name).map(QueueInfo::counts)
+    };
+    before
+        .keys()
+        .chain(now.keys())
+        .filter(|name| changed(name))
+        .filter_map(|name| type_key(name))
+        .collect()
 }
 
 #[cfg(test)]
@@ -147,5 +203,30 @@ mod tests {
         tokio::time::advance(STALE_AFTER).await;
         let err = stats.depths(&spec).unwrap_err();
         assert_eq!(err.category(), "RabbitMQUnavailable", "{err}");
+    }
+
+    #[test]
+    fn a_changed_count_names_its_type_and_nothing_else() {
+        let before = queues(&[
+            "conveyor.video.t",
+            "conveyor.video.t.retry.2",
+            "conveyor.video.u.remediation",
+        ]);
+        let mut now = before.clone();
+        assert!(changed_types(&before, &now).is_empty(), "nothing changed");
+        let info = serde_json::json!({"name": "conveyor.video.t.retry.2", "messages": 3,
+            "messages_ready": 3, "messages_unacknowledged": 0});
+        now.insert(
+            "conveyor.video.t.retry.2".to_owned(),
+            serde_json::from_value(info).unwrap(),
+        );
+        now.remove("conveyor.video.u.remediation");
+        let changed: Vec<String> = changed_types(&before, &now).into_iter().collect();
+        assert_eq!(changed, ["video.t", "video.u"]);
+        assert_eq!(
+            type_key("conveyor.video.t.retry").as_deref(),
+            Some("video.t")
+        );
+        assert_eq!(type_key("other.queue"), None);
     }
 }

@@ -36,6 +36,11 @@ pub struct Context {
     /// The last scaling record written per pool (uid): the watch may hand a reconcile the
     /// pool as it was before that write, and the status apply would drop the record.
     pub last_scales: Mutex<HashMap<String, conveyor_core::crd::worker_pool::ScaleRecord>>,
+    /// Pools (`namespace/name`) at rest: only these are woken by changed queue counts (the
+    /// others are looked at every period anyway).
+    pub resting: Mutex<std::collections::HashSet<String>>,
+    /// What was last applied for each pool (uid), so unchanged objects are not re-applied.
+    pub applied: Mutex<HashMap<String, Applied>>,
     /// Consecutive reconcile failures per object, for retry delays.
     pub backoff: Backoff,
     /// The broker's queue statistics, polled once for every reconcile to read.
@@ -46,11 +51,28 @@ pub struct Context {
     /// `controllers::run`); pool reconciles read it instead of listing the API each time.
     pub task_types:
         std::sync::OnceLock<kube::runtime::reflector::Store<conveyor_core::crd::TaskType>>,
+    /// Every pool's pods as a watch sees them (set by `controllers::run`): a scale-down reads
+    /// them here instead of listing each pool's pods every minute.
+    pub pods: std::sync::OnceLock<kube::runtime::reflector::Store<k8s_openapi::api::core::v1::Pod>>,
     /// Drains seen and pools looked at, for safe scale-down.
     pub drains: crate::scale_down::Memory,
     /// TaskTypes (by uid) declared: at which generation, and when.
     pub declared: Mutex<HashMap<String, (Option<i64>, Instant)>>,
     started: Instant,
+}
+
+/// A poisoned lock still holds consistent maps here (each update is one insert or remove).
+pub fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A pool's objects as this process last applied them.
+pub struct Applied {
+    /// A hash of the four objects.
+    pub fingerprint: u64,
+    /// The Deployment's generation that apply answered.
+    pub generation: Option<i64>,
+    pub at: Instant,
 }
 
 impl Context {
@@ -72,9 +94,12 @@ impl Context {
             metrics,
             histories: Mutex::default(),
             last_scales: Mutex::default(),
+            applied: Mutex::default(),
+            resting: Mutex::default(),
             backoff: Backoff::default(),
             broker: BrokerStats::default(),
             task_types: std::sync::OnceLock::new(),
+            pods: std::sync::OnceLock::new(),
             declared: Mutex::default(),
             drains: Default::default(),
             declarations: tokio::sync::Semaphore::new(DECLARATIONS_AT_ONCE),

@@ -2,7 +2,7 @@
 //! spec (its generation: status writes, its own or the depths', do not wake it), on its
 //! periodic requeue, and: a WorkerPool when its Deployment changes or when a TaskType it
 //! consumes is created or edited (a pool applied before its type starts at once, not at its
-//! next requeue). Failures retry per object with exponential backoff and jitter
+//! next requeue), and a pool at rest when its queues' counts change. Failures retry per object with exponential backoff and jitter
 //! ([`crate::backoff`]); at most [`CONCURRENCY`] reconciles of each kind run at once. One
 //! poller reads the broker's queue statistics for both ([`crate::broker_stats`]).
 
@@ -13,6 +13,7 @@ use std::time::Duration;
 use conveyor_core::crd::{TaskType, WorkerPool};
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -21,7 +22,8 @@ use kube::runtime::{predicates, watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::context::Context;
+use crate::build::POOL_LABEL;
+use crate::context::{lock, Context};
 use crate::error::{Error, Result};
 use crate::{task_types, worker_pools};
 
@@ -44,7 +46,13 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     }
     let poller = ctx.clone();
     let poll_stop = stop.clone();
-    tokio::spawn(async move { poller.broker.poll(&poller.management, poll_stop).await });
+    let (changed, changes) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        poller
+            .broker
+            .poll(&poller.management, changed, poll_stop)
+            .await;
+    });
 
     let (types, types_writer) = reflector::store::<TaskType>();
     let type_changes = spec_changes(&client, types_writer);
@@ -59,6 +67,18 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         )
         .for_each(|_| async {});
 
+    // The pools' pods, for scale-down: one watch instead of a list per pool per minute.
+    let (pods, pods_writer) = reflector::store::<Pod>();
+    let _ = ctx.pods.set(pods);
+    let pod_watch = watcher(
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default().labels(POOL_LABEL),
+    )
+    .default_backoff()
+    .reflect(pods_writer)
+    .take_until(stop.clone().cancelled_owned())
+    .for_each(|_| async {});
+
     let (pools, pools_writer) = reflector::store::<WorkerPool>();
     let pool_changes = spec_changes(&client, pools_writer);
     let consumers = pools.clone();
@@ -69,11 +89,31 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     .default_backoff()
     .touched_objects()
     .predicate_filter(predicates::generation, Default::default());
+    // Pools at rest are looked at when their queues' counts change, not every period.
+    let (store, wake) = (pools.clone(), ctx.clone());
+    let count_changes = futures_util::stream::unfold(changes, |mut changes| async move {
+        changes.recv().await.map(|keys| (keys, changes))
+    })
+    .flat_map(move |keys| {
+        let resting = lock(&wake.resting);
+        let woken: Vec<_> = pools_of_types(&store, &keys)
+            .into_iter()
+            .filter(|pool| {
+                resting.contains(&format!(
+                    "{}/{}",
+                    pool.namespace.clone().unwrap_or_default(),
+                    pool.name
+                ))
+            })
+            .collect();
+        futures_util::stream::iter(woken)
+    });
     let pool_controller = Controller::for_stream(pool_changes, pools)
         .owns(Api::<Deployment>::all(client), watcher::Config::default())
         .watches_stream(type_edits, move |task_type| {
             pools_consuming(&consumers, &task_type)
         })
+        .reconcile_on(count_changes)
         .with_config(config)
         .graceful_shutdown_on(stop.cancelled_owned())
         .run(
@@ -83,7 +123,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         )
         .for_each(|_| async {});
     tracing::info!("reconciling TaskTypes and WorkerPools");
-    tokio::join!(task_type_controller, pool_controller);
+    tokio::join!(task_type_controller, pool_controller, pod_watch);
 }
 
 /// Every object of kind `K` in the cluster, kept in `writer`'s store; yields those whose
@@ -123,6 +163,25 @@ pub fn pools_consuming(
         .state()
         .iter()
         .filter(|pool| pool.namespace() == namespace && pool.spec.task_types.contains(&name))
+        .map(|pool| ObjectRef::from_obj(pool.as_ref()))
+        .collect()
+}
+
+/// The pools that consume any of the task types `keys` (`<namespace>.<name>`).
+fn pools_of_types(
+    pools: &Store<WorkerPool>,
+    keys: &std::collections::BTreeSet<String>,
+) -> Vec<ObjectRef<WorkerPool>> {
+    pools
+        .state()
+        .iter()
+        .filter(|pool| {
+            let namespace = pool.namespace().unwrap_or_default();
+            pool.spec
+                .task_types
+                .iter()
+                .any(|t| keys.contains(&format!("{namespace}.{t}")))
+        })
         .map(|pool| ObjectRef::from_obj(pool.as_ref()))
         .collect()
 }

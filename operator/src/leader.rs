@@ -20,6 +20,8 @@ use kube::Client;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::context::lock;
+
 pub struct Leader {
     api: Api<Lease>,
     name: String,
@@ -96,9 +98,13 @@ impl Leader {
     pub async fn hold(&self, shutdown: CancellationToken, lost: CancellationToken) {
         let mut renewed = (*lock(&self.renewed_at)).unwrap_or_else(Instant::now);
         loop {
+            // Never past the deadline: failed renewals that return at once must not push the
+            // step-down a retry period later (the controllers then get STOP_WITHIN to stop,
+            // and the whole must end before a standby may take the lease).
+            let until_deadline = self.renew_deadline.saturating_sub(renewed.elapsed());
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(self.retry) => {}
+                _ = tokio::time::sleep(self.retry.min(until_deadline)) => {}
             }
             let sent = Instant::now();
             let left = self.renew_deadline.saturating_sub(renewed.elapsed());
@@ -210,10 +216,6 @@ impl Leader {
             }
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn conflict_is_false(result: Result<Lease, kube::Error>) -> Result<bool, kube::Error> {

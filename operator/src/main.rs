@@ -1,28 +1,12 @@
-//! `conveyor-operator`: reconciles TaskType and WorkerPool resources (`run`), and writes
-//! the CRDs generated from the Rust types (`crdgen`).
+//! `conveyor-operator`: reconciles TaskType and WorkerPool resources (`run`, wired in
+//! `conveyor_operator::app`), and writes the CRDs generated from the Rust types (`crdgen`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::Context as _;
-use clap::{Args as ClapArgs, Parser, Subcommand};
-use conveyor_core::amqp::Publisher;
-use conveyor_core::config::{AmqpArgs, TelemetryArgs};
-use conveyor_core::crd::{TaskType, WorkerPool};
-use conveyor_operator::build::ConnectionSecret;
-use conveyor_operator::context::{Context, OperatorMetrics};
-use conveyor_operator::controllers;
-use conveyor_operator::leader::Leader;
-use conveyor_operator::rabbitmq::ManagementArgs;
-use kube::api::{Api, ListParams};
-use kube::runtime::events::Reporter;
-use kube::Client;
-use tokio_util::sync::CancellationToken;
-
-/// How long reconciles under way may take to finish once the controllers are told to stop.
-const STOP_WITHIN: Duration = Duration::from_secs(3);
+use clap::{Parser, Subcommand};
+use conveyor_operator::app::{self, RunArgs};
 
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-operator", version)]
@@ -43,42 +27,11 @@ enum Command {
     Run(Box<RunArgs>),
 }
 
-#[derive(Debug, ClapArgs)]
-struct RunArgs {
-    /// Address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "CONVEYOR_OPERATOR_LISTEN", default_value = "0.0.0.0:8080")]
-    listen: String,
-    /// Namespace of the leader-election Lease.
-    #[arg(long, env = "POD_NAMESPACE", default_value = "conveyor-system")]
-    namespace: String,
-    /// This replica's identity in the Lease.
-    #[arg(long, env = "POD_NAME", default_value = "conveyor-operator")]
-    identity: String,
-    /// Lease duration in seconds.
-    #[arg(long, env = "CONVEYOR_LEASE_SECONDS", default_value_t = 15)]
-    lease_seconds: u64,
-    #[command(flatten)]
-    management: ManagementArgs,
-    #[command(flatten)]
-    ca: conveyor_core::tls::CaArgs,
-    /// Secret (in each pool's namespace) with the workers' database-url and amqp-url.
-    #[arg(
-        long,
-        env = "CONVEYOR_CONNECTION_SECRET",
-        default_value = "conveyor-connections"
-    )]
-    connection_secret: String,
-    #[command(flatten)]
-    amqp: AmqpArgs,
-    #[command(flatten)]
-    telemetry: TelemetryArgs,
-}
-
 #[tokio::main]
 async fn main() -> ExitCode {
     let result = match Args::parse().command {
         Command::Crdgen { out } => crdgen(out),
-        Command::Run(args) => run(*args).await,
+        Command::Run(args) => app::run(*args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -101,131 +54,6 @@ fn crdgen(out: Option<PathBuf>) -> anyhow::Result<()> {
         let path = dir.join(file);
         std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
-    }
-    Ok(())
-}
-
-async fn run(args: RunArgs) -> anyhow::Result<()> {
-    args.telemetry.init();
-    let client = Client::try_default()
-        .await
-        .context("connecting to Kubernetes")?;
-    require_crds(&client).await?;
-
-    let shutdown = CancellationToken::new();
-    tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
-    let metrics = OperatorMetrics::new();
-    let listener = tokio::net::TcpListener::bind(&args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let ready_client = client.clone();
-    let ready: conveyor_core::admin::ReadinessCheck = Arc::new(move || {
-        let client = ready_client.clone();
-        Box::pin(async move {
-            client
-                .apiserver_version()
-                .await
-                .map(drop)
-                .map_err(|e| format!("apiserver: {e}"))
-        })
-    });
-    let app = conveyor_core::admin::router(metrics.registry.clone(), ready);
-    let admin_stop = shutdown.clone();
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, app)
-            .with_graceful_shutdown(admin_stop.cancelled_owned())
-            .await;
-    });
-
-    let leader = Arc::new(Leader::new(
-        client.clone(),
-        &args.namespace,
-        "conveyor-operator",
-        &args.identity,
-        Duration::from_secs(args.lease_seconds),
-    ));
-    if !leader.acquire(&shutdown).await {
-        return Ok(());
-    }
-    // Losing the lease stops the controllers exactly like a shutdown does. The lease is
-    // renewed until the controllers have stopped (`stopped`), not only until shutdown began:
-    // a standby must not start while reconciles still drain here.
-    let stop = CancellationToken::new();
-    let stopped = CancellationToken::new();
-    let holder = tokio::spawn({
-        let (leader, stopped, stop) = (leader.clone(), stopped.clone(), stop.clone());
-        async move { leader.hold(stopped, stop).await }
-    });
-    let relay = stop.clone();
-    let outer = shutdown.clone();
-    tokio::spawn(async move {
-        outer.cancelled().await;
-        relay.cancel();
-    });
-
-    let reporter = Reporter {
-        controller: "conveyor-operator".into(),
-        instance: Some(args.identity.clone()),
-    };
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        reporter,
-        args.management
-            .api("/", &args.ca.roots().context("--ca-file")?)
-            .context("RabbitMQ management API client")?
-            .counted(metrics.broker_requests.with_label_values(&["management"])),
-        Publisher::new(
-            args.amqp.connection_url(),
-            "conveyor-operator",
-            args.amqp.confirm_timeout(),
-        ),
-        ConnectionSecret {
-            name: args.connection_secret.clone(),
-            ..ConnectionSecret::default()
-        },
-        metrics,
-    ));
-
-    // Reconciles still under way when the lease is lost or shutdown begins get a bound to
-    // finish in, well inside the renew deadline; then the process exits regardless.
-    let deadline = stop.clone();
-    tokio::select! {
-        () = controllers::run(ctx, stop) => {}
-        () = async {
-            deadline.cancelled().await;
-            tokio::time::sleep(STOP_WITHIN).await;
-        } => tracing::warn!(within = ?STOP_WITHIN, "controllers did not stop in time; exiting"),
-    }
-    stopped.cancel();
-    if !shutdown.is_cancelled() {
-        anyhow::bail!("lost leadership");
-    }
-    // The controllers have stopped and no renewal is under way: hand the lease on.
-    let _ = holder.await;
-    leader.release().await;
-    Ok(())
-}
-
-/// Exits with a clear message when the CRDs are not installed (the operator never installs
-/// them itself).
-async fn require_crds(client: &Client) -> anyhow::Result<()> {
-    let probe = ListParams::default().limit(1);
-    let task_types = Api::<TaskType>::all(client.clone())
-        .list(&probe)
-        .await
-        .map(drop);
-    let pools = Api::<WorkerPool>::all(client.clone())
-        .list(&probe)
-        .await
-        .map(drop);
-    for result in [task_types, pools] {
-        match result {
-            Ok(()) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => anyhow::bail!(
-                "the TaskType and WorkerPool CRDs are not installed: kubectl apply -f crds/"
-            ),
-            Err(err) => return Err(err).context("checking for the CRDs"),
-        }
     }
     Ok(())
 }

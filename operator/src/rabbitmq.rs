@@ -436,6 +436,17 @@ impl ManagementApi {
 /// Queues by name.
 pub type Queues = std::collections::HashMap<String, QueueInfo>;
 
+impl QueueInfo {
+    /// The counters a pool's scaling reads: a change of any wakes the pools of its type.
+    pub fn counts(&self) -> (Option<u64>, Option<u64>, Option<u64>) {
+        (
+            self.messages_ready,
+            self.messages_unacknowledged,
+            self.messages,
+        )
+    }
+}
+
 fn queue_in<'a>(queues: &'a Queues, name: &str) -> Result<&'a QueueInfo, ManagementError> {
     queues.get(name).ok_or_else(|| ManagementError::Refused {
         what: format!("queue {name}"),

@@ -16,14 +16,14 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use conveyor_core::crd::WorkerPool;
+use conveyor_core::drain::{DrainState, DRAIN_PATH};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::ResourceExt;
-use serde::Deserialize;
 use serde_json::json;
 
-use crate::build::{selector, METRICS_PORT};
-use crate::context::Context;
+use crate::build::{selector, METRICS_PORT, POOL_LABEL};
+use crate::context::{lock, Context};
 
 /// When the operator asked a worker to drain (RFC 3339), on the pod.
 pub const DRAINING_SINCE: &str = "conveyor.dev/draining-since";
@@ -32,15 +32,6 @@ pub const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 pub const REMOVABLE_COST: i32 = i32::MIN;
 /// How long a worker's admin port may take to answer.
 const ASK_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// A worker's answer on `/drain`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DrainState {
-    pub draining: bool,
-    pub in_flight: u64,
-    pub idle: bool,
-}
 
 /// One pod of the pool as the operator sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -172,12 +163,11 @@ impl Default for Memory {
 /// a drain left by a crashed operator (or a status write that failed) is undone.
 const LOOK_EVERY: Duration = Duration::from_secs(60);
 
+/// How long a scale-down waits for the pod watch to sync before it lists the pods instead.
+const CACHE_WAIT: Duration = Duration::from_secs(5);
+
 /// Drains of pods this process has not seen for this long are forgotten (the pod is gone).
 const FORGET_AFTER: Duration = Duration::from_secs(24 * 3600);
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Brings the pool from `current` workers towards `wanted`: a scale-up applies at once (and
 /// takes back workers that were draining); a scale-down removes only the workers that
@@ -206,11 +196,13 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
     }
     let namespace = pool.namespace().unwrap_or_default();
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &namespace);
-    let listed = match pods
-        .list(&ListParams::default().labels(&selector(&pool.name_any())))
-        .await
-    {
-        Ok(list) => list.items,
+    // The periodic look at a pool with nothing to shrink reads the pod watch; a scale-down
+    // or a drain under way lists the pods. A watch that lags a deletion can still make the
+    // periodic look ask one worker too many to drain; the next round lists, and takes it
+    // back.
+    let cached = wanted >= current && previous == 0;
+    let listed = match pool_pods(pool, ctx, &pods, cached).await {
+        Ok(listed) => listed,
         Err(err) => {
             tracing::warn!(error = %err, "cannot list the pool's pods; not shrinking");
             return Settled {
@@ -370,7 +362,7 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
             marked,
         };
     };
-    let url = format!("http://{ip}:{METRICS_PORT}/drain");
+    let url = format!("http://{ip}:{METRICS_PORT}{DRAIN_PATH}");
     let state = async {
         http.get(&url)
             .send()
@@ -392,6 +384,34 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
     }
 }
 
+/// The pool's pods: from the pod watch when `cached` and it has synced, else listed.
+async fn pool_pods(
+    pool: &WorkerPool,
+    ctx: &Context,
+    pods: &Api<Pod>,
+    cached: bool,
+) -> kube::Result<Vec<Pod>> {
+    let name = pool.name_any();
+    let namespace = pool.namespace();
+    if let Some(store) = ctx.pods.get().filter(|_| cached) {
+        let synced = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
+        if synced.is_ok_and(|ready| ready.is_ok()) {
+            return Ok(store
+                .state()
+                .iter()
+                .filter(|pod| {
+                    pod.namespace() == namespace && pod.labels().get(POOL_LABEL) == Some(&name)
+                })
+                .map(|pod| Pod::clone(pod))
+                .collect());
+        }
+    }
+    let listed = pods
+        .list(&ListParams::default().labels(&selector(&name)))
+        .await?;
+    Ok(listed.items)
+}
+
 /// Asks a worker to drain (POST) or resume (DELETE); whether it answered.
 async fn ask(
     http: &reqwest::Client,
@@ -402,7 +422,7 @@ async fn ask(
     let Some(ip) = addresses.get(pod) else {
         return false;
     };
-    let url = format!("http://{ip}:{METRICS_PORT}/drain");
+    let url = format!("http://{ip}:{METRICS_PORT}{DRAIN_PATH}");
     match http.request(method.clone(), &url).send().await {
         Ok(answer) if answer.status().is_success() => true,
         Ok(answer) => {

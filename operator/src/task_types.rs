@@ -18,7 +18,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::build::FIELD_MANAGER;
-use crate::context::{condition, Context};
+use crate::context::{condition, lock, Context};
 use crate::error::{Error, Result};
 use crate::rabbitmq::{task_type_policy_names, ManagementError};
 
@@ -142,10 +142,6 @@ fn declared_key(task_type: &TaskType) -> String {
             task_type.name_any()
         )
     })
-}
-
-fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Declares the queues (bounded by [`DECLARE_TIMEOUT`]: a hung broker must not hold the

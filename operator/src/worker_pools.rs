@@ -22,7 +22,7 @@ use crate::autoscale::{
     desired_replicas, statistics_read, without_statistics, Decision, Observation,
 };
 use crate::build::{self, selector, FIELD_MANAGER};
-use crate::context::{condition, Context};
+use crate::context::{condition, lock, Applied, Context};
 use crate::error::{Error, Result};
 use crate::scale_down;
 
@@ -31,6 +31,9 @@ const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
 const RESYNC: Duration = Duration::from_secs(60);
 /// How long a pool reconcile waits for the TaskType cache before it lists the API.
 const CACHE_WAIT: Duration = Duration::from_secs(5);
+/// Objects unchanged since they were applied are applied again at least this often, which
+/// repairs hand edits of the ConfigMap, Service and PodDisruptionBudget.
+const REAPPLY_EVERY: Duration = Duration::from_secs(300);
 /// How often a pool with workers draining is looked at again, to remove each once idle.
 const DRAIN_POLL: Duration = Duration::from_secs(2);
 
@@ -54,6 +57,8 @@ struct Seen {
     /// The Deployment's count now, and how many of its workers are ready.
     current: i32,
     ready_replicas: i32,
+    /// Its generation (`None`: no Deployment): another writer's edit changes it.
+    deployment_generation: Option<i64>,
 }
 
 #[tracing::instrument(skip_all, fields(pool = %pool.name_any()))]
@@ -72,16 +77,42 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     apply_objects(&pool, &ctx, &seen, settled.replicas).await?;
     announce(&pool, &ctx, seen.current, settled.replicas, &reason).await;
     let unknown = seen.load.is_err();
+    let at_rest = at_rest(&pool, &seen, wanted, settled.waiting);
+    let key = format!(
+        "{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    );
+    if at_rest {
+        lock(&ctx.resting).insert(key);
+    } else {
+        lock(&ctx.resting).remove(&key);
+    }
     report(&pool, &ctx, seen, wanted, &settled, reason).await?;
     Ok(Action::requeue(if settled.waiting > 0 {
         DRAIN_POLL
-    } else if pool.spec.autoscaling.is_some() || unknown {
+    } else if (pool.spec.autoscaling.is_some() && !at_rest) || unknown {
         // Unknown counts (a broker outage, or a poller that has not listed yet) are looked
         // at again soon, so that the status shows them once they are known.
         AUTOSCALE_PERIOD
     } else {
         RESYNC
     }))
+}
+
+/// An autoscaled pool with nothing queued, retrying or in flight, at its minimum, with no
+/// drain under way: nothing the period would change. The broker poller wakes it when its
+/// queues' counts change (`controllers.rs`), so a thousand idle pools cost a reconcile a
+/// minute each, not six.
+fn at_rest(pool: &WorkerPool, seen: &Seen, wanted: i32, waiting: usize) -> bool {
+    let Some(policy) = &pool.spec.autoscaling else {
+        return false;
+    };
+    let idle = seen
+        .load
+        .as_ref()
+        .is_ok_and(|l| l.ready + l.in_flight + l.retrying == 0);
+    idle && waiting == 0 && seen.current == wanted && wanted == policy.min_replicas
 }
 
 /// The pool's task types, its queues' load and its Deployment's counts.
@@ -108,6 +139,7 @@ async fn observe(pool: &WorkerPool, ctx: &Context) -> Result<Seen> {
         load,
         current,
         ready_replicas,
+        deployment_generation: deployment.as_ref().and_then(|d| d.metadata.generation),
     })
 }
 
@@ -138,11 +170,48 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
             return Err(err.into());
         }
     };
+    // Unchanged objects are not applied again on every period: four writes per pool every
+    // 10 s were most of the apiserver's load with a thousand pools. A Deployment edited by
+    // anyone else has a new generation and is repaired at once; the others at least every
+    // REAPPLY_EVERY.
+    let fingerprint = fingerprint(&objects);
+    let key = pool.uid().unwrap_or_default();
+    let unchanged = lock(&ctx.applied).get(&key).is_some_and(|last| {
+        last.fingerprint == fingerprint
+            && last.generation.is_some()
+            && last.generation == seen.deployment_generation
+            && last.at.elapsed() < REAPPLY_EVERY
+    });
+    if unchanged {
+        return Ok(());
+    }
     let namespace = pool.namespace().unwrap_or_default();
     apply(&ctx.client, &namespace, &objects.config_map).await?;
     apply(&ctx.client, &namespace, &objects.service).await?;
     apply(&ctx.client, &namespace, &objects.pod_disruption_budget).await?;
-    apply(&ctx.client, &namespace, &objects.deployment).await
+    let deployment = apply(&ctx.client, &namespace, &objects.deployment).await?;
+    let applied = Applied {
+        fingerprint,
+        generation: deployment.metadata.generation,
+        at: std::time::Instant::now(),
+    };
+    lock(&ctx.applied).insert(key, applied);
+    Ok(())
+}
+
+/// A hash of everything applied for a pool.
+fn fingerprint(objects: &build::PoolObjects) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for object in [
+        serde_json::to_string(&objects.config_map),
+        serde_json::to_string(&objects.service),
+        serde_json::to_string(&objects.pod_disruption_budget),
+        serde_json::to_string(&objects.deployment),
+    ] {
+        object.unwrap_or_default().hash(&mut hasher);
+    }
+    hasher.finish()
 }
 
 /// A change of the worker count: counted, and an Event of its own (the recorder's series
@@ -224,7 +293,7 @@ async fn report(
 /// The pool's last change: the one this operator wrote, which the pool it was handed may
 /// not show yet, or else the one in its status (written before this operator started).
 fn last_scale(pool: &WorkerPool, ctx: &Context) -> Option<ScaleRecord> {
-    let written = ctx.last_scales.lock().unwrap_or_else(|p| p.into_inner());
+    let written = lock(&ctx.last_scales);
     pool.uid()
         .and_then(|uid| written.get(&uid).cloned())
         .or_else(|| pool.status.as_ref().and_then(|s| s.last_scale.clone()))
@@ -232,7 +301,7 @@ fn last_scale(pool: &WorkerPool, ctx: &Context) -> Option<ScaleRecord> {
 
 fn remember_scale(pool: &WorkerPool, ctx: &Context, record: &ScaleRecord) {
     if let Some(uid) = pool.uid() {
-        let mut written = ctx.last_scales.lock().unwrap_or_else(|p| p.into_inner());
+        let mut written = lock(&ctx.last_scales);
         written.insert(uid, record.clone());
     }
 }
@@ -288,7 +357,7 @@ fn decide(
         pool.namespace().unwrap_or_default(),
         pool.name_any()
     );
-    let mut histories = ctx.histories.lock().unwrap_or_else(|p| p.into_inner());
+    let mut histories = lock(&ctx.histories);
     let history = histories.entry(key).or_default();
     let paused = pool
         .annotations()
@@ -369,7 +438,7 @@ fn add(sum: Option<f64>, rate: Option<f64>) -> Option<f64> {
 }
 
 /// Server-side apply under the operator's one field manager; drift is overwritten.
-async fn apply<K>(client: &kube::Client, namespace: &str, object: &K) -> Result<()>
+async fn apply<K>(client: &kube::Client, namespace: &str, object: &K) -> Result<K>
 where
     K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
         + Clone
@@ -382,13 +451,13 @@ where
     let mut body = serde_json::to_value(object).map_err(|e| Error::InvalidSpec(e.to_string()))?;
     body["apiVersion"] = K::api_version(&()).into();
     body["kind"] = K::kind(&()).into();
-    api.patch(
-        &name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&body),
-    )
-    .await?;
-    Ok(())
+    Ok(api
+        .patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await?)
 }
 
 struct Status {

@@ -215,3 +215,30 @@ async fn shutdown_releases_the_lease() {
     assert_eq!(seen[1].2["spec"]["holderIdentity"], Value::Null);
     assert_eq!(seen[1].2["spec"]["leaseDurationSeconds"], 1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_leader_whose_renewals_fail_at_once_stops_acting_before_a_standby_may_take_over() {
+    // Renewals answered 500 at once: the step-down must not wait a retry period past the
+    // renew deadline, since the controllers then get STOP_WITHIN to stop.
+    let (client, seen) = api(|method, n| match (method.clone(), n) {
+        (Method::GET, 0) => Answer::Reply(404, not_found()),
+        (Method::POST, _) => Answer::Reply(201, lease(Some("me"), "2026-01-01T00:00:00.000000Z")),
+        _ => Answer::Reply(500, json!({"kind": "Status", "code": 500})),
+    });
+    let leader = leader(client);
+    assert!(leader.acquire(&CancellationToken::new()).await);
+    let acquired = requests(&seen)[1].0;
+    let lost = CancellationToken::new();
+    tokio::time::timeout(
+        LEASE * 2,
+        leader.hold(CancellationToken::new(), lost.clone()),
+    )
+    .await
+    .expect("hold never gave up");
+    assert!(lost.is_cancelled());
+    let acting_until = Instant::now() - acquired + conveyor_operator::app::STOP_WITHIN;
+    assert!(
+        acting_until < LEASE,
+        "may act {acting_until:?} after the last renewal: a standby may act after {LEASE:?}"
+    );
+}

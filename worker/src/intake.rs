@@ -14,22 +14,9 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::routing::get;
 use axum::{Json, Router};
+use conveyor_core::drain::{DrainState, DRAIN_PATH};
 use prometheus::IntGauge;
-use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
-
-/// What `GET /drain` answers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DrainState {
-    /// Asked to take no new tasks.
-    pub draining: bool,
-    /// Deliveries being handled (claimed or about to be).
-    pub in_flight: usize,
-    /// Draining, its consumers ended and nothing in flight: it can go without a task
-    /// being released.
-    pub idle: bool,
-}
 
 /// Shared between the consume loop, the handlers and the admin routes.
 #[derive(Clone)]
@@ -103,7 +90,7 @@ impl Intake {
 
     pub fn state(&self) -> DrainState {
         let draining = self.is_draining();
-        let in_flight = self.inner.handling.load(Ordering::SeqCst);
+        let in_flight = self.inner.handling.load(Ordering::SeqCst) as u64;
         DrainState {
             draining,
             in_flight,
@@ -127,7 +114,7 @@ impl Drop for Handling {
 /// again); each answers the state after it.
 pub fn router(intake: Intake) -> Router {
     Router::new()
-        .route("/drain", get(state).post(drain).delete(resume))
+        .route(DRAIN_PATH, get(state).post(drain).delete(resume))
         .with_state(intake)
 }
 

@@ -84,6 +84,23 @@ async fn scaling_a_pool_with_kubectl_gives_three_workers() {
         "jsonpath={.spec.replicas}",
     ]);
     assert_eq!(replicas, "3");
+    // What an HPA or KEDA reads before it writes `spec.replicas` through /scale (as kubectl
+    // scale did): the count running and a selector that finds the pool's pods.
+    let scale_path = format!(
+        "/apis/conveyor.dev/v1alpha1/namespaces/{}/workerpools/manual/scale",
+        stack.namespace
+    );
+    wait_until("/scale reports 3 replicas", MINUTE, || async {
+        let scale: serde_json::Value =
+            serde_json::from_str(&stack.kubectl(&["get", "--raw", &scale_path])).unwrap();
+        scale["spec"]["replicas"] == 3 && scale["status"]["replicas"] == 3
+    })
+    .await;
+    let scale: serde_json::Value =
+        serde_json::from_str(&stack.kubectl(&["get", "--raw", &scale_path])).unwrap();
+    let selector = scale["status"]["selector"].as_str().unwrap().to_owned();
+    let selected = stack.kubectl(&["get", "pods", "-l", &selector, "-o", "name"]);
+    assert_eq!(selected.lines().count(), 3, "{selector} selects {selected}");
     stack.finish().await;
 }
 
