@@ -65,8 +65,8 @@ pub struct History {
     unavailable_since: Option<f64>,
     /// When the last scale-up step was decided.
     last_up: Option<f64>,
-    /// When the last scale-down step was decided.
-    last_down: Option<f64>,
+    /// When the last scale-down step was decided, and to what count.
+    last_down: Option<(f64, i32)>,
 }
 
 impl History {
@@ -243,20 +243,24 @@ pub fn desired_replicas(
                 "scale-down to {stable} limited to {floor} this step (at most {percent}% of the pool)"
             ));
         }
+        let step_to = stable.max(floor);
         let period = SCALE_DOWN_PERIOD.as_secs_f64();
         match history.last_down {
             _ if stable >= current => current,
-            Some(at) if now - at < period => {
-                reasons.push(format!(
-                    "scale-down to {} waits: the last step was {:.0}s ago (one per {period:.0}s)",
-                    stable.max(floor),
-                    now - at
-                ));
-                current
+            // Within the period the last step's count holds: the drain it started goes on
+            // (holding at `current` would take the drain back every round).
+            Some((at, target)) if now - at < period => {
+                if step_to < target {
+                    reasons.push(format!(
+                        "scale-down to {step_to} waits: the last step was {:.0}s ago (one per {period:.0}s)",
+                        now - at
+                    ));
+                }
+                step_to.max(target).min(current)
             }
             _ => {
-                history.last_down = Some(now);
-                stable.max(floor)
+                history.last_down = Some((now, step_to));
+                step_to
             }
         }
     };
@@ -563,6 +567,9 @@ mod tests {
             desired_replicas(&seen(0, 0, 12), &p, &mut history, 0.0).replicas,
             9
         );
+        // Still draining toward 9: the step holds, it is not taken back.
+        let draining = desired_replicas(&seen(0, 0, 12), &p, &mut history, 0.5);
+        assert_eq!(draining.replicas, 9, "{}", draining.reason);
         let woken = desired_replicas(&seen(0, 0, 9), &p, &mut history, 1.0);
         assert_eq!(woken.replicas, 9, "{}", woken.reason);
         assert!(woken.reason.contains("one per 15s"), "{}", woken.reason);

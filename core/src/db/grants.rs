@@ -123,6 +123,9 @@ impl ComponentRole {
     }
 }
 
+/// The advisory lock every grant and revoke holds for its transaction ("grants" in ASCII).
+const GRANTS_LOCK: i64 = 0x6772_616e_7473;
+
 impl Db {
     /// Creates the tenant's role (or gives it a new password): it may read the tenant's
     /// tasks and update what a worker moves (claim, heartbeat, outcome, re-queue; not their
@@ -229,10 +232,33 @@ impl Db {
     }
 
     /// Runs grant statements in one transaction, as the owner (the maintenance pool).
+    /// Runs `statements` in one transaction, again (up to 3 times) when the server chose it
+    /// as a deadlock victim: a grant's policies lock the task tables, which the data path
+    /// writes at the same time in its own order.
     async fn run_grants(&self, statements: impl IntoIterator<Item = String>) -> DbResult<()> {
+        let statements: Vec<String> = statements.into_iter().collect();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.grants_once(&statements).await {
+                Err(DbError::Cancelled(err)) if tries < 3 => {
+                    tracing::warn!(error = %err, "grant was a deadlock victim; trying again");
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn grants_once(&self, statements: &[String]) -> DbResult<()> {
         let mut tx = self.maintenance.begin().await?;
+        // One grant at a time: two at once lock the same tables and catalogs in different
+        // orders.
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(GRANTS_LOCK)
+            .execute(&mut *tx)
+            .await?;
         for statement in statements {
-            sqlx::query(&statement).execute(&mut *tx).await?;
+            sqlx::query(statement).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         Ok(())

@@ -469,3 +469,45 @@ fn reap<'a>(task_type: &'a str, timeout: Duration, reaper: &'a str) -> Reap<'a> 
         limit: 10,
     }
 }
+
+#[tokio::test]
+async fn namespaces_granted_and_revoked_at_the_same_time_all_succeed() {
+    // Parallel `conveyorctl grant`s and revokes (e2e tests starting and finishing at once)
+    // once ended in "deadlock detected": they lock the same tables and catalogs in
+    // different orders.
+    let db = TestDatabase::create().await.db;
+    let first: Vec<String> = (0..6).map(|_| unique_type("grant")).collect();
+    let grant = |tenant: String| {
+        let db = db.clone();
+        async move {
+            let role = conveyor_core::db::TenantRole::new(&tenant).unwrap();
+            db.grant_tenant(&role).await.map(drop)
+        }
+    };
+    for result in futures_util::future::join_all(first.iter().cloned().map(grant)).await {
+        result.unwrap();
+    }
+    for _ in 0..5 {
+        let second: Vec<String> = (0..6).map(|_| unique_type("grant")).collect();
+        let revokes = first.iter().map(|tenant| {
+            let db = db.clone();
+            let tenant = tenant.clone();
+            async move { db.revoke_tenant(&tenant).await.map(drop) }
+        });
+        let grants = second.iter().cloned().map(grant);
+        let (revoked, granted) = tokio::join!(
+            futures_util::future::join_all(revokes),
+            futures_util::future::join_all(grants)
+        );
+        for result in revoked.into_iter().chain(granted) {
+            result.unwrap();
+        }
+        for tenant in &second {
+            let role = conveyor_core::db::TenantRole::new(tenant).unwrap();
+            db.grant_tenant(&role).await.unwrap();
+        }
+        for tenant in &second {
+            db.revoke_tenant(tenant).await.unwrap();
+        }
+    }
+}
