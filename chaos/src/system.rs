@@ -6,7 +6,6 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
 use anyhow::Context as _;
-use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::policies::{shared_policies, task_type_policies};
 use conveyor_core::task_type::load_task_types;
@@ -191,17 +190,6 @@ impl System {
             .context("the scenario's task type")
     }
 
-    async fn delete_policies(&self) {
-        let http = testing::http_client();
-        for queue in [
-            QueueNames::of(&self.task_type).main,
-            QueueNames::of(&self.task_type).retry,
-        ] {
-            let url = format!("{}/api/policies/%2f/{queue}", testing::management_url());
-            let _ = http.delete(&url).send().await;
-        }
-    }
-
     /// `kill -9` of the gateway, as a node dying under it.
     pub async fn kill_gateway(&mut self) {
         let _ = self.gateway.kill().await;
@@ -357,8 +345,8 @@ impl System {
         }
         let _ = self.gateway.kill().await;
         self.db.close().await;
+        // Its queues, exchange and own policies.
         testing::delete_queues(&self.task_type).await;
-        self.delete_policies().await;
         if keep_database {
             eprintln!("chaos: kept database {} for inspection", self.database);
         } else {

@@ -5,10 +5,12 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use conveyor_core::amqp::Publisher;
+use conveyor_core::crd::WorkerPool;
 use k8s_openapi::api::events::v1::Event as EventObject;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
 use kube::api::{Api, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Client, Resource, ResourceExt};
 use prometheus::{IntCounterVec, Registry};
 
@@ -38,7 +40,7 @@ pub struct Context {
     pub last_scales: Mutex<HashMap<String, conveyor_core::crd::worker_pool::ScaleRecord>>,
     /// Pools (`namespace/name`) at rest: only these are woken by changed queue counts (the
     /// others are looked at every period anyway).
-    pub resting: Mutex<std::collections::HashSet<String>>,
+    pub resting: Mutex<std::collections::HashSet<ObjectRef<WorkerPool>>>,
     /// What was last applied for each pool (uid), so unchanged objects are not re-applied.
     pub applied: Mutex<HashMap<String, Applied>>,
     /// Consecutive reconcile failures per object, for retry delays.
@@ -59,6 +61,21 @@ pub struct Context {
     /// TaskTypes (by uid) declared: at which generation, and when.
     pub declared: Mutex<HashMap<String, (Option<i64>, Instant)>>,
     started: Instant,
+}
+
+/// How long a reconcile waits for a watch cache to sync before it asks the API instead.
+const CACHE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The cache once its watch has synced (within [`CACHE_WAIT`]); `None` while it is not set
+/// or its watch is restarting, and the caller asks the API.
+pub async fn synced<K>(cache: &std::sync::OnceLock<Store<K>>) -> Option<&Store<K>>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    let store = cache.get()?;
+    let ready = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
+    ready.is_ok_and(|r| r.is_ok()).then_some(store)
 }
 
 /// A poisoned lock still holds consistent maps here (each update is one insert or remove).

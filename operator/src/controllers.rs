@@ -98,13 +98,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         let resting = lock(&wake.resting);
         let woken: Vec<_> = pools_of_types(&store, &keys)
             .into_iter()
-            .filter(|pool| {
-                resting.contains(&format!(
-                    "{}/{}",
-                    pool.namespace.clone().unwrap_or_default(),
-                    pool.name
-                ))
-            })
+            .filter(|pool| resting.contains(pool))
             .collect();
         futures_util::stream::iter(woken)
     });

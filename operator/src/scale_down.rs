@@ -23,7 +23,7 @@ use kube::ResourceExt;
 use serde_json::json;
 
 use crate::build::{selector, METRICS_PORT, POOL_LABEL};
-use crate::context::{lock, Context};
+use crate::context::{lock, synced, Context};
 
 /// When the operator asked a worker to drain (RFC 3339), on the pod.
 pub const DRAINING_SINCE: &str = "conveyor.dev/draining-since";
@@ -162,9 +162,6 @@ impl Default for Memory {
 /// A pool with nothing to shrink and no drain known is still looked at this often, so that
 /// a drain left by a crashed operator (or a status write that failed) is undone.
 const LOOK_EVERY: Duration = Duration::from_secs(60);
-
-/// How long a scale-down waits for the pod watch to sync before it lists the pods instead.
-const CACHE_WAIT: Duration = Duration::from_secs(5);
 
 /// Drains of pods this process has not seen for this long are forgotten (the pod is gone).
 const FORGET_AFTER: Duration = Duration::from_secs(24 * 3600);
@@ -393,9 +390,8 @@ async fn pool_pods(
 ) -> kube::Result<Vec<Pod>> {
     let name = pool.name_any();
     let namespace = pool.namespace();
-    if let Some(store) = ctx.pods.get().filter(|_| cached) {
-        let synced = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
-        if synced.is_ok_and(|ready| ready.is_ok()) {
+    if cached {
+        if let Some(store) = synced(&ctx.pods).await {
             return Ok(store
                 .state()
                 .iter()

@@ -13,6 +13,7 @@ use conveyor_core::task_type::NamedTaskType;
 use k8s_openapi::api::apps::v1::Deployment;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde::Serialize;
 
@@ -20,7 +21,7 @@ use crate::autoscale::{
     desired_replicas, statistics_read, without_statistics, Decision, Observation,
 };
 use crate::build::{self, FIELD_MANAGER};
-use crate::context::{lock, Applied, Context};
+use crate::context::{lock, synced, Applied, Context};
 use crate::error::{Error, Result};
 use crate::scale_down;
 
@@ -30,8 +31,6 @@ use status::{last_scale, report, write_status, Status};
 /// How often an autoscaled pool is looked at again.
 const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
 const RESYNC: Duration = Duration::from_secs(60);
-/// How long a pool reconcile waits for the TaskType cache before it lists the API.
-const CACHE_WAIT: Duration = Duration::from_secs(5);
 /// Objects unchanged since they were applied are applied again at least this often, which
 /// repairs hand edits of the ConfigMap, Service and PodDisruptionBudget.
 const REAPPLY_EVERY: Duration = Duration::from_secs(300);
@@ -79,11 +78,7 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
     announce(&pool, &ctx, seen.current, settled.replicas, &reason).await;
     let unknown = seen.load.is_err();
     let at_rest = at_rest(&pool, &seen, wanted, settled.waiting);
-    let key = format!(
-        "{}/{}",
-        pool.namespace().unwrap_or_default(),
-        pool.name_any()
-    );
+    let key = ObjectRef::from_obj(pool.as_ref());
     if at_rest {
         lock(&ctx.resting).insert(key);
     } else {
@@ -239,24 +234,20 @@ async fn announce(pool: &WorkerPool, ctx: &Context, current: i32, replicas: i32,
 /// cache lacks one the pool consumes (it may lag the watch that woke this reconcile).
 async fn namespace_task_types(pool: &WorkerPool, ctx: &Context) -> Result<Vec<NamedTaskType>> {
     let namespace = pool.namespace().unwrap_or_default();
-    if let Some(store) = ctx.task_types.get() {
-        // Not synced within a few seconds (its watch restarting): the API answers instead.
-        let synced = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
-        if synced.is_ok_and(|ready| ready.is_ok()) {
-            let cached: Vec<NamedTaskType> = store
-                .state()
-                .iter()
-                .filter(|t| t.namespace().as_deref() == Some(namespace.as_str()))
-                .map(|t| NamedTaskType::from(t.as_ref()))
-                .collect();
-            let complete = pool
-                .spec
-                .task_types
-                .iter()
-                .all(|wanted| cached.iter().any(|t| t.local_name() == wanted));
-            if complete {
-                return Ok(cached);
-            }
+    if let Some(store) = synced(&ctx.task_types).await {
+        let cached: Vec<NamedTaskType> = store
+            .state()
+            .iter()
+            .filter(|t| t.namespace().as_deref() == Some(namespace.as_str()))
+            .map(|t| NamedTaskType::from(t.as_ref()))
+            .collect();
+        let complete = pool
+            .spec
+            .task_types
+            .iter()
+            .all(|wanted| cached.iter().any(|t| t.local_name() == wanted));
+        if complete {
+            return Ok(cached);
         }
     }
     Ok(Api::<TaskType>::namespaced(ctx.client.clone(), &namespace)
