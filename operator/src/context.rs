@@ -18,11 +18,8 @@ use crate::autoscale::History;
 use crate::backoff::Backoff;
 use crate::broker_stats::BrokerStats;
 use crate::build::ConnectionSecret;
+use crate::declarations::Declarations;
 use crate::rabbitmq::ManagementApi;
-
-/// Queue declarations under way at once: the broker serializes a channel's declarations, so
-/// more would only wait there, against their timeout.
-pub const DECLARATIONS_AT_ONCE: usize = 2;
 
 pub struct Context {
     pub client: Client,
@@ -47,8 +44,8 @@ pub struct Context {
     pub backoff: Backoff,
     /// The broker's queue statistics, polled once for every reconcile to read.
     pub broker: BrokerStats,
-    /// Turns to declare queues over the operator's AMQP channel ([`DECLARATIONS_AT_ONCE`]).
-    pub declarations: tokio::sync::Semaphore,
+    /// Turns to declare queues over the operator's AMQP channel, and the last outage.
+    pub declarations: Declarations,
     /// Every TaskType as the TaskType controller's watch sees it (set by
     /// `controllers::run`); pool reconciles read it instead of listing the API each time.
     pub task_types:
@@ -119,7 +116,7 @@ impl Context {
             pods: std::sync::OnceLock::new(),
             declared: Mutex::default(),
             drains: Default::default(),
-            declarations: tokio::sync::Semaphore::new(DECLARATIONS_AT_ONCE),
+            declarations: Declarations::default(),
             started: Instant::now(),
         }
     }

@@ -21,6 +21,12 @@ pub enum Error {
     InvalidSpec(String),
     #[error("RabbitMQ did not answer within {1:?} while {0}")]
     Timeout(&'static str, std::time::Duration),
+    /// A declaration moments ago found the broker out; this one did not try.
+    #[error("RabbitMQ was out {ago:?} ago ({cause}); declaring again shortly")]
+    BrokerDown {
+        ago: std::time::Duration,
+        cause: String,
+    },
     #[error("the reconcile did not finish within {0:?}")]
     ReconcileTimeout(std::time::Duration),
 }
@@ -37,7 +43,7 @@ impl Error {
             Error::Amqp(_) => reasons::RABBITMQ_UNAVAILABLE,
             Error::Build(err) => err.category(),
             Error::InvalidSpec(_) => reasons::INVALID_SPEC,
-            Error::Timeout(..) => reasons::RABBITMQ_UNAVAILABLE,
+            Error::Timeout(..) | Error::BrokerDown { .. } => reasons::RABBITMQ_UNAVAILABLE,
             Error::ReconcileTimeout(_) => reasons::RECONCILE_TIMEOUT,
         }
     }

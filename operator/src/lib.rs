@@ -9,6 +9,7 @@ pub mod broker_stats;
 pub mod build;
 pub mod context;
 pub mod controllers;
+pub mod declarations;
 pub mod error;
 pub mod leader;
 pub mod rabbitmq;

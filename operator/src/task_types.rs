@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conveyor_core::amqp::QueueNames;
+use conveyor_core::amqp::{AmqpError, QueueNames};
 use conveyor_core::crd::status::conditions::{QUEUES_DECLARED, READY};
 use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::task_type::{DeletionPolicy, QueueDepths, TaskTypeStatus};
@@ -151,24 +151,29 @@ async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDept
     // Declarations share the operator's one channel, where the broker runs them one after
     // another (a quorum queue takes a while): a few at a time, and the timeout counts only
     // the broker's own time, not the wait for a turn.
-    let _turn = ctx
-        .declarations
-        .acquire()
-        .await
-        .map_err(|_| Error::Timeout("waiting to declare (shutting down)", Duration::ZERO))?;
+    let turn = ctx.declarations.turn().await?;
     ctx.metrics
         .broker_requests
         .with_label_values(&["amqp"])
         .inc();
-    match tokio::time::timeout(DECLARE_TIMEOUT, ctx.publisher.declare_task_type(spec)).await {
-        Ok(declared) => declared.map_err(Error::Amqp)?,
-        Err(_) => {
-            return Err(Error::Timeout(
+    let declared =
+        match tokio::time::timeout(DECLARE_TIMEOUT, ctx.publisher.declare_task_type(spec)).await {
+            Ok(declared) => declared.map_err(Error::Amqp),
+            Err(_) => Err(Error::Timeout(
                 "declaring queues over AMQP",
                 DECLARE_TIMEOUT,
-            ))
-        }
-    }
+            )),
+        };
+    let outage = match &declared {
+        Err(
+            err @ (Error::Timeout(..)
+            | Error::Amqp(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))),
+        ) => Some(conveyor_core::with_causes(err)),
+        _ => None,
+    };
+    ctx.declarations.found(outage);
+    drop(turn);
+    declared?;
     ctx.management.put_task_type_policies(spec).await?;
     delete_drained_tiers(spec, ctx).await?;
     // From the shared poller: a type declared a moment ago is not in its list yet.

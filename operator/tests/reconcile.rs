@@ -948,3 +948,92 @@ async fn a_paused_pool_holds_its_count() {
         pool_status(&seen)
     );
 }
+
+/// Answers each request with the first unused step of `script` it matches, in any order
+/// (for reconciles that run at once), then checks that nothing more is asked.
+fn api_server_any_order(script: Vec<Expect>) -> (Client, JoinHandle<Vec<Seen>>) {
+    let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let verifier = tokio::spawn(async move {
+        let mut left = script;
+        let mut seen = Vec::new();
+        while !left.is_empty() {
+            let next = tokio::time::timeout(Duration::from_secs(120), handle.next_request()).await;
+            let (request, send) = next
+                .unwrap_or_else(|_| panic!("no request; {} expected still", left.len()))
+                .expect("client dropped");
+            let method = request.method().clone();
+            let uri = request.uri().to_string();
+            let path = uri.split('?').next().unwrap().to_owned();
+            let body = request.into_body().collect_bytes().await.unwrap();
+            let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            let at = left
+                .iter()
+                .position(|step| step.method == method && path.ends_with(&step.path))
+                .unwrap_or_else(|| panic!("unexpected {method} {uri}"));
+            let step = left.remove(at);
+            let response = Response::builder()
+                .status(step.status)
+                .body(Body::from(serde_json::to_vec(&step.answer).unwrap()))
+                .unwrap();
+            send.send_response(response);
+            seen.push((method, uri, body));
+        }
+        seen
+    });
+    (Client::new(service, "default"), verifier)
+}
+
+/// A broker that accepts connections and never answers; counts the connections.
+async fn hung_broker() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(socket);
+        }
+    });
+    (format!("amqp://conveyor:conveyor@{address}/%2f"), accepted)
+}
+
+#[tokio::test]
+async fn a_hung_broker_makes_every_waiting_type_not_ready_without_each_waiting_it_out() {
+    // Twelve types behind a broker that never answers: the two declaring first time out;
+    // the ten waiting for a turn must report the outage rather than each try again (six
+    // rounds of timeouts would take the last past the controller's 60 s bound, which ends
+    // a reconcile before it writes any status: the type stayed Ready).
+    let names: Vec<String> = (0..12).map(|_| testing::unique_type("hung")).collect();
+    let script = names
+        .iter()
+        .map(|name| {
+            let path =
+                format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+            let tt = task_type(name, TaskTypeSpec::default());
+            expect(Method::PATCH, &path, 200, status_answer(&tt))
+        })
+        .collect();
+    let (client, verifier) = api_server_any_order(script);
+    let (amqp_url, accepted) = hung_broker().await;
+    let ctx = context_with(client, "http://127.0.0.1:1", &amqp_url);
+    let reconciles = names.iter().map(|name| {
+        let tt = Arc::new(task_type(name, TaskTypeSpec::default()));
+        task_types::reconcile(tt, ctx.clone())
+    });
+    for result in futures_util::future::join_all(reconciles).await {
+        assert_eq!(result.unwrap_err().category(), "RabbitMQUnavailable");
+    }
+    let seen = verifier.await.unwrap();
+    for (_, uri, body) in &seen {
+        let ready = &body["status"]["conditions"][0];
+        assert_eq!(ready["status"], "False", "{uri} stays Ready");
+        assert_eq!(ready["reason"], "RabbitMQUnavailable", "{uri}");
+    }
+    let connects = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        connects <= 2,
+        "{connects} connections to a broker known to be hung (one per declaration under way)"
+    );
+}
