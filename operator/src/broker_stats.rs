@@ -194,9 +194,12 @@ mod tests {
             Err(ManagementError::Refused { status: 404, .. })
         ));
         // The broker goes away: the last list serves until it is stale, then the error.
+        let down = reqwest::get("http://127.0.0.1:1/api/queues")
+            .await
+            .unwrap_err();
         let down = ManagementError::Unreachable {
-            url: "https://rabbit".into(),
-            reason: "connection refused".into(),
+            url: "http://127.0.0.1:1".into(),
+            source: std::sync::Arc::new(down),
         };
         assert!(stats.store(Err(down)).is_err());
         assert!(stats.depths(&spec).is_ok());

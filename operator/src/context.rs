@@ -10,7 +10,7 @@ use k8s_openapi::api::events::v1::Event as EventObject;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
 use kube::api::{Api, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
 use prometheus::{IntCounterVec, Registry};
 
@@ -54,30 +54,10 @@ pub struct Context {
     /// them here instead of listing each pool's pods every minute.
     pub pods: std::sync::OnceLock<kube::runtime::reflector::Store<k8s_openapi::api::core::v1::Pod>>,
     /// Drains seen and pools looked at, for safe scale-down.
-    pub drains: crate::scale_down::Memory,
+    pub drains: crate::scale_down::memory::Memory,
     /// TaskTypes (by uid) declared: at which generation, and when.
     pub declared: Mutex<HashMap<String, (Option<i64>, Instant)>>,
     started: Instant,
-}
-
-/// How long a reconcile waits for a watch cache to sync before it asks the API instead.
-const CACHE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The cache once its watch has synced (within [`CACHE_WAIT`]); `None` while it is not set
-/// or its watch is restarting, and the caller asks the API.
-pub async fn synced<K>(cache: &std::sync::OnceLock<Store<K>>) -> Option<&Store<K>>
-where
-    K: Resource + Clone + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
-    let store = cache.get()?;
-    let ready = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
-    ready.is_ok_and(|r| r.is_ok()).then_some(store)
-}
-
-/// A poisoned lock still holds consistent maps here (each update is one insert or remove).
-pub fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A pool's objects as this process last applied them.

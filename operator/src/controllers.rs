@@ -23,8 +23,9 @@ use kube::{Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::build::POOL_LABEL;
-use crate::context::{lock, Context};
+use crate::context::Context;
 use crate::error::{Error, Result};
+use crate::shared::lock;
 use crate::{task_types, worker_pools};
 
 /// Reconciles of one kind under way at once: thousands of objects must not open thousands

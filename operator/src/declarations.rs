@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::context::lock;
 use crate::error::{Error, Result};
+use crate::shared::lock;
 
 /// Declarations under way at once.
 pub const AT_ONCE: usize = 2;

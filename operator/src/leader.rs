@@ -20,7 +20,7 @@ use kube::Client;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::context::lock;
+use crate::shared::lock;
 
 pub struct Leader {
     api: Api<Lease>,

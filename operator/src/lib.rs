@@ -14,5 +14,6 @@ pub mod error;
 pub mod leader;
 pub mod rabbitmq;
 pub mod scale_down;
+pub mod shared;
 pub mod task_types;
 pub mod worker_pools;

@@ -18,9 +18,10 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::build::FIELD_MANAGER;
-use crate::context::{condition, lock, Context};
+use crate::context::{condition, Context};
 use crate::error::{Error, Result};
 use crate::rabbitmq::{task_type_policy_names, ManagementError};
+use crate::shared::lock;
 
 pub const FINALIZER: &str = "conveyor.dev/delete-queues";
 /// Depths in the status are refreshed this often.

@@ -21,9 +21,10 @@ use crate::autoscale::{
     desired_replicas, statistics_read, without_statistics, Decision, Observation,
 };
 use crate::build::{self, FIELD_MANAGER};
-use crate::context::{lock, synced, Applied, Context};
+use crate::context::{Applied, Context};
 use crate::error::{Error, Result};
 use crate::scale_down;
+use crate::shared::{lock, synced};
 
 mod status;
 use status::{last_scale, report, write_status, Status};

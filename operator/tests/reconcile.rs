@@ -1037,3 +1037,84 @@ async fn a_hung_broker_makes_every_waiting_type_not_ready_without_each_waiting_i
         "{connects} connections to a broker known to be hung (one per declaration under way)"
     );
 }
+
+/// A worker's admin port at `ip` that answers `GET /drain` with `state`.
+async fn worker_answering(ip: &str, state: Value) -> JoinHandle<()> {
+    let port = conveyor_operator::build::METRICS_PORT;
+    let listener = tokio::net::TcpListener::bind(format!("{ip}:{port}"))
+        .await
+        .unwrap_or_else(|err| panic!("cannot listen on {ip}:{port}: {err}"));
+    let app = axum::Router::new().route(
+        conveyor_core::drain::DRAIN_PATH,
+        axum::routing::get(move || async move { axum::Json(state) }),
+    );
+    tokio::spawn(async move {
+        axum::serve(listener, app).await.unwrap();
+    })
+}
+
+fn pod(name: &str, ip: &str, ready: bool, annotations: Value) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": "video", "uid": format!("uid-{name}"),
+            "labels": {"conveyor.dev/pool": "shrinking"}, "annotations": annotations},
+        "spec": {"nodeName": "kwok-node", "containers": []},
+        "status": {"phase": "Running", "podIP": ip,
+            "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]},
+    })
+}
+
+/// One scale-down round of a two-worker pool to one: `busy` has tasks in hand and is not
+/// ready (its database breaker is open), `drained` is idle and was marked for removal on an
+/// earlier round; `drained_ready` is whether it still shows ready. The Deployment's count.
+async fn shrink_beside_a_busy_unready_worker(drained_ready: bool, at: u8) -> (i32, String) {
+    let (busy_ip, drained_ip) = (format!("127.77.{at}.1"), format!("127.77.{at}.2"));
+    let busy = worker_answering(
+        &busy_ip,
+        json!({"draining": false, "inFlight": 3, "idle": false}),
+    )
+    .await;
+    let drained = worker_answering(
+        &drained_ip,
+        json!({"draining": true, "inFlight": 0, "idle": true}),
+    )
+    .await;
+    let pods = json!({"apiVersion": "v1", "kind": "PodList", "metadata": {}, "items": [
+        pod("busy", &busy_ip, false, json!({})),
+        pod("drained", &drained_ip, drained_ready, json!({
+            "conveyor.dev/draining-since": "2026-12-01T00:00:00Z",
+            "controller.kubernetes.io/pod-deletion-cost": i32::MIN.to_string(),
+        })),
+    ]});
+    let (client, verifier) = api_server(vec![expect(
+        Method::GET,
+        "/api/v1/namespaces/video/pods",
+        200,
+        pods,
+    )]);
+    let ctx = context(client, MANAGEMENT);
+    let pool = WorkerPool::test()
+        .named("shrinking")
+        .consumes("transcode")
+        .replicas(1)
+        .build();
+    let settled = conveyor_operator::scale_down::settle(&pool, &ctx, 2, 1).await;
+    verifier.await.unwrap();
+    busy.abort();
+    drained.abort();
+    (settled.replicas, settled.note.unwrap_or_default())
+}
+
+#[tokio::test]
+async fn a_scale_down_waits_while_the_replica_set_would_take_a_busy_unready_worker_first() {
+    // The ReplicaSet deletes a pod that is not ready before a ready one, whatever their
+    // deletion costs: shrinking now would remove the busy worker, not the drained one.
+    let (replicas, note) = shrink_beside_a_busy_unready_worker(true, 1).await;
+    assert_eq!(
+        replicas, 2,
+        "shrank with a busy worker first in line: {note}"
+    );
+    assert!(note.contains("busy comes first"), "{note}");
+    // Once the drained worker shows not ready too, its cost puts it first.
+    let (replicas, note) = shrink_beside_a_busy_unready_worker(false, 2).await;
+    assert_eq!(replicas, 1, "{note}");
+}

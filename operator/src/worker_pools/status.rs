@@ -12,9 +12,10 @@ use serde_json::json;
 
 use super::{Load, Seen};
 use crate::build::{selector, FIELD_MANAGER};
-use crate::context::{condition, lock, Context};
+use crate::context::{condition, Context};
 use crate::error::Result;
 use crate::scale_down;
+use crate::shared::lock;
 
 /// Status: counts, load, conditions, and the last change with its inputs.
 pub(super) async fn report(

@@ -1,106 +1,22 @@
 //! RabbitMQ's management API: policies (settings that may change after a queue exists) and
 //! queue depths. Queue declaration itself goes over AMQP (`conveyor_core::amqp`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use conveyor_core::amqp::QueueNames;
-use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::task_type::QueueDepths;
 pub use conveyor_core::policies::{
     shared_policies, task_type_policies, task_type_policy_names, Policy,
 };
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use conveyor_core::tls::TrustedRoots;
-use conveyor_core::with_causes;
-use serde::Deserialize;
 
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum ManagementError {
-    /// The reason holds the whole cause (a refused certificate shows here, not only in a
-    /// source chain that log lines do not print).
-    #[error("RabbitMQ management API unreachable at {url}: {reason}")]
-    Unreachable { url: String, reason: String },
-    #[error("cannot make a client for the RabbitMQ management API: {0}")]
-    Client(String),
-    #[error("RabbitMQ management API answered {status} to {what}: {body}")]
-    Refused {
-        what: String,
-        status: u16,
-        body: String,
-    },
-    /// The broker answered without a counter (statistics not collected yet, or disabled):
-    /// unknown, never zero, so a pool is not scaled down on a number nobody measured.
-    #[error("queue {queue} has no {counter} statistic yet")]
-    StatsMissing {
-        queue: String,
-        counter: &'static str,
-    },
-    /// The shared poller has no recent queue list ([`crate::broker_stats`]).
-    #[error("no recent queue statistics (last list {age:?} ago)")]
-    Stale { age: Option<std::time::Duration> },
-}
+mod error;
+mod queues;
 
-impl ManagementError {
-    pub fn category(&self) -> &'static str {
-        match self {
-            ManagementError::Unreachable { .. } => reasons::RABBITMQ_UNAVAILABLE,
-            ManagementError::Client(_) => reasons::RABBITMQ_CLIENT,
-            ManagementError::Refused { .. } => reasons::RABBITMQ_REFUSED,
-            ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {
-                reasons::METRICS_UNAVAILABLE
-            }
-        }
-    }
-}
-
-/// One queue as the management API describes it (only the fields read here).
-#[derive(Debug, Clone, Deserialize)]
-pub struct QueueInfo {
-    name: String,
-    messages_ready: Option<u64>,
-    messages_unacknowledged: Option<u64>,
-    messages: Option<u64>,
-    #[serde(default)]
-    effective_policy_definition: Option<serde_json::Value>,
-    #[serde(default)]
-    message_stats: Option<MessageStats>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-struct MessageStats {
-    #[serde(default)]
-    ack_details: Option<Rate>,
-    #[serde(default)]
-    publish_details: Option<Rate>,
-}
-
-/// What flows through a work queue, per second, as the broker measured it over the last few
-/// seconds; `None` before it measured any.
-#[derive(Debug, Default, Clone, Copy, PartialEq)]
-pub struct Rates {
-    /// Acknowledgements: the processing rate.
-    pub acks: Option<f64>,
-    /// Publishes (new tasks and released retries): the arrival rate.
-    pub publishes: Option<f64>,
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-struct Rate {
-    rate: Option<f64>,
-}
-
-impl QueueInfo {
-    fn counter(&self, counter: &'static str, value: Option<u64>) -> Result<u64, ManagementError> {
-        value.ok_or_else(|| ManagementError::StatsMissing {
-            queue: self.name.clone(),
-            counter,
-        })
-    }
-
-    fn messages(&self) -> Result<u64, ManagementError> {
-        self.counter("messages", self.messages)
-    }
-}
+pub use error::ManagementError;
+pub use queues::{depths_in, rates_in, QueueInfo, Queues, Rates};
 
 /// Where the management API is and who talks to it: the same flags for the operator and
 /// `conveyorctl grant`.
@@ -168,7 +84,7 @@ impl ManagementApi {
                 .client_builder()
                 .timeout(Duration::from_secs(10))
                 .build()
-                .map_err(|err| ManagementError::Client(with_causes(&err)))?,
+                .map_err(|err| ManagementError::Client(Arc::new(err)))?,
             sent: None,
         })
     }
@@ -177,6 +93,13 @@ impl ManagementApi {
     pub fn counted(mut self, counter: prometheus::IntCounter) -> Self {
         self.sent = Some(counter);
         self
+    }
+
+    fn unreachable(&self, err: reqwest::Error) -> ManagementError {
+        ManagementError::Unreachable {
+            url: self.base.clone(),
+            source: Arc::new(err),
+        }
     }
 
     fn url(&self, path: &str, name: &str) -> String {
@@ -200,10 +123,7 @@ impl ManagementApi {
             .basic_auth(&self.user, Some(&self.password))
             .send()
             .await
-            .map_err(|err| ManagementError::Unreachable {
-                url: self.base.clone(),
-                reason: with_causes(&err),
-            })?;
+            .map_err(|err| self.unreachable(err))?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
@@ -365,13 +285,7 @@ impl ManagementApi {
         let response = self
             .send(format!("queue {queue}"), self.http.get(url))
             .await?;
-        response
-            .json()
-            .await
-            .map_err(|err| ManagementError::Unreachable {
-                url: self.base.clone(),
-                reason: with_causes(&err),
-            })
+        response.json().await.map_err(|err| self.unreachable(err))
     }
 
     /// The policy definition RabbitMQ applies to a queue now.
@@ -401,20 +315,8 @@ impl ManagementApi {
             .await?
             .json()
             .await
-            .map_err(|err| ManagementError::Unreachable {
-                url: self.base.clone(),
-                reason: with_causes(&err),
-            })?;
+            .map_err(|err| self.unreachable(err))?;
         Ok(list.into_iter().map(|q| (q.name.clone(), q)).collect())
-    }
-
-    /// The processing and arrival rates of a task type's work queue, read now.
-    pub async fn rates(&self, task_type: &str) -> Result<Rates, ManagementError> {
-        let main = QueueNames::of(task_type).main;
-        rates_in(
-            &[(main.clone(), self.queue(&main).await?)].into(),
-            task_type,
-        )
     }
 
     /// Messages in each of a task type's queues, read now (one request per queue).
@@ -431,61 +333,6 @@ impl ManagementApi {
         }
         depths_in(&queues, spec)
     }
-}
-
-/// Queues by name.
-pub type Queues = std::collections::HashMap<String, QueueInfo>;
-
-impl QueueInfo {
-    /// The counters a pool's scaling reads: a change of any wakes the pools of its type.
-    pub fn counts(&self) -> (Option<u64>, Option<u64>, Option<u64>) {
-        (
-            self.messages_ready,
-            self.messages_unacknowledged,
-            self.messages,
-        )
-    }
-}
-
-fn queue_in<'a>(queues: &'a Queues, name: &str) -> Result<&'a QueueInfo, ManagementError> {
-    queues.get(name).ok_or_else(|| ManagementError::Refused {
-        what: format!("queue {name}"),
-        status: 404,
-        body: "not in the broker's queue list".to_owned(),
-    })
-}
-
-/// A task type's depths in `queues`: its work, retry and remediation queues must be there
-/// (a type not declared yet is a 404); retry tiers beyond the first count when present (one
-/// left from before an edit to fewer retries still holds retries until it drains).
-pub fn depths_in(queues: &Queues, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
-    let names = QueueNames::of(&spec.name);
-    let main = queue_in(queues, &names.main)?;
-    let mut retry = queue_in(queues, &names.retry)?.messages()?;
-    for tier in 1..MAX_RETRY_TIERS {
-        if let Some(queue) = queues.get(&names.retry_tier(tier)) {
-            retry += queue.messages()?;
-        }
-    }
-    let remediation = queue_in(queues, &names.remediation)?;
-    Ok(QueueDepths {
-        ready: main.counter("messages_ready", main.messages_ready)?,
-        in_flight: main.counter("messages_unacknowledged", main.messages_unacknowledged)?,
-        retry,
-        remediation: remediation.messages()?,
-    })
-}
-
-/// A task type's work-queue rates in `queues`.
-pub fn rates_in(queues: &Queues, task_type: &str) -> Result<Rates, ManagementError> {
-    let stats = queue_in(queues, &QueueNames::of(task_type).main)?
-        .message_stats
-        .clone()
-        .unwrap_or_default();
-    Ok(Rates {
-        acks: stats.ack_details.and_then(|d| d.rate),
-        publishes: stats.publish_details.and_then(|d| d.rate),
-    })
 }
 
 /// Percent-encoding for a path segment (vhost `/` is `%2F`).
@@ -508,18 +355,5 @@ mod tests {
     #[test]
     fn names_are_encoded_for_urls() {
         assert_eq!(encode("/"), "%2F");
-    }
-
-    #[test]
-    fn a_missing_counter_is_unknown_not_zero() {
-        // What RabbitMQ answers for a queue whose statistics are not collected yet.
-        let fresh: QueueInfo =
-            serde_json::from_str(r#"{"name": "ns.t", "state": "running"}"#).unwrap();
-        let err = fresh.messages().unwrap_err();
-        assert_eq!(err.category(), "MetricsUnavailable");
-        assert!(err.to_string().contains("ns.t has no messages"), "{err}");
-        let counted: QueueInfo =
-            serde_json::from_str(r#"{"name": "ns.t", "messages": 0}"#).unwrap();
-        assert_eq!(counted.messages().unwrap(), 0);
     }
 }

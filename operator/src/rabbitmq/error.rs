@@ -1,0 +1,50 @@
+//! What can go wrong talking to the management API, each with its condition reason.
+
+use std::sync::Arc;
+
+use conveyor_core::crd::status::reasons;
+use conveyor_core::with_causes;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ManagementError {
+    /// The message holds the whole cause as well (a refused certificate shows in a log
+    /// line that prints no source chain).
+    #[error("RabbitMQ management API unreachable at {url}: {}", with_causes(source.as_ref()))]
+    Unreachable {
+        url: String,
+        /// Shared: the poller's last error is handed to every reconcile that reads it.
+        #[source]
+        source: Arc<reqwest::Error>,
+    },
+    #[error("cannot make a client for the RabbitMQ management API: {}", with_causes(.0.as_ref()))]
+    Client(#[source] Arc<reqwest::Error>),
+    #[error("RabbitMQ management API answered {status} to {what}: {body}")]
+    Refused {
+        what: String,
+        status: u16,
+        body: String,
+    },
+    /// The broker answered without a counter (statistics not collected yet, or disabled):
+    /// unknown, never zero, so a pool is not scaled down on a number nobody measured.
+    #[error("queue {queue} has no {counter} statistic yet")]
+    StatsMissing {
+        queue: String,
+        counter: &'static str,
+    },
+    /// The shared poller has no recent queue list ([`crate::broker_stats`]).
+    #[error("no recent queue statistics (last list {age:?} ago)")]
+    Stale { age: Option<std::time::Duration> },
+}
+
+impl ManagementError {
+    pub fn category(&self) -> &'static str {
+        match self {
+            ManagementError::Unreachable { .. } => reasons::RABBITMQ_UNAVAILABLE,
+            ManagementError::Client(_) => reasons::RABBITMQ_CLIENT,
+            ManagementError::Refused { .. } => reasons::RABBITMQ_REFUSED,
+            ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {
+                reasons::METRICS_UNAVAILABLE
+            }
+        }
+    }
+}

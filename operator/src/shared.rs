@@ -1,0 +1,27 @@
+//! Helpers for the state reconciles share: the process's locks and its watch caches.
+
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use kube::runtime::reflector::Store;
+use kube::Resource;
+
+/// How long a reconcile waits for a watch cache to sync before it asks the API instead.
+const CACHE_WAIT: Duration = Duration::from_secs(5);
+
+/// The cache once its watch has synced (within [`CACHE_WAIT`]); `None` while it is not set
+/// or its watch is restarting, and the caller asks the API.
+pub async fn synced<K>(cache: &OnceLock<Store<K>>) -> Option<&Store<K>>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    let store = cache.get()?;
+    let ready = tokio::time::timeout(CACHE_WAIT, store.wait_until_ready()).await;
+    ready.is_ok_and(|r| r.is_ok()).then_some(store)
+}
+
+/// A poisoned lock still holds consistent maps here (each update is one insert or remove).
+pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
