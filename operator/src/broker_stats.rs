@@ -73,13 +73,15 @@ impl BrokerStats {
     pub async fn poll(
         &self,
         api: &ManagementApi,
-        changed: UnboundedSender<BTreeSet<String>>,
+        changed: Vec<UnboundedSender<BTreeSet<String>>>,
         stop: CancellationToken,
     ) {
         loop {
             match self.store_changes(api.list_queues().await) {
                 Ok(keys) if !keys.is_empty() => {
-                    let _ = changed.send(keys);
+                    for listener in &changed {
+                        let _ = listener.send(keys.clone());
+                    }
                 }
                 Ok(_) => {}
                 Err(err) => {

@@ -38,6 +38,8 @@ pub struct Context {
     /// Pools (`namespace/name`) at rest: only these are woken by changed queue counts (the
     /// others are looked at every period anyway).
     pub resting: Mutex<std::collections::HashSet<ObjectRef<WorkerPool>>>,
+    /// TaskTypes at rest (every queue empty), woken likewise.
+    pub resting_types: Mutex<std::collections::HashSet<ObjectRef<conveyor_core::crd::TaskType>>>,
     /// What was last applied for each pool (uid), so unchanged objects are not re-applied.
     pub applied: Mutex<HashMap<String, Applied>>,
     /// Consecutive reconcile failures per object, for retry delays.
@@ -90,6 +92,7 @@ impl Context {
             last_scales: Mutex::default(),
             applied: Mutex::default(),
             resting: Mutex::default(),
+            resting_types: Mutex::default(),
             backoff: Backoff::default(),
             broker: BrokerStats::default(),
             task_types: std::sync::OnceLock::new(),

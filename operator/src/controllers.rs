@@ -47,18 +47,33 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     }
     let poller = ctx.clone();
     let poll_stop = stop.clone();
-    let (changed, changes) = tokio::sync::mpsc::unbounded_channel();
+    let (pools_told, changes) = tokio::sync::mpsc::unbounded_channel();
+    let (types_told, type_count_changes) = tokio::sync::mpsc::unbounded_channel();
     tokio::spawn(async move {
+        let listeners = vec![pools_told, types_told];
         poller
             .broker
-            .poll(&poller.management, changed, poll_stop)
+            .poll(&poller.management, listeners, poll_stop)
             .await;
     });
 
     let (types, types_writer) = reflector::store::<TaskType>();
     let type_changes = spec_changes(&client, types_writer);
     let _ = ctx.task_types.set(types.clone());
+    // Types at rest (empty queues) are looked at when their counts change, not every period.
+    let (store, wake) = (types.clone(), ctx.clone());
+    let woken_types = received(type_count_changes).flat_map(move |keys| {
+        let resting = lock(&wake.resting_types);
+        let woken: Vec<_> = store
+            .state()
+            .iter()
+            .map(|t| ObjectRef::from_obj(t.as_ref()))
+            .filter(|t| resting.contains(t) && keys.contains(&type_key(t)))
+            .collect();
+        futures_util::stream::iter(woken)
+    });
     let task_type_controller = Controller::for_stream(type_changes, types)
+        .reconcile_on(woken_types)
         .with_config(config.clone())
         .graceful_shutdown_on(stop.clone().cancelled_owned())
         .run(
@@ -92,10 +107,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     .predicate_filter(predicates::generation, Default::default());
     // Pools at rest are looked at when their queues' counts change, not every period.
     let (store, wake) = (pools.clone(), ctx.clone());
-    let count_changes = futures_util::stream::unfold(changes, |mut changes| async move {
-        changes.recv().await.map(|keys| (keys, changes))
-    })
-    .flat_map(move |keys| {
+    let count_changes = received(changes).flat_map(move |keys| {
         let resting = lock(&wake.resting);
         let woken: Vec<_> = pools_of_types(&store, &keys)
             .into_iter()
@@ -119,6 +131,24 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .for_each(|_| async {});
     tracing::info!("reconciling TaskTypes and WorkerPools");
     tokio::join!(task_type_controller, pool_controller, pod_watch);
+}
+
+/// The changed task types (`<namespace>.<name>`) of each poll, as a stream.
+fn received(
+    changes: tokio::sync::mpsc::UnboundedReceiver<std::collections::BTreeSet<String>>,
+) -> impl futures_util::Stream<Item = std::collections::BTreeSet<String>> {
+    futures_util::stream::unfold(changes, |mut changes| async move {
+        changes.recv().await.map(|keys| (keys, changes))
+    })
+}
+
+/// A TaskType's key in the broker's queue names.
+fn type_key(task_type: &ObjectRef<TaskType>) -> String {
+    format!(
+        "{}.{}",
+        task_type.namespace.as_deref().unwrap_or_default(),
+        task_type.name
+    )
 }
 
 /// Every object of kind `K` in the cluster, kept in `writer`'s store; yields those whose
@@ -256,6 +286,12 @@ fn error_policy<K: Resource<DynamicType = ()>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_type_is_named_as_its_queues_name_it() {
+        let t = ObjectRef::<TaskType>::new("transcode").within("video");
+        assert_eq!(type_key(&t), "video.transcode");
+    }
 
     fn pool(namespace: &str, name: &str, types: &[&str]) -> WorkerPool {
         types

@@ -14,6 +14,7 @@ use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, MAX_RETRY_TIERS};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::ObjectRef;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
@@ -24,8 +25,12 @@ use crate::rabbitmq::{task_type_policy_names, ManagementError};
 use crate::shared::lock;
 
 pub const FINALIZER: &str = "conveyor.dev/delete-queues";
-/// Depths in the status are refreshed this often.
+/// Depths in the status are refreshed this often while any queue holds messages.
 const RESYNC: Duration = Duration::from_secs(15);
+/// A type whose queues are all empty is looked at this often, and woken sooner when the
+/// broker poller sees its counts change: a thousand idle types need not run four
+/// reconciles a minute each.
+const RESTING_RESYNC: Duration = Duration::from_secs(60);
 /// How long a declaration is trusted while nothing says it is gone.
 const REDECLARE_EVERY: Duration = Duration::from_secs(300);
 /// Longest a declaration may take (connect included) before the broker counts as unavailable.
@@ -57,6 +62,7 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
             set_finalizer(&api, &task_type, false).await?;
         }
         lock(&ctx.declared).remove(&declared_key(&task_type));
+        lock(&ctx.resting_types).remove(&ObjectRef::from_obj(task_type.as_ref()));
         return Ok(Action::await_change());
     }
     // Validated before a finalizer is added: nothing can be deleted under a bad name.
@@ -103,10 +109,26 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
             "queues {} (+ retry queues, .remediation) declared with policies",
             QueueNames::of(&spec.name).main
         ),
-        depths,
+        depths.clone(),
     )
     .await?;
-    Ok(Action::requeue(RESYNC))
+    let key = ObjectRef::from_obj(task_type.as_ref());
+    let resync = resync(depths.as_ref());
+    if resync == RESTING_RESYNC {
+        lock(&ctx.resting_types).insert(key);
+    } else {
+        lock(&ctx.resting_types).remove(&key);
+    }
+    Ok(Action::requeue(resync))
+}
+
+/// When to look again: soon while messages are queued (or the counts are unknown), at
+/// [`RESTING_RESYNC`] when every queue is empty (a count change wakes the type sooner).
+fn resync(depths: Option<&QueueDepths>) -> Duration {
+    match depths {
+        Some(d) if d.ready + d.in_flight + d.retry + d.remediation == 0 => RESTING_RESYNC,
+        _ => RESYNC,
+    }
 }
 
 /// Declares again only when needed: the spec changed, the poller's queue list misses one of
@@ -284,4 +306,21 @@ async fn write_status(
     )
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_type_rests_and_a_busy_or_unknown_one_is_looked_at_soon() {
+        let empty = QueueDepths::default();
+        assert_eq!(resync(Some(&empty)), RESTING_RESYNC);
+        let retrying = QueueDepths {
+            retry: 1,
+            ..QueueDepths::default()
+        };
+        assert_eq!(resync(Some(&retrying)), RESYNC);
+        assert_eq!(resync(None), RESYNC, "unknown counts are not at rest");
+    }
 }
