@@ -1,0 +1,71 @@
+//! What an AMQP call can fail with, and the category each counts as.
+
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AmqpError {
+    #[error("broker unavailable: {0}")]
+    Unavailable(lapin::Error),
+    /// The broker answered and refused the login or the vhost: the credentials are wrong,
+    /// not the broker down.
+    #[error("broker refused the login: {0}")]
+    LoginRefused(lapin::Error),
+    /// Connecting (TCP, TLS and the AMQP handshake) took longer than this.
+    #[error("broker did not accept a connection within {0:?}")]
+    ConnectTimeout(Duration),
+    /// The URL's TLS settings cannot be used (its `cacertfile`).
+    #[error("{0}")]
+    Tls(String),
+    #[error("queue {queue} does not exist (declare the task type first)")]
+    NoQueue { queue: String },
+    #[error("broker refused the publish (nack)")]
+    Nacked,
+    #[error("no publisher confirm within {0:?}")]
+    ConfirmTimeout(Duration),
+    #[error("queue {queue} exists with different arguments")]
+    Mismatch {
+        queue: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("cannot encode task message")]
+    Encode(#[source] serde_json::Error),
+}
+
+impl AmqpError {
+    /// Stable label for metrics and logs.
+    pub fn category(&self) -> &'static str {
+        match self {
+            AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) => "unavailable",
+            AmqpError::Tls(_) => "tls_settings",
+            AmqpError::LoginRefused(_) => "login_refused",
+            AmqpError::NoQueue { .. } => "no_queue",
+            AmqpError::Nacked => "nacked",
+            AmqpError::ConfirmTimeout(_) => "confirm_timeout",
+            AmqpError::Mismatch { .. } => "topology_mismatch",
+            AmqpError::Encode(_) => "encode",
+        }
+    }
+}
+
+pub type AmqpResult<T> = Result<T, AmqpError>;
+
+/// lapin's errors are not `Clone`; a failed connect is reported once per message.
+pub(super) fn clone_error(err: &AmqpError) -> AmqpError {
+    match err {
+        AmqpError::Unavailable(e) => AmqpError::Unavailable(e.clone()),
+        AmqpError::LoginRefused(e) => AmqpError::LoginRefused(e.clone()),
+        AmqpError::NoQueue { queue } => AmqpError::NoQueue {
+            queue: queue.clone(),
+        },
+        AmqpError::Nacked => AmqpError::Nacked,
+        AmqpError::ConfirmTimeout(d) => AmqpError::ConfirmTimeout(*d),
+        AmqpError::ConnectTimeout(d) => AmqpError::ConnectTimeout(*d),
+        AmqpError::Mismatch { queue, source } => AmqpError::Mismatch {
+            queue: queue.clone(),
+            source: source.clone(),
+        },
+        AmqpError::Encode(_) => AmqpError::Nacked,
+        AmqpError::Tls(e) => AmqpError::Tls(e.clone()),
+    }
+}

@@ -1,0 +1,29 @@
+//! The AMQP layer: every connection, topology and publish/consume call Conveyor makes.
+//!
+//! Per task type T there are three quorum queues: `conveyor.T` (work), `conveyor.T.retry`
+//! (per-message TTL, dead-letters back to the work queue) and `conveyor.T.remediation`
+//! (parked tasks, and the work queue's dead letters). Messages are published to the type's
+//! own direct exchange, `conveyor.T` (exchanges and queues are named apart), where each
+//! queue is bound by its name: RabbitMQ authorizes a publish by exchange, so a tenant's
+//! broker user, which may write only `conveyor.<namespace>.` exchanges, cannot put a message
+//! into another tenant's queue (decision 0013). The broker's own dead-lettering between a
+//! type's queues goes through the default exchange, which no permission governs.
+//! Publishes are persistent, `mandatory` and confirmed; a nack, a return (no such queue), a
+//! missing exchange or a missing confirm is an error, and the channel is replaced on the
+//! next publish.
+
+mod connection;
+mod consume;
+mod error;
+mod names;
+mod publisher;
+mod topology;
+
+pub use connection::{connect, with_heartbeat, CONNECT_TIMEOUT};
+pub use consume::{consume, get_one, probe_id, PROBE_KIND};
+pub use error::{AmqpError, AmqpResult};
+pub use names::QueueNames;
+pub use publisher::{Outgoing, Publisher, QueueObserver};
+pub use topology::{
+    declare_task_type, delete_exchange, delete_queues, queue_arguments, queue_exists, ready_count,
+};

@@ -1,0 +1,272 @@
+//! Confirmed publishing over a link that reconnects, and a queue observer.
+
+use std::time::Duration;
+
+use futures_util::future::join_all;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::publisher_confirm::Confirmation;
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Channel, Connection};
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use super::connection::connect;
+use super::consume::PROBE_KIND;
+use super::error::{clone_error, AmqpError, AmqpResult};
+use super::names::QueueNames;
+use super::topology::{declare_task_type, ready_count};
+use crate::task::{Requeue, TaskMessage};
+use crate::task_type::NamedTaskType;
+
+/// A message to publish: the task, where it goes, and for a retry queue which one and how
+/// long it waits there.
+#[derive(Debug, Clone)]
+pub struct Outgoing {
+    pub message: TaskMessage,
+    pub route: Requeue,
+    pub delay: Option<Duration>,
+    /// For [`Requeue::Retry`]: the retry queue ([`NamedTaskType::retry_tier`]).
+    pub retry_tier: u32,
+}
+
+/// One lazily (re)opened connection and channel, counted so that tests and metrics can
+/// tell a reconnect from a reused link.
+struct Link {
+    url: String,
+    name: String,
+    confirms: bool,
+    slot: Mutex<Option<(Connection, Channel)>>,
+    connects: AtomicU64,
+}
+
+impl Link {
+    fn new(url: String, name: String, confirms: bool) -> Self {
+        Link {
+            url,
+            name,
+            confirms,
+            slot: Mutex::new(None),
+            connects: AtomicU64::new(0),
+        }
+    }
+
+    /// The channel, reconnecting when the connection was lost, and opening a new channel
+    /// on the same connection when only the channel was closed (a 404 or 406 closes it).
+    async fn channel(&self) -> AmqpResult<Channel> {
+        let mut slot = self.slot.lock().await;
+        if let Some((conn, channel)) = slot.as_mut() {
+            if conn.status().connected() {
+                if channel.status().connected() {
+                    return Ok(channel.clone());
+                }
+                let fresh = self.open_channel(conn).await?;
+                *channel = fresh.clone();
+                return Ok(fresh);
+            }
+        }
+        *slot = None;
+        let conn = connect(&self.url, &self.name).await?;
+        self.connects.fetch_add(1, Ordering::Relaxed);
+        let channel = self.open_channel(&conn).await?;
+        *slot = Some((conn, channel.clone()));
+        Ok(channel)
+    }
+
+    async fn open_channel(&self, conn: &Connection) -> AmqpResult<Channel> {
+        let channel = conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::Unavailable)?;
+        if self.confirms {
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(AmqpError::Unavailable)?;
+        }
+        Ok(channel)
+    }
+
+    /// Drops the connection so that the next call starts afresh.
+    async fn reset(&self) {
+        if let Some((conn, _)) = self.slot.lock().await.take() {
+            let _ = conn.close(0, "resetting the link").await;
+        }
+    }
+}
+
+/// A confirmed publisher over one lazily (re)opened connection.
+pub struct Publisher {
+    link: Link,
+    confirm_timeout: Duration,
+}
+
+impl Publisher {
+    /// `name` is the connection name the broker shows.
+    pub fn new(url: impl Into<String>, name: impl Into<String>, confirm_timeout: Duration) -> Self {
+        Publisher {
+            link: Link::new(url.into(), name.into(), true),
+            confirm_timeout,
+        }
+    }
+
+    /// Connections opened so far (1 for a publisher that never lost its link).
+    pub fn connections_opened(&self) -> u64 {
+        self.link.connects.load(Ordering::Relaxed)
+    }
+
+    async fn channel(&self) -> AmqpResult<Channel> {
+        self.link.channel().await
+    }
+
+    async fn reset(&self) {
+        self.link.reset().await
+    }
+
+    /// Declares a task type's queues on the publisher's connection.
+    pub async fn declare_task_type(&self, spec: &NamedTaskType) -> AmqpResult<()> {
+        let channel = self.channel().await?;
+        let result = declare_task_type(&channel, spec).await;
+        if matches!(
+            result,
+            Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))
+        ) {
+            self.reset().await;
+        }
+        result
+    }
+
+    /// Publishes a probe (decision 0011) to `task_type`'s work queue and waits for its
+    /// confirm. A worker that takes it off the queue reports it seen.
+    pub async fn publish_probe(&self, task_type: &str, id: Uuid) -> AmqpResult<()> {
+        let channel = self.channel().await?;
+        let names = QueueNames::of(task_type);
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "probe": id })).map_err(AmqpError::Encode)?;
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_type(ShortString::from(PROBE_KIND))
+            .with_message_id(ShortString::from(id.to_string()));
+        let result = self
+            .confirmed(&channel, names.exchange(), &names.main, &body, properties)
+            .await;
+        // A missing exchange closes the channel, too.
+        if matches!(
+            result,
+            Err(AmqpError::Unavailable(_)
+                | AmqpError::ConnectTimeout(_)
+                | AmqpError::ConfirmTimeout(_)
+                | AmqpError::NoQueue { .. })
+        ) {
+            self.reset().await;
+        }
+        result
+    }
+
+    /// Publishes every message, pipelined, and returns once the broker confirmed each one.
+    /// The result per message is in input order; any failure also resets the channel.
+    pub async fn publish(&self, batch: &[Outgoing]) -> Vec<AmqpResult<()>> {
+        let channel = match self.channel().await {
+            Ok(channel) => channel,
+            Err(err) => return batch.iter().map(|_| Err(clone_error(&err))).collect(),
+        };
+        let sends = batch.iter().map(|out| self.publish_one(&channel, out));
+        let results = join_all(sends).await;
+        if results.iter().any(|r| {
+            matches!(
+                r,
+                Err(AmqpError::Unavailable(_) | AmqpError::ConfirmTimeout(_))
+            )
+        }) {
+            self.reset().await;
+        }
+        results
+    }
+
+    async fn publish_one(&self, channel: &Channel, out: &Outgoing) -> AmqpResult<()> {
+        let names = QueueNames::of(&out.message.task_type);
+        let queue = match out.route {
+            Requeue::Retry => names.retry_tier(out.retry_tier),
+            route => names.route(route).to_owned(),
+        };
+        let queue = queue.as_str();
+        let body = serde_json::to_vec(&out.message).map_err(AmqpError::Encode)?;
+        let mut properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type(ShortString::from("application/json"))
+            .with_message_id(ShortString::from(out.message.id.to_string()));
+        if let Some(delay) = out.delay {
+            // Per-message TTL: the retry queue dead-letters it to the work queue on expiry.
+            properties =
+                properties.with_expiration(ShortString::from(delay.as_millis().to_string()));
+        }
+        self.confirmed(channel, names.exchange(), queue, &body, properties)
+            .await
+    }
+
+    /// One mandatory publish through `exchange` to `queue`, confirmed within the confirm
+    /// timeout.
+    async fn confirmed(
+        &self,
+        channel: &Channel,
+        exchange: &str,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> AmqpResult<()> {
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..BasicPublishOptions::default()
+        };
+        let confirm = async {
+            channel
+                .basic_publish(exchange, queue, options, body, properties)
+                .await?
+                .await
+        };
+        match tokio::time::timeout(self.confirm_timeout, confirm).await {
+            Err(_) => Err(AmqpError::ConfirmTimeout(self.confirm_timeout)),
+            // No such exchange: the type is not declared (or was deleted), as for a return.
+            Ok(Err(lapin::Error::ProtocolError(e))) if e.get_id() == 404 => {
+                Err(AmqpError::NoQueue {
+                    queue: queue.to_owned(),
+                })
+            }
+            Ok(Err(err)) => Err(AmqpError::Unavailable(err)),
+            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+            Ok(Ok(Confirmation::Ack(Some(_returned)))) => Err(AmqpError::NoQueue {
+                queue: queue.to_owned(),
+            }),
+            Ok(Ok(Confirmation::Nack(_))) => Err(AmqpError::Nacked),
+            Ok(Ok(Confirmation::NotRequested)) => Err(AmqpError::Nacked),
+        }
+    }
+}
+
+/// Reads queue depths on a connection of its own, never the publisher's: a depth poll or
+/// readiness probe on a queue that does not exist (a TaskType being created or deleted)
+/// closes only this channel, which is reopened on the same connection.
+pub struct QueueObserver {
+    link: Link,
+}
+
+impl QueueObserver {
+    pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
+        QueueObserver {
+            link: Link::new(url.into(), name.into(), false),
+        }
+    }
+
+    /// Ready messages in a queue; a missing queue is [`AmqpError::NoQueue`].
+    pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
+        let channel = self.link.channel().await?;
+        let result = ready_count(&channel, queue).await;
+        if matches!(
+            result,
+            Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))
+        ) {
+            self.link.reset().await;
+        }
+        result
+    }
+}
