@@ -72,6 +72,11 @@ struct Args {
 }
 
 impl Args {
+    /// The floor sampled before each phase: a quarter of the first one's messages.
+    fn phase_floor_messages(&self) -> usize {
+        (self.floor_messages / 4).max(500)
+    }
+
     fn shortened(mut self) -> Args {
         if self.short {
             self.batch_tasks = 2_000;
@@ -94,13 +99,8 @@ async fn main() -> anyhow::Result<()> {
     let mut run = Run::describe(args.short, binaries.clone()).await;
     let admin = Db::connect(&DbOptions::new(testing::admin_database_url()))?;
 
-    eprintln!("bench: raw broker floor ({} messages)", args.floor_messages);
-    let amqp_url = testing::amqp_url();
-    let floor = floor::broker(&amqp_url, args.floor_messages);
-    run.floor_broker = tokio::time::timeout(Duration::from_secs(300), floor)
-        .await
-        .context("the broker floor took over 5 minutes")??;
-    eprintln!("bench: {:.0} msg/s", run.floor_broker);
+    run.floor_samples
+        .push(broker_floor(args.floor_messages).await?);
 
     let settings = Settings {
         workers: args.workers,
@@ -119,6 +119,7 @@ async fn main() -> anyhow::Result<()> {
     });
 
     let measured = phases(&args, &system, &admin, db.pool(), &mut run).await;
+    run.floor_broker = report::median(&run.floor_samples);
     run.peak_rss_mib = system.processes().peak_rss_mib();
     run.statements = usage::statement_costs(admin.pool(), &system.database).await;
     system.stop().await;
@@ -145,6 +146,7 @@ async fn phases(
     let warm = args.batch_size.min(args.batch_tasks);
     load::watched(system, warm, limit, load::batches(system, warm, warm, 1)).await?;
 
+    let floor = broker_floor(args.phase_floor_messages()).await?;
     let phase = Phase::begin("batch submits".to_owned(), system, admin).await?;
     eprintln!(
         "bench: {} tasks in batches of {}",
@@ -157,11 +159,14 @@ async fn phases(
         args.batch_clients,
     );
     let (accepted, timeline) = load::watched(system, args.batch_tasks, limit, load).await?;
-    run.phases
-        .push(phase.end(system, admin, pool, &accepted, &timeline).await?);
+    run.push(
+        phase.end(system, admin, pool, &accepted, &timeline).await?,
+        floor,
+    );
 
     for &connections in &args.connections {
         let name = format!("single submits, {connections} connections");
+        let floor = broker_floor(args.phase_floor_messages()).await?;
         let phase = Phase::begin(name, system, admin).await?;
         eprintln!(
             "bench: {} single submits over {connections} connections",
@@ -169,10 +174,13 @@ async fn phases(
         );
         let load = load::singles(system, args.single_tasks, connections);
         let (accepted, timeline) = load::watched(system, args.single_tasks, limit, load).await?;
-        run.phases
-            .push(phase.end(system, admin, pool, &accepted, &timeline).await?);
+        run.push(
+            phase.end(system, admin, pool, &accepted, &timeline).await?,
+            floor,
+        );
     }
 
+    let floor = broker_floor(args.phase_floor_messages()).await?;
     let phase = Phase::begin("fixed rate".to_owned(), system, admin).await?;
     let total = args.rate as usize * args.rate_seconds as usize;
     eprintln!("bench: {}/s offered for {} s", args.rate, args.rate_seconds);
@@ -181,6 +189,19 @@ async fn phases(
     let (accepted, timeline) = load::watched(system, total, limit, load).await?;
     let mut result = phase.end(system, admin, pool, &accepted, &timeline).await?;
     result.refused = refused.into_inner();
-    run.phases.push(result);
+    run.push(result, floor);
     Ok(())
+}
+
+/// The raw broker floor, measured now: once before the system starts and again right
+/// before each phase, since this machine's floor moves by half within minutes (a ratio to a
+/// floor measured minutes earlier measures the drift as much as Conveyor).
+async fn broker_floor(messages: usize) -> anyhow::Result<f64> {
+    eprintln!("bench: raw broker floor ({messages} messages)");
+    let url = testing::amqp_url();
+    let rate = tokio::time::timeout(Duration::from_secs(300), floor::broker(&url, messages))
+        .await
+        .context("the broker floor took over 5 minutes")??;
+    eprintln!("bench: {rate:.0} msg/s");
+    Ok(rate)
 }

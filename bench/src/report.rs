@@ -19,8 +19,12 @@ pub struct Run {
     pub machine: String,
     pub versions: BTreeMap<String, String>,
     pub settings: serde_json::Value,
-    /// Messages/s: confirmed publish + consume + ack on a quorum queue, no application.
+    /// Messages/s: confirmed publish + consume + ack on a quorum queue, no application; the
+    /// median of `floor_samples`.
     pub floor_broker: f64,
+    /// Every floor measured in this run: before the system started, then before each phase.
+    #[serde(default)]
+    pub floor_samples: Vec<f64>,
     /// Audit-shaped rows/s, 1000 per statement.
     pub floor_audit_rows: f64,
     pub phases: Vec<PhaseResult>,
@@ -53,6 +57,27 @@ pub struct PhaseResult {
     pub commits_per_task: f64,
     pub statements_per_task: Option<f64>,
     pub wal_bytes_per_task: f64,
+    /// The raw broker floor measured right before this phase (older runs: none, the run's).
+    #[serde(default)]
+    pub floor_broker: Option<f64>,
+}
+
+impl PhaseResult {
+    /// The steady rate as a share of the floor measured right before the phase.
+    pub fn ratio(&self, run_floor: f64) -> f64 {
+        self.steady_rate / self.floor_broker.unwrap_or(run_floor)
+    }
+}
+
+/// The middle of `samples` (0 for none).
+pub fn median(samples: &[f64]) -> f64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
+    }
 }
 
 /// Counters at the start of a phase.
@@ -114,6 +139,7 @@ impl Phase {
             commits_per_task: pg.commits as f64 / n,
             statements_per_task: pg.statements.map(|s| s as f64 / n),
             wal_bytes_per_task: pg.wal_bytes as f64 / n,
+            floor_broker: None,
         })
     }
 }
@@ -130,6 +156,13 @@ fn command(program: &str, args: &[&str]) -> String {
 }
 
 impl Run {
+    /// A phase's result, with the floor measured right before it.
+    pub fn push(&mut self, mut phase: PhaseResult, floor: f64) {
+        phase.floor_broker = Some(floor);
+        self.floor_samples.push(floor);
+        self.phases.push(phase);
+    }
+
     pub async fn describe(short: bool, binaries: PathBuf) -> Run {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
@@ -194,15 +227,23 @@ impl Run {
     /// The headline: each end-to-end rate beside the floor.
     fn summary(&self) -> String {
         let mut lines = vec![format!(
-            "raw broker floor {:.0} msg/s; batched audit inserts {:.0} rows/s",
-            self.floor_broker, self.floor_audit_rows
+            "raw broker floor {:.0} msg/s (median of {}: {}); batched audit inserts {:.0} rows/s",
+            self.floor_broker,
+            self.floor_samples.len(),
+            self.floor_samples
+                .iter()
+                .map(|f| format!("{f:.0}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            self.floor_audit_rows
         )];
         for p in &self.phases {
             lines.push(format!(
-                "{}: {:.0} tasks/s steady ({:.2} of the floor), p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                "{}: {:.0} tasks/s steady ({:.2} of the floor of {:.0} msg/s), p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
                 p.name,
                 p.steady_rate,
-                p.steady_rate / self.floor_broker,
+                p.ratio(self.floor_broker),
+                p.floor_broker.unwrap_or(self.floor_broker),
                 p.latency_ms["p50"],
                 p.latency_ms["p99"],
                 p.latency_ms["max"]
@@ -236,7 +277,9 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
     md.push_str(
         "Every figure of one run is measured in that run, on one machine with PostgreSQL and \
          RabbitMQ on it: compare runs by their ratios to the floor, not by absolute rates \
-         (this machine's speed varies from day to day).\n\n",
+         (this machine's speed varies from day to day, and by half within minutes: the floor \
+         is measured again right before each phase, and each phase's ratio is to that \
+         floor).\n\n",
     );
     md.push_str(&format!(
         "## Latest run: {} (commit {}){}\n\n",
@@ -255,18 +298,19 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
     md.push_str("```\n");
     md.push_str(&run.summary());
     md.push_str("\n```\n\n");
-    md.push_str("| phase | accepted | refused | completed once, full audit chain | re-runs | steady tasks/s | ratio to floor | p50 ms | p99 ms | max ms | commits/task | statements/task | WAL bytes/task |\n");
-    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("| phase | accepted | refused | completed once, full audit chain | re-runs | steady tasks/s | floor before it, msg/s | ratio to that floor | p50 ms | p99 ms | max ms | commits/task | statements/task | WAL bytes/task |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for p in &run.phases {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {:.0} | {:.3} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {:.0} | {:.0} | {:.3} | {:.1} | {:.1} | {:.1} | {:.2} | {} | {:.0} |\n",
             p.name,
             p.accepted,
             p.refused,
             p.full_chains.min(p.completed_once),
             p.reruns,
             p.steady_rate,
-            p.steady_rate / run.floor_broker,
+            p.floor_broker.unwrap_or(run.floor_broker),
+            p.ratio(run.floor_broker),
             p.latency_ms["p50"],
             p.latency_ms["p99"],
             p.latency_ms["max"],
@@ -322,11 +366,7 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
     for r in runs.iter().rev() {
         let rate = |name: &str| {
             r.phase(name).map_or("-".to_owned(), |p| {
-                format!(
-                    "{:.0} ({:.3})",
-                    p.steady_rate,
-                    p.steady_rate / r.floor_broker
-                )
+                format!("{:.0} ({:.3})", p.steady_rate, p.ratio(r.floor_broker))
             })
         };
         let p99 = r

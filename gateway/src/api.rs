@@ -349,6 +349,10 @@ async fn get_events(
 async fn own_task(state: &ApiState, client: &Client, id: &str) -> Result<TaskRecord, ApiError> {
     let id = parse_id(id)?;
     let ingestor = &state.ingestor;
+    // A task this gateway just answered for reads QUEUED, as the answer said.
+    if let Err(err) = ingestor.writes.queued.settle(id).await {
+        return Err(db_error(&ingestor.metrics, &err));
+    }
     match ingestor.db.task(id).await {
         Ok(Some(task)) if client.may_use(&task.tenant) => Ok(task),
         Ok(_) => Err(not_found(id)),

@@ -218,11 +218,12 @@ impl Ingestor {
         recorded: Vec<Recorded>,
     ) -> Vec<Result<Accepted, ApiError>> {
         // New tasks, and earlier ones whose publish was never confirmed (a client retrying
-        // after a 503): the worker's compare-and-set makes a second copy harmless.
+        // after a 503; not one whose confirm this gateway holds, its mark still waiting):
+        // the worker's compare-and-set makes a second copy harmless.
         let to_publish: Vec<&TaskRecord> = recorded
             .iter()
             .map(Recorded::task)
-            .filter(|t| t.state == TaskState::Ingested)
+            .filter(|t| t.state == TaskState::Ingested && !self.writes.queued.is_pending(t.id))
             .collect();
         let outgoing: Vec<Outgoing> = to_publish
             .iter()
@@ -244,17 +245,9 @@ impl Ingestor {
                 }
             }
         }
-        if !confirmed.is_empty() {
-            // The broker holds the task durably now; if this update fails, the first claim
-            // writes INGESTED → QUEUED instead, so the answer is still true.
-            if let Err(err) = self.writes.mark_queued(confirmed).await {
-                self.metrics
-                    .errors
-                    .with_label_values(&["database", err.category()])
-                    .inc();
-                tracing::warn!(error = %err, "cannot mark confirmed tasks QUEUED");
-            }
-        }
+        // The broker holds the task durably now; its QUEUED mark follows off the answer
+        // path (a claim that comes first writes it instead), so the answer is true at once.
+        self.writes.queued.confirmed(confirmed);
         submitted
             .iter()
             .zip(recorded)

@@ -195,10 +195,11 @@ pub async fn run(
         ));
     }
 
+    let writes = db.ingest_writes(&metrics);
     let state = Arc::new(ApiState {
         ingestor: Ingestor {
             db: db.clone(),
-            writes: db.ingest_writes(),
+            writes: writes.clone(),
             publisher: publisher.clone(),
             types: types.clone(),
             limiter: RateLimiter::new(),
@@ -258,6 +259,8 @@ pub async fn run(
     };
     let serve_admin = async { serve_admin.await.context("serving the admin routes") };
     tokio::try_join!(serve_api, serve_admin)?;
+    // The answers are out; their QUEUED marks should not wait for a claim that may not come.
+    writes.queued.flush().await;
     Ok(())
 }
 

@@ -1,7 +1,8 @@
 //! The hot path's statements, group-committed ([`crate::batch`]): a worker's concurrent
 //! deliveries share one claim statement and one completion statement, a gateway's
-//! concurrent requests one insert and one QUEUED update. Each caller still gets its own
-//! answer, and only after the statement that made it durable committed.
+//! concurrent requests one insert (their QUEUED marks follow off the answer path:
+//! [`super::queued_marks`]). Each caller still gets its own answer, and only after the
+//! statement that made it durable committed.
 //!
 //! A statement that fails for a reason other than unavailability (a value the database
 //! refuses, say) is run again for each input alone, so that one caller's bad input fails
@@ -10,12 +11,12 @@
 use std::future::Future;
 use std::time::Duration;
 
-use uuid::Uuid;
-
 use super::claims::{Claim, Completion};
 use super::ingest::Recorded;
+use super::queued_marks::{QueuedMarks, SETTLE};
 use super::{Db, DbError, DbResult};
 use crate::batch::{Batcher, Unanswered};
+use crate::metrics::Metrics;
 use crate::task::NewTask;
 
 /// Flushers per statement: one runs while the next batch forms.
@@ -32,11 +33,12 @@ pub struct OwnerWrites {
     completions: Batcher<Completion, DbResult<bool>>,
 }
 
-/// A gateway's inserts and QUEUED updates.
+/// A gateway's inserts and QUEUED marks.
 #[derive(Clone)]
 pub struct IngestWrites {
     records: Batcher<Vec<NewTask>, DbResult<Vec<Recorded>>>,
-    queued: Batcher<Vec<Uuid>, DbResult<()>>,
+    /// Confirmed tasks whose QUEUED mark is written a moment after the answer.
+    pub queued: QueuedMarks,
 }
 
 impl Db {
@@ -74,8 +76,9 @@ impl Db {
         }
     }
 
-    /// Group-committed inserts and QUEUED updates of submitted tasks. Needs a Tokio runtime.
-    pub fn ingest_writes(&self) -> IngestWrites {
+    /// Group-committed inserts, and the QUEUED marks that follow them (errors counted in
+    /// `metrics`). Needs a Tokio runtime.
+    pub fn ingest_writes(&self, metrics: &Metrics) -> IngestWrites {
         let db = self.clone();
         // No wait limit: a submission runs to its end even if its client hung up.
         let records = Batcher::spawn(
@@ -90,23 +93,7 @@ impl Db {
                 })
             },
         );
-        let db = self.clone();
-        let queued = Batcher::spawn(
-            FLUSHERS,
-            MAX_REQUESTS,
-            None,
-            move |requests: Vec<Vec<Uuid>>| {
-                let db = db.clone();
-                each_or_alone(requests, move |batch| {
-                    let db = db.clone();
-                    async move {
-                        let n = batch.len();
-                        db.mark_queued(&batch.concat()).await?;
-                        Ok(vec![(); n])
-                    }
-                })
-            },
-        );
+        let queued = QueuedMarks::spawn(self.clone(), metrics.clone(), SETTLE);
         IngestWrites { records, queued }
     }
 }
@@ -138,11 +125,6 @@ impl IngestWrites {
     /// [`Db::record_tasks`], sharing the statement with concurrent requests.
     pub async fn record(&self, tasks: Vec<NewTask>) -> DbResult<Vec<Recorded>> {
         self.records.call(tasks).await.unwrap_or_else(unanswered)
-    }
-
-    /// [`Db::mark_queued`], sharing the statement with concurrent requests.
-    pub async fn mark_queued(&self, ids: Vec<Uuid>) -> DbResult<()> {
-        self.queued.call(ids).await.unwrap_or_else(unanswered)
     }
 }
 

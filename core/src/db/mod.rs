@@ -24,6 +24,7 @@ mod grants;
 mod grouped;
 mod ingest;
 mod partitions;
+mod queued_marks;
 mod reads;
 mod requeue;
 mod rows;
@@ -35,6 +36,7 @@ pub use error::{DbError, DbResult};
 pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
 pub use ingest::Recorded;
+pub use queued_marks::QueuedMarks;
 pub use requeue::{PendingRequeue, Reap, Requeued};
 pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};
 

@@ -251,7 +251,10 @@ async fn rate_limits_and_backpressure_answer_429_with_retry_after() {
         accepted,
         i64::from(harness.ready_count(&queue(&shallow_name).main).await)
     );
-    assert_eq!(harness.count(&shallow_name, Queued).await, accepted);
+    // Every accepted task is marked QUEUED, a moment after its answer (decision 0020).
+    harness
+        .wait_for_state(&shallow_name, Queued, accepted, Duration::from_secs(30))
+        .await;
     harness.shutdown().await;
 }
 

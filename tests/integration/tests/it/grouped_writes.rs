@@ -1,7 +1,10 @@
 //! The hot path's multi-row statements (decision 0016): each row fenced on its own, no
 //! deadlock between concurrent ones, and one caller's bad input failing only that caller.
 
-use conveyor_core::db::{Claim, Completion, Db, Fence};
+use std::time::Duration;
+
+use conveyor_core::db::{Claim, Completion, Db, Fence, QueuedMarks};
+use conveyor_core::metrics::Metrics;
 use conveyor_core::task::NewTask;
 use conveyor_core::testing::{self, unique_type, TestDatabase};
 use conveyor_core::TaskState::*;
@@ -149,4 +152,63 @@ async fn a_refused_result_fails_only_its_own_completion() {
         Processing,
         "the refused one is still its owner's to fail"
     );
+}
+
+/// The gateway's QUEUED marks (decision 0020): written after the answer, at once for a task
+/// a reader asks about, never a second time for a task a claim moved on first, and for every
+/// other confirmed task by the writer itself.
+#[tokio::test]
+async fn queued_marks_follow_the_answer_and_a_claim_that_came_first_is_not_marked_again() {
+    let (db, _, ids) = recorded(3).await;
+    let (read, claimed, idle) = (ids[0], ids[1], ids[2]);
+    let state = |id| {
+        let db = db.clone();
+        async move { db.task(id).await.unwrap().unwrap().state }
+    };
+    // A writer that would wait an hour: only `settle` and `flush` write here.
+    let marks = QueuedMarks::spawn(db.clone(), Metrics::new(), Duration::from_secs(3600));
+    marks.confirmed(ids.clone());
+    assert!(ids.iter().all(|&id| marks.is_pending(id)));
+    assert_eq!(state(read).await, Ingested, "the answer path wrote no mark");
+
+    // A reader's task is marked before its read.
+    marks.settle(read).await.unwrap();
+    assert!(!marks.is_pending(read));
+    assert_eq!(state(read).await, Queued);
+    assert_eq!(
+        testing::states(&db.events(read).await.unwrap()),
+        [Ingested, Queued]
+    );
+
+    // A claim that comes first writes INGESTED → QUEUED itself; the mark then finds it moved on.
+    assert_eq!(
+        db.claim_all(&[claim(claimed, 0)], "w").await.unwrap(),
+        [true]
+    );
+    marks.flush().await;
+    assert!(!marks.is_pending(claimed) && !marks.is_pending(idle));
+    let chain = db.events(claimed).await.unwrap();
+    testing::assert_valid_chain(&chain);
+    assert_eq!(
+        testing::states(&chain),
+        [Ingested, Queued, Claimed, Processing]
+    );
+    assert_eq!(state(idle).await, Queued);
+
+    // The writer's own round marks what waited, with no reader and no flush.
+    let (db2, _, later) = recorded(2).await;
+    let marks = QueuedMarks::spawn(db2.clone(), Metrics::new(), Duration::from_millis(50));
+    marks.confirmed(later.clone());
+    testing::wait_until(
+        "both confirmed tasks marked QUEUED by the writer",
+        Duration::from_secs(30),
+        || async {
+            let mut queued = 0;
+            for &id in &later {
+                queued += usize::from(db2.task(id).await.unwrap().unwrap().state == Queued);
+            }
+            queued == later.len()
+        },
+    )
+    .await;
 }
