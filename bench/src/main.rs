@@ -72,11 +72,6 @@ struct Args {
 }
 
 impl Args {
-    /// The floor sampled before each phase: a quarter of the first one's messages.
-    fn phase_floor_messages(&self) -> usize {
-        (self.floor_messages / 4).max(500)
-    }
-
     fn shortened(mut self) -> Args {
         if self.short {
             self.batch_tasks = 2_000;
@@ -146,7 +141,7 @@ async fn phases(
     let warm = args.batch_size.min(args.batch_tasks);
     load::watched(system, warm, limit, load::batches(system, warm, warm, 1)).await?;
 
-    let floor = broker_floor(args.phase_floor_messages()).await?;
+    let floor = broker_floor(args.floor_messages).await?;
     let phase = Phase::begin("batch submits".to_owned(), system, admin).await?;
     eprintln!(
         "bench: {} tasks in batches of {}",
@@ -166,7 +161,7 @@ async fn phases(
 
     for &connections in &args.connections {
         let name = format!("single submits, {connections} connections");
-        let floor = broker_floor(args.phase_floor_messages()).await?;
+        let floor = broker_floor(args.floor_messages).await?;
         let phase = Phase::begin(name, system, admin).await?;
         eprintln!(
             "bench: {} single submits over {connections} connections",
@@ -180,7 +175,7 @@ async fn phases(
         );
     }
 
-    let floor = broker_floor(args.phase_floor_messages()).await?;
+    let floor = broker_floor(args.floor_messages).await?;
     let phase = Phase::begin("fixed rate".to_owned(), system, admin).await?;
     let total = args.rate as usize * args.rate_seconds as usize;
     eprintln!("bench: {}/s offered for {} s", args.rate, args.rate_seconds);

@@ -362,7 +362,7 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
          is read once per phase, after it, to check that every accepted task completed once \
          with its whole audit chain.\n\n## All runs\n\n",
     );
-    md.push_str("| date | commit | short | floor msg/s | batch tasks/s (ratio) | single tasks/s (ratio), first count | p99 ms at fixed rate |\n|---|---|---|---|---|---|---|\n");
+    md.push_str("| date | commit | short | floor msg/s (median of the run's) | batch tasks/s (ratio) | single tasks/s (ratio), first count | p99 ms at fixed rate |\n|---|---|---|---|---|---|---|\n");
     for r in runs.iter().rev() {
         let rate = |name: &str| {
             r.phase(name).map_or("-".to_owned(), |p| {

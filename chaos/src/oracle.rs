@@ -270,6 +270,20 @@ pub async fn count_in(db: &Db, task_type: &str, states: &[&str]) -> i64 {
         .unwrap_or(0)
 }
 
+/// Tasks INGESTED for longer than `age`: recorded and not published, since a confirmed one is
+/// marked QUEUED (or claimed) within the gateway's settle of 100 ms (decision 0020).
+pub async fn count_unpublished(db: &Db, task_type: &str, age: std::time::Duration) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM tasks WHERE task_type = $1 AND state = 'INGESTED'
+         AND created_at < now() - make_interval(secs => $2)",
+    )
+    .bind(task_type)
+    .bind(age.as_secs_f64())
+    .fetch_one(db.pool())
+    .await
+    .unwrap_or(0)
+}
+
 /// Writes one audit row per day for the days `days` from today (UTC), under a task type of
 /// their own beside `task_type`'s; returns how many.
 pub async fn write_calendar_rows(

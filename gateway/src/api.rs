@@ -17,6 +17,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use conveyor_core::task::{TaskEvent, TaskRecord};
 use conveyor_core::task_type::local_name;
+use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use uuid::Uuid;
@@ -349,15 +350,24 @@ async fn get_events(
 async fn own_task(state: &ApiState, client: &Client, id: &str) -> Result<TaskRecord, ApiError> {
     let id = parse_id(id)?;
     let ingestor = &state.ingestor;
-    // A task this gateway just answered for reads QUEUED, as the answer said.
-    if let Err(err) = ingestor.writes.queued.settle(id).await {
+    let read = || async {
+        match ingestor.db.task(id).await {
+            Ok(Some(task)) if client.may_use(&task.tenant) => Ok(task),
+            Ok(_) => Err(not_found(id)),
+            Err(err) => Err(db_error(&ingestor.metrics, &err)),
+        }
+    };
+    let task = read().await?;
+    let marks = &ingestor.writes.queued;
+    if task.state != TaskState::Ingested || !marks.is_pending(id) {
+        return Ok(task);
+    }
+    // This gateway answered for it and its QUEUED mark is not written yet: write it, so that
+    // the read shows what the answer said.
+    if let Err(err) = marks.settle(id).await {
         return Err(db_error(&ingestor.metrics, &err));
     }
-    match ingestor.db.task(id).await {
-        Ok(Some(task)) if client.may_use(&task.tenant) => Ok(task),
-        Ok(_) => Err(not_found(id)),
-        Err(err) => Err(db_error(&ingestor.metrics, &err)),
-    }
+    read().await
 }
 
 /// A task as its client sees it: its type by the name the client submitted with, and its

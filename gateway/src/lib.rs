@@ -258,10 +258,10 @@ pub async fn run(
         .context("serving the API")
     };
     let serve_admin = async { serve_admin.await.context("serving the admin routes") };
-    tokio::try_join!(serve_api, serve_admin)?;
+    let served = tokio::try_join!(serve_api, serve_admin);
     // The answers are out; their QUEUED marks should not wait for a claim that may not come.
     writes.queued.flush().await;
-    Ok(())
+    served.map(|_| ())
 }
 
 /// Declares every task type's queues, retrying while the broker is unreachable. (The

@@ -10,6 +10,15 @@ use super::{Db, DbError, DbResult};
 use crate::lifecycle::{self, TaskState::*};
 use crate::task::{NewTask, TaskRecord};
 
+/// What [`Db::mark_queued`] does with a row another transaction holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Locked {
+    /// Leave it: its holder moves it on (the writer's rounds; never waits on a claim).
+    Skip,
+    /// Wait for its holder's commit (a reader's own task: the read must follow the mark).
+    Wait,
+}
+
 /// Outcome of recording one submitted task.
 #[derive(Debug, Clone)]
 pub enum Recorded {
@@ -108,14 +117,19 @@ impl Db {
 
     /// INGESTED → QUEUED for tasks the broker confirmed. Tasks a worker already claimed are
     /// left alone: the claim wrote the QUEUED event itself.
-    pub async fn mark_queued(&self, ids: &[Uuid]) -> DbResult<()> {
+    pub async fn mark_queued(&self, ids: &[Uuid], locked: Locked) -> DbResult<()> {
         lifecycle::check(Ingested, Queued)?;
-        // Locked in id order, as claims are, and a row locked right now is skipped: whoever
-        // holds it (a claim, the sweeper) moves it on and writes QUEUED itself if need be.
-        sqlx::query(
+        // Locked in id order, as claims are. `Skip`: a row locked right now is skipped, since
+        // whoever holds it (a claim, the sweeper) moves it on and writes QUEUED itself if need
+        // be. `Wait`: its holder's commit is waited for, and the state compared after it.
+        let lock = match locked {
+            Locked::Skip => "FOR UPDATE SKIP LOCKED",
+            Locked::Wait => "FOR UPDATE",
+        };
+        sqlx::query(&format!(
             "WITH locked AS MATERIALIZED (
                  SELECT id FROM tasks WHERE id = ANY($1) AND state = $2
-                 ORDER BY id FOR UPDATE SKIP LOCKED
+                 ORDER BY id {lock}
              ), updated AS (
                  UPDATE tasks t SET state = $3, updated_at = now()
                  FROM locked WHERE t.id = locked.id AND t.state = $2
@@ -123,7 +137,7 @@ impl Db {
              )
              INSERT INTO task_events (task_id, task_type, from_state, to_state, attempt)
              SELECT * FROM (SELECT id, task_type, $2, $3, attempt FROM updated ORDER BY id) ordered",
-        )
+        ))
         .bind(ids)
         .bind(Ingested.as_str())
         .bind(Queued.as_str())

@@ -35,7 +35,7 @@ pub use claims::{Claim, Completion, Fence};
 pub use error::{DbError, DbResult};
 pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
-pub use ingest::Recorded;
+pub use ingest::{Locked, Recorded};
 pub use queued_marks::QueuedMarks;
 pub use requeue::{PendingRequeue, Reap, Requeued};
 pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};

@@ -9,7 +9,7 @@
 //! Nothing depends on the mark for safety: a task left INGESTED (a gateway that died before
 //! its mark) is claimed the same way, and the orphan sweeper treats INGESTED and QUEUED
 //! alike. What the mark keeps true is what a reader sees: a read through this gateway of a
-//! task whose mark still waits writes that mark first ([`QueuedMarks::settle`]).
+//! task whose mark is not committed writes that mark first ([`QueuedMarks::settle`]).
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, Weak};
@@ -18,6 +18,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
+use super::ingest::Locked;
 use super::{Db, DbResult};
 use crate::metrics::Metrics;
 
@@ -32,6 +33,9 @@ const MAX_IDS: usize = 4_096;
 
 /// A gateway's confirmed tasks whose QUEUED mark is not written yet. Cheap to clone; the
 /// writer stops when the last handle is dropped.
+///
+/// Memory: a confirmed id waits at most one settle plus one statement; ids come only from
+/// inserts that committed, so while the database is away none are added.
 #[derive(Clone)]
 pub struct QueuedMarks {
     inner: Arc<Inner>,
@@ -40,10 +44,16 @@ pub struct QueuedMarks {
 struct Inner {
     db: Db,
     metrics: Metrics,
-    pending: Mutex<HashSet<Uuid>>,
-    /// Held while a statement runs: a reader whose id is in it waits for its commit.
-    writing: tokio::sync::Mutex<()>,
+    ids: Mutex<Marks>,
     full: Notify,
+}
+
+#[derive(Default)]
+struct Marks {
+    /// Confirmed, not taken by the writer yet.
+    pending: HashSet<Uuid>,
+    /// In the writer's statement right now.
+    writing: HashSet<Uuid>,
 }
 
 impl QueuedMarks {
@@ -52,8 +62,7 @@ impl QueuedMarks {
         let inner = Arc::new(Inner {
             db,
             metrics,
-            pending: Mutex::new(HashSet::new()),
-            writing: tokio::sync::Mutex::new(()),
+            ids: Mutex::new(Marks::default()),
             full: Notify::new(),
         });
         tokio::spawn(write_every(Arc::downgrade(&inner), settle));
@@ -63,27 +72,30 @@ impl QueuedMarks {
     /// The broker confirmed these tasks: each is marked QUEUED within `settle`, unless a
     /// claim wrote it first.
     pub fn confirmed(&self, ids: impl IntoIterator<Item = Uuid>) {
-        let mut pending = self.inner.lock_pending();
-        pending.extend(ids);
-        if pending.len() >= MAX_PENDING {
+        let mut marks = self.inner.lock();
+        marks.pending.extend(ids);
+        if marks.pending.len() >= MAX_PENDING {
             self.inner.full.notify_one();
         }
     }
 
-    /// Whether `id` was confirmed and its mark is not written yet (its row may still read
-    /// INGESTED).
+    /// Whether `id` was confirmed and its mark is not committed yet (its row may still read
+    /// INGESTED, and its message is in the queue).
     pub fn is_pending(&self, id: Uuid) -> bool {
-        self.inner.lock_pending().contains(&id)
+        let marks = self.inner.lock();
+        marks.pending.contains(&id) || marks.writing.contains(&id)
     }
 
-    /// Writes `id`'s mark now if it still waits (or waits for the statement writing it), so
-    /// that a read that follows sees QUEUED, as the answer said.
+    /// Writes `id`'s mark now if it is not committed yet, so that a read that follows sees
+    /// QUEUED, as the answer said. Unlike the writer's rounds it waits for a row lock (a
+    /// claim holding the row moves it on itself), and the id stays pending until the mark
+    /// committed, so a read that fails or is dropped loses nothing.
     pub async fn settle(&self, id: Uuid) -> DbResult<()> {
-        let waiting = self.inner.lock_pending().remove(&id);
-        let _writing = self.inner.writing.lock().await;
-        if waiting {
-            self.inner.db.mark_queued(&[id]).await?;
+        if !self.is_pending(id) {
+            return Ok(());
         }
+        self.inner.db.mark_queued(&[id], Locked::Wait).await?;
+        self.inner.lock().pending.remove(&id);
         Ok(())
     }
 
@@ -94,16 +106,22 @@ impl QueuedMarks {
 }
 
 impl Inner {
-    fn lock_pending(&self) -> std::sync::MutexGuard<'_, HashSet<Uuid>> {
-        // A panic while holding it left a set of ids, still valid.
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Marks> {
+        // A panic while holding it left sets of ids, still valid.
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     async fn write_pending(&self) {
-        let _writing = self.writing.lock().await;
-        let ids: Vec<Uuid> = self.lock_pending().drain().collect();
+        let ids: Vec<Uuid> = {
+            let mut marks = self.lock();
+            let taken: Vec<Uuid> = marks.pending.drain().collect();
+            marks.writing.extend(taken.iter().copied());
+            taken
+        };
         for chunk in ids.chunks(MAX_IDS) {
-            if let Err(err) = self.db.mark_queued(chunk).await {
+            // Rows locked right now are skipped: their holder (a claim, the sweeper) moves
+            // them on and writes QUEUED itself.
+            if let Err(err) = self.db.mark_queued(chunk, Locked::Skip).await {
                 // Not retried: each of these is claimed as INGESTED (the claim writes the
                 // QUEUED event) or re-published by the sweeper, as after a gateway crash.
                 self.metrics
@@ -111,6 +129,10 @@ impl Inner {
                     .with_label_values(&["database", err.category()])
                     .inc();
                 tracing::warn!(error = %err, tasks = chunk.len(), "cannot mark confirmed tasks QUEUED");
+            }
+            let mut marks = self.lock();
+            for id in chunk {
+                marks.writing.remove(id);
             }
         }
     }

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::{Fence, Reap, Recorded};
+use conveyor_core::db::{Fence, Locked, Reap, Recorded};
 use conveyor_core::task::{NewTask, Requeue};
 use conveyor_core::testing::{unique_type, TestDatabase};
 use conveyor_core::TaskState::*;
@@ -25,7 +25,7 @@ async fn one_claimed_task(owner: &str) -> (conveyor_core::db::Db, String, NewTas
     let task_type = unique_type("db");
     let task = new_task(&task_type);
     db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
-    db.mark_queued(&[task.id]).await.unwrap();
+    db.mark_queued(&[task.id], Locked::Skip).await.unwrap();
     assert!(db.claim(task.id, 0, owner).await.unwrap());
     (db, task_type, task)
 }
@@ -37,7 +37,7 @@ async fn three_queued_tasks() -> (conveyor_core::db::Db, String, Vec<Uuid>) {
     let tasks: Vec<NewTask> = (0..3).map(|_| new_task(&task_type)).collect();
     db.record_tasks(&tasks).await.unwrap();
     let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
-    db.mark_queued(&ids).await.unwrap();
+    db.mark_queued(&ids, Locked::Skip).await.unwrap();
     (db, task_type, ids)
 }
 
@@ -60,7 +60,7 @@ async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
         !db.claim(task.id, 0, "w2").await.unwrap(),
         "second claim must lose"
     );
-    db.mark_queued(&[task.id]).await.unwrap();
+    db.mark_queued(&[task.id], Locked::Skip).await.unwrap();
     assert_eq!(db.task(task.id).await.unwrap().unwrap().state, Processing);
 
     assert!(
@@ -355,7 +355,7 @@ async fn a_claim_the_worker_gave_up_on_does_not_commit_later() {
     let task_type = unique_type("late");
     let task = new_task(&task_type);
     db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
-    db.mark_queued(&[task.id]).await.unwrap();
+    db.mark_queued(&[task.id], Locked::Skip).await.unwrap();
     // Something holds the row (a slow re-queue, a vacuum, a lock queue) for 3 s.
     let mut blocker = db.pool().begin().await.unwrap();
     sqlx::query("SELECT 1 FROM tasks WHERE id = $1 FOR UPDATE")

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::{Claim, Completion, Db, Fence, QueuedMarks};
+use conveyor_core::db::{Claim, Completion, Db, Fence, Locked, QueuedMarks};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::NewTask;
 use conveyor_core::testing::{self, unique_type, TestDatabase};
@@ -100,10 +100,14 @@ async fn concurrent_claims_and_queued_updates_never_deadlock() {
             db2.claim_all(&claims, "w2").await
         }));
         rounds.push(tokio::spawn(async move {
-            db3.mark_queued(&backward).await.map(|()| Vec::new())
+            db3.mark_queued(&backward, Locked::Skip)
+                .await
+                .map(|()| Vec::new())
         }));
         rounds.push(tokio::spawn(async move {
-            db4.mark_queued(&forward).await.map(|()| Vec::new())
+            db4.mark_queued(&forward, Locked::Skip)
+                .await
+                .map(|()| Vec::new())
         }));
     }
     let mut claimed = 0;
@@ -159,8 +163,8 @@ async fn a_refused_result_fails_only_its_own_completion() {
 /// other confirmed task by the writer itself.
 #[tokio::test]
 async fn queued_marks_follow_the_answer_and_a_claim_that_came_first_is_not_marked_again() {
-    let (db, _, ids) = recorded(3).await;
-    let (read, claimed, idle) = (ids[0], ids[1], ids[2]);
+    let (db, _, ids) = recorded(4).await;
+    let (read, claimed, idle, held) = (ids[0], ids[1], ids[2], ids[3]);
     let state = |id| {
         let db = db.clone();
         async move { db.task(id).await.unwrap().unwrap().state }
@@ -179,6 +183,38 @@ async fn queued_marks_follow_the_answer_and_a_claim_that_came_first_is_not_marke
         testing::states(&db.events(read).await.unwrap()),
         [Ingested, Queued]
     );
+
+    // A reader's task whose row another transaction holds (a claim in flight, say): the
+    // mark waits for that commit instead of skipping the row, so the read still follows it.
+    let mut holder = db.pool().begin().await.unwrap();
+    sqlx::query("SELECT id FROM tasks WHERE id = $1 FOR UPDATE")
+        .bind(held)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let settling = tokio::spawn({
+        let marks = marks.clone();
+        async move { marks.settle(held).await }
+    });
+    testing::wait_until(
+        "the reader's mark waiting for the row lock",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE wait_event_type = 'Lock' AND query LIKE '%FOR UPDATE%'
+                   AND datname = current_database()",
+            )
+            .fetch_one(db.pool())
+            .await
+            .unwrap()
+                > 0
+        },
+    )
+    .await;
+    holder.commit().await.unwrap();
+    settling.await.unwrap().unwrap();
+    assert_eq!(state(held).await, Queued);
 
     // A claim that comes first writes INGESTED → QUEUED itself; the mark then finds it moved on.
     assert_eq!(
