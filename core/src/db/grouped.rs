@@ -19,8 +19,11 @@ use crate::batch::{Batcher, Unanswered};
 use crate::metrics::Metrics;
 use crate::task::NewTask;
 
-/// Flushers per statement: one runs while the next batch forms.
-const FLUSHERS: usize = 2;
+/// Flushers per statement: one, so that everything that arrives while its statement runs
+/// makes up the next batch. Two (one running while the next forms) halved the batches, and
+/// a statement costs PostgreSQL about as much CPU as several rows do: one flusher gave
+/// 10-30 % more tasks/s in every phase of `make bench` (decision 0020).
+const FLUSHERS: usize = 1;
 /// Most deliveries in one claim or completion statement.
 const MAX_TASKS: usize = 256;
 /// Most requests in one insert (a request is up to a whole batch of tasks).
