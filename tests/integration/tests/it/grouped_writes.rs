@@ -3,28 +3,33 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::{Claim, Completion, Db, Fence, Locked, QueuedMarks};
+use conveyor_core::db::{Claim, Completion, Db, DbOptions, Fence, Locked, QueuedMarks};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::NewTask;
 use conveyor_core::testing::{self, unique_type, TestDatabase};
 use conveyor_core::TaskState::*;
 use uuid::Uuid;
 
-async fn recorded(n: usize) -> (Db, String, Vec<Uuid>) {
-    let db = TestDatabase::create().await.db;
-    let task_type = unique_type("grouped");
-    let tasks: Vec<NewTask> = (0..n)
+/// `n` new tasks of `task_type` in tenant `default`, with time-ordered ids as the gateway's.
+fn new_tasks(task_type: &str, n: usize) -> Vec<NewTask> {
+    (0..n)
         .map(|i| {
-            let id = Uuid::new_v4();
+            let id = Uuid::now_v7();
             NewTask {
                 id,
                 tenant: "default".into(),
                 idempotency_key: id,
-                task_type: task_type.clone(),
+                task_type: task_type.to_owned(),
                 payload: serde_json::json!({ "n": i }),
             }
         })
-        .collect();
+        .collect()
+}
+
+async fn recorded(n: usize) -> (Db, String, Vec<Uuid>) {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("grouped");
+    let tasks = new_tasks(&task_type, n);
     db.record_tasks(&tasks).await.unwrap();
     (db, task_type, tasks.iter().map(|t| t.id).collect())
 }
@@ -247,4 +252,73 @@ async fn queued_marks_follow_the_answer_and_a_claim_that_came_first_is_not_marke
         },
     )
     .await;
+}
+
+/// The hot statements keep to the primary key whatever size `tasks` had when their plan was
+/// made: a plan cached on a small table (a fresh database) scanned the whole table for every
+/// claim and completion long after it had grown.
+#[tokio::test]
+async fn hot_statements_planned_on_a_small_table_do_not_scan_it_once_it_has_grown() {
+    let test = TestDatabase::create().await;
+    // Autovacuum's ANALYZE would re-plan at its own moment; this test decides when stats move.
+    sqlx::query("ALTER TABLE tasks SET (autovacuum_enabled = false)")
+        .execute(test.db.pool())
+        .await
+        .unwrap();
+    // One connection, so that the plans made now are the ones used later.
+    let db = Db::connect(&DbOptions {
+        max_connections: 1,
+        ..DbOptions::new(&test.url)
+    })
+    .unwrap();
+    let task_type = unique_type("planned");
+    let first = new_tasks(&task_type, 2);
+    db.record_tasks(&first).await.unwrap();
+    sqlx::query("ANALYZE tasks")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let run_one = |id: Uuid| {
+        let db = db.clone();
+        async move {
+            assert_eq!(db.claim_all(&[claim(id, 0)], "w").await.unwrap(), [true]);
+            assert_eq!(db.complete_all(&[done(id, "w")]).await.unwrap(), [true]);
+        }
+    };
+    // Planned now, on a table of two rows.
+    run_one(first[0].id).await;
+
+    for _ in 0..10 {
+        db.record_tasks(&new_tasks(&task_type, 2_000))
+            .await
+            .unwrap();
+    }
+    // Counters reach the view when a session flushes them (at most once a second, or when
+    // idle): wait for the inserts' and then for the claim's and completion's own.
+    let counters = || async {
+        sqlx::query_as::<_, (i64, i64, i64)>(
+            "SELECT seq_scan, n_tup_ins, n_tup_upd FROM pg_stat_user_tables
+             WHERE relname = 'tasks'",
+        )
+        .fetch_one(test.db.pool())
+        .await
+        .unwrap()
+    };
+    let flushed = |inserted: i64, updated: i64| async move {
+        testing::wait_until(
+            &format!("{inserted} inserts and {updated} updates of tasks counted"),
+            Duration::from_secs(60),
+            || async {
+                let (_, ins, upd) = counters().await;
+                ins >= inserted && upd >= updated
+            },
+        )
+        .await;
+    };
+    flushed(20_002, 2).await;
+    let (before, _, _) = counters().await;
+    run_one(first[1].id).await;
+    flushed(20_002, 4).await;
+    let (after, _, _) = counters().await;
+    assert_eq!(after, before, "a claim or completion scanned tasks");
 }
