@@ -61,6 +61,7 @@ chaos: stack
 # docs/benchmarks.md (+ .jsonl). Needs a quiet machine: nothing else building or running.
 bench: services
 	$(CARGO) build --release -p conveyor-gateway -p conveyor-worker -p conveyor-bench
+	scripts/services.sh drop-test-databases
 	target/release/conveyor-bench --report docs/benchmarks.md
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
