@@ -190,7 +190,15 @@ impl Run {
         versions.insert("binaries".to_owned(), binaries.display().to_string());
         Run {
             date: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
-            commit: command("git", &["rev-parse", "--short", "HEAD"]),
+            // A run of other binaries (`--binaries`) is not a run of this commit's code.
+            commit: match binaries == crate::system::default_binaries() {
+                true => command("git", &["rev-parse", "--short", "HEAD"]),
+                false => format!(
+                    "{} bench, binaries of {}",
+                    command("git", &["rev-parse", "--short", "HEAD"]),
+                    binaries.display()
+                ),
+            },
             short,
             machine: format!("{} cores, {memory} GiB, {cpu}", command("nproc", &[])),
             versions,
