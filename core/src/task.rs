@@ -58,6 +58,26 @@ pub struct TaskRecord {
 }
 
 impl TaskRecord {
+    /// A submitted task as its insert recorded it, at `created_at`.
+    pub fn ingested(task: &NewTask, created_at: DateTime<Utc>) -> TaskRecord {
+        TaskRecord {
+            id: task.id,
+            tenant: task.tenant.clone(),
+            idempotency_key: task.idempotency_key,
+            task_type: task.task_type.clone(),
+            state: TaskState::Ingested,
+            attempt: 0,
+            retries: 0,
+            owner: None,
+            payload: task.payload.clone(),
+            result: None,
+            error: None,
+            created_at,
+            updated_at: created_at,
+            suspect: false,
+        }
+    }
+
     /// The message that carries this task at its current attempt.
     pub fn message(&self) -> TaskMessage {
         TaskMessage {

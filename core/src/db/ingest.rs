@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use sqlx::Row;
 use uuid::Uuid;
 
 use super::rows::{task_from_row, TASK_COLUMNS};
@@ -48,7 +49,9 @@ impl Db {
         let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
         let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
         let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
-        let inserted = sqlx::query(&format!(
+        // Only what the database adds (the time) comes back: the rest is the input, and a
+        // payload sent back and decoded again would cost both sides for nothing.
+        let inserted = sqlx::query(
             "WITH input AS (
                  SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[])
                      AS i(id, tenant, idempotency_key, task_type, payload)
@@ -58,13 +61,13 @@ impl Db {
                  -- Key order: two statements inserting the same keys never wait on each other crosswise.
                  ORDER BY tenant, idempotency_key
                  ON CONFLICT (tenant, idempotency_key) DO NOTHING
-                 RETURNING {TASK_COLUMNS}
+                 RETURNING id, task_type, created_at
              ), events AS (
                  INSERT INTO task_events (task_id, task_type, to_state, attempt)
                  SELECT id, task_type, $6, 0 FROM inserted
              )
-             SELECT * FROM inserted"
-        ))
+             SELECT id, created_at FROM inserted",
+        )
         .bind(&ids)
         .bind(&tenants)
         .bind(&keys)
@@ -73,9 +76,14 @@ impl Db {
         .bind(Ingested.as_str())
         .fetch_all(&self.hot)
         .await?;
+        let by_id: HashMap<Uuid, &NewTask> = tasks.iter().map(|t| (t.id, t)).collect();
         let mut records: HashMap<(String, Uuid), TaskRecord> = HashMap::with_capacity(tasks.len());
         for row in &inserted {
-            let record = task_from_row(row)?;
+            let id: Uuid = row.try_get("id")?;
+            let task = by_id
+                .get(&id)
+                .ok_or_else(|| DbError::Corrupt(format!("inserted task {id} was not submitted")))?;
+            let record = TaskRecord::ingested(task, row.try_get("created_at")?);
             records.insert((record.tenant.clone(), record.idempotency_key), record);
         }
         let created: HashSet<Uuid> = records.values().map(|r| r.id).collect();
