@@ -188,17 +188,16 @@ impl Run {
         );
         versions.insert("rustc".to_owned(), command("rustc", &["--version"]));
         versions.insert("binaries".to_owned(), binaries.display().to_string());
+        let head = command("git", &["rev-parse", "--short", "HEAD"]);
+        // A run of other binaries (`--binaries`) is not a run of this commit's code.
+        let commit = if binaries == crate::system::default_binaries() {
+            head
+        } else {
+            format!("{head} bench, binaries of {}", binaries.display())
+        };
         Run {
             date: chrono::Utc::now().format("%Y-%m-%d %H:%M UTC").to_string(),
-            // A run of other binaries (`--binaries`) is not a run of this commit's code.
-            commit: match binaries == crate::system::default_binaries() {
-                true => command("git", &["rev-parse", "--short", "HEAD"]),
-                false => format!(
-                    "{} bench, binaries of {}",
-                    command("git", &["rev-parse", "--short", "HEAD"]),
-                    binaries.display()
-                ),
-            },
+            commit,
             short,
             machine: format!("{} cores, {memory} GiB, {cpu}", command("nproc", &[])),
             versions,

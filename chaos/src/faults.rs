@@ -14,11 +14,12 @@ use crate::oracle;
 use crate::scenarios::{Scale, Scenario, BACKLOG_MAX_DEPTH};
 use crate::system::{Options, System};
 
+use crate::telemetry::{self, Telemetry};
+use conveyor_core::testing::proxy::Proxy;
+
 /// How long a task must have been INGESTED to count as unpublished: twenty times the
 /// gateway's settle before it marks a confirmed one QUEUED (decision 0020).
 const UNPUBLISHED: Duration = Duration::from_secs(2);
-use crate::telemetry::{self, Telemetry};
-use conveyor_core::testing::proxy::Proxy;
 
 /// Injects the fault on this machine's processes and services; returns when it really
 /// healed (the service answering again, not when a script returned), with what went wrong
@@ -187,13 +188,20 @@ pub async fn inject(
             let mut stranded = 0;
             while stranded == 0 && Instant::now() < until {
                 observe_for(observer, system, SAMPLE_EVERY).await;
-                stranded =
-                    oracle::count_unpublished(&system.db, &system.task_type, UNPUBLISHED).await;
+                stranded = oracle::count_older_in(
+                    &system.db,
+                    &system.task_type,
+                    &["INGESTED"],
+                    UNPUBLISHED,
+                )
+                .await;
             }
             // A moment more, so that the kill catches requests in flight, not only the first.
             observe_for(observer, system, Duration::from_millis(500)).await;
-            let stranded = stranded
-                .max(oracle::count_unpublished(&system.db, &system.task_type, UNPUBLISHED).await);
+            let stranded = stranded.max(
+                oracle::count_older_in(&system.db, &system.task_type, &["INGESTED"], UNPUBLISHED)
+                    .await,
+            );
             eprintln!("chaos: gateway killed with {stranded} tasks recorded and unpublished");
             system.kill_gateway().await;
             if let Some(proxy) = &system.gateway_broker {

@@ -262,22 +262,24 @@ pub async fn terminate_sessions(db: &Db, database: &str) -> anyhow::Result<u64> 
 
 /// Tasks of `task_type` in any of `states` now (0 while the database cannot say).
 pub async fn count_in(db: &Db, task_type: &str, states: &[&str]) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM tasks WHERE task_type = $1 AND state = ANY($2)")
-        .bind(task_type)
-        .bind(states)
-        .fetch_one(db.pool())
-        .await
-        .unwrap_or(0)
+    count_older_in(db, task_type, states, std::time::Duration::ZERO).await
 }
 
-/// Tasks INGESTED for longer than `age`: recorded and not published, since a confirmed one is
-/// marked QUEUED (or claimed) within the gateway's settle of 100 ms (decision 0020).
-pub async fn count_unpublished(db: &Db, task_type: &str, age: std::time::Duration) -> i64 {
+/// Tasks of `task_type` in any of `states` that were created at least `age` ago. A task
+/// INGESTED for longer than the gateway's settle (100 ms, decision 0020) was recorded and
+/// not published: a confirmed one is marked QUEUED, or claimed, within it.
+pub async fn count_older_in(
+    db: &Db,
+    task_type: &str,
+    states: &[&str],
+    age: std::time::Duration,
+) -> i64 {
     sqlx::query_scalar(
-        "SELECT count(*) FROM tasks WHERE task_type = $1 AND state = 'INGESTED'
-         AND created_at < now() - make_interval(secs => $2)",
+        "SELECT count(*) FROM tasks WHERE task_type = $1 AND state = ANY($2)
+         AND created_at <= now() - make_interval(secs => $3)",
     )
     .bind(task_type)
+    .bind(states)
     .bind(age.as_secs_f64())
     .fetch_one(db.pool())
     .await

@@ -358,16 +358,16 @@ async fn own_task(state: &ApiState, client: &Client, id: &str) -> Result<TaskRec
         }
     };
     let task = read().await?;
-    let marks = &ingestor.writes.queued;
-    if task.state != TaskState::Ingested || !marks.is_pending(id) {
+    if task.state != TaskState::Ingested {
         return Ok(task);
     }
-    // This gateway answered for it and its QUEUED mark is not written yet: write it, so that
-    // the read shows what the answer said.
-    if let Err(err) = marks.settle(id).await {
-        return Err(db_error(&ingestor.metrics, &err));
+    // If this gateway answered for it and its QUEUED mark is not written yet, write it, so
+    // that the read shows what the answer said.
+    match ingestor.writes.queued.settle(id).await {
+        Ok(false) => Ok(task),
+        Ok(true) => read().await,
+        Err(err) => Err(db_error(&ingestor.metrics, &err)),
     }
-    read().await
 }
 
 /// A task as its client sees it: its type by the name the client submitted with, and its

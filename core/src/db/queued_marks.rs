@@ -87,16 +87,16 @@ impl QueuedMarks {
     }
 
     /// Writes `id`'s mark now if it is not committed yet, so that a read that follows sees
-    /// QUEUED, as the answer said. Unlike the writer's rounds it waits for a row lock (a
-    /// claim holding the row moves it on itself), and the id stays pending until the mark
-    /// committed, so a read that fails or is dropped loses nothing.
-    pub async fn settle(&self, id: Uuid) -> DbResult<()> {
+    /// QUEUED, as the answer said; `true` if it did. Unlike the writer's rounds it waits for
+    /// a row lock (a claim holding the row moves it on itself), and the id stays pending
+    /// until the mark committed, so a read that fails or is dropped loses nothing.
+    pub async fn settle(&self, id: Uuid) -> DbResult<bool> {
         if !self.is_pending(id) {
-            return Ok(());
+            return Ok(false);
         }
         self.inner.db.mark_queued(&[id], Locked::Wait).await?;
         self.inner.lock().pending.remove(&id);
-        Ok(())
+        Ok(true)
     }
 
     /// Writes every waiting mark now (on shutdown).
