@@ -14,7 +14,7 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all build services services-down stack lint test unit integration e2e e2e-kind chaos bench dev down
+.PHONY: all build services services-down cluster-services stack lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
 
 all: build
 
@@ -26,6 +26,12 @@ services:
 
 services-down:
 	scripts/services.sh down
+
+# The cluster-scale topology beside the single services: a three-node RabbitMQ cluster
+# (AMQPS 5681-5683) and a PostgreSQL primary with a synchronous standby (5442/5443).
+# `scripts/cluster-services.sh down` stops it.
+cluster-services:
+	scripts/cluster-services.sh up
 
 lint:
 	$(CARGO) fmt --all -- --check
@@ -57,11 +63,19 @@ e2e: stack
 chaos: stack
 	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md
 
+# The cluster-scale scenarios (a RabbitMQ node killed, cut off, restarted in turn; the
+# PostgreSQL primary replaced by its standby), at 2,500 tasks each; their part of
+# docs/chaos-report.md (+ .jsonl) beside the single-services scenarios. About 8 minutes.
+chaos-cluster: build cluster-services
+	$(CARGO) run -q -p conveyor-chaos -- --replicated --tasks 2500 --outage-seconds 30 --report docs/chaos-report.md
+
 # Release binaries, the raw floor of this machine and Conveyor end to end, in one run; writes
 # docs/benchmarks.md (+ .jsonl). Needs a quiet machine: nothing else building or running.
 bench: services
 	$(CARGO) build --release -p conveyor-gateway -p conveyor-worker -p conveyor-bench
 	scripts/services.sh drop-test-databases
+	# The cluster-scale services would count as RabbitMQ's and PostgreSQL's CPU: stopped.
+	scripts/cluster-services.sh down
 	target/release/conveyor-bench --report docs/benchmarks.md
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.

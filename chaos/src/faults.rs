@@ -67,7 +67,8 @@ pub async fn inject(
             }
         }
         Scenario::RabbitmqKill => {
-            sh("pkill -KILL -f '[b]eam.smp.*rabbit'")?;
+            // This node's VM only: the cluster's nodes (scripts/cluster-services.sh) may run too.
+            sh("kill -KILL \"$(cat /var/lib/rabbitmq/mnesia/rabbit@localhost.pid)\"")?;
             pause(2.0).await;
             healed = Some(restart_services(observer, system, Service::Broker).await?);
         }
@@ -251,6 +252,15 @@ pub async fn inject(
                 failures.push(format!("{owned} tasks still owned by dead workers"));
             }
             system.start_workers()?;
+        }
+        Scenario::RabbitmqLeaderKill
+        | Scenario::RabbitmqNodePause
+        | Scenario::RabbitmqRollingRestart
+        | Scenario::PostgresFailover => {
+            anyhow::bail!(
+                "{} runs on the replicated services (failover.rs)",
+                scenario.name()
+            )
         }
         Scenario::PodDelete
         | Scenario::OperatorRestart

@@ -4,10 +4,12 @@
 
 pub mod broker;
 pub mod cluster;
+pub mod failover;
 pub mod faults;
 pub mod load;
 pub mod observe;
 pub mod oracle;
+pub mod replicated;
 pub mod report;
 pub mod run;
 pub mod scenarios;

@@ -11,9 +11,14 @@ use conveyor_chaos::scenarios::{self, Scale, Scenario};
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-chaos", version)]
 struct Args {
-    /// Scenarios to run, comma-separated (all when absent).
+    /// Scenarios to run, comma-separated (when absent: every scenario on the single services
+    /// and the local cluster, or with --replicated every cluster-scale one).
     #[arg(long, value_delimiter = ',')]
     scenarios: Vec<String>,
+    /// The cluster-scale scenarios, against a three-node RabbitMQ cluster and a PostgreSQL
+    /// pair (scripts/cluster-services.sh, brought up as they start).
+    #[arg(long)]
+    replicated: bool,
     /// Tasks per scenario.
     #[arg(long, default_value_t = 1500)]
     tasks: usize,
@@ -33,19 +38,31 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     // Taken before the run: the tree may change while it runs.
     let code = code_version();
-    let chosen: Vec<Scenario> = if args.scenarios.is_empty() {
+    let chosen: Vec<Scenario> = if args.scenarios.is_empty() && args.replicated {
+        scenarios::REPLICATED.to_vec()
+    } else if args.scenarios.is_empty() {
         scenarios::ALL.to_vec()
     } else {
         args.scenarios
             .iter()
             .map(|name| {
                 Scenario::parse(name).with_context(|| {
-                    let known: Vec<_> = scenarios::ALL.iter().map(|s| s.name()).collect();
+                    let known: Vec<_> = scenarios::ALL
+                        .iter()
+                        .chain(&scenarios::REPLICATED)
+                        .map(|s| s.name())
+                        .collect();
                     format!("unknown scenario {name:?}; known: {}", known.join(", "))
                 })
             })
             .collect::<anyhow::Result<_>>()?
     };
+    // The report's part: cluster-scale or not (one run is one or the other).
+    let replicated = chosen.iter().all(|s| s.replicated());
+    anyhow::ensure!(
+        replicated || chosen.iter().all(|s| !s.replicated()),
+        "run the cluster-scale scenarios apart from the others (they make their own part of the report)"
+    );
     let scale = Scale {
         tasks: args.tasks,
         outage: Duration::from_secs(args.outage_seconds),
@@ -57,22 +74,34 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("chaos: {} → {:?}", row.scenario, row.failures);
         rows.push(row);
     }
-    let header = format!(
-        "# Chaos report\n\n`conveyor-chaos --tasks {} --outage-seconds {}`, {} UTC, code at {}",
+    let command = format!(
+        "`conveyor-chaos{} --tasks {} --outage-seconds {}`, {} UTC, code at {}",
+        if replicated { " --replicated" } else { "" },
         args.tasks,
         args.outage_seconds,
         chrono_free_now(),
         code
     );
+    let header = if replicated {
+        format!(
+            "{}\n\nAgainst a three-node RabbitMQ cluster and a PostgreSQL primary with a \
+             synchronous standby (scripts/cluster-services.sh); recovery counts from the fault \
+             (a rolling restart: from its last node's stop).\n\n{command}",
+            report::REPLICATED_HEADING
+        )
+    } else {
+        format!("# Chaos report\n\n{command}")
+    };
     let table = report::markdown(&rows, &header);
     if let Some(dir) = args.report.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&args.report, &table)?;
-    std::fs::write(
-        args.report.with_extension("jsonl"),
-        report::json_lines(&rows),
-    )?;
+    // Each kind of run keeps the other's last results beside its own.
+    let existing = std::fs::read_to_string(&args.report).unwrap_or_default();
+    std::fs::write(&args.report, report::merged(&existing, &table, replicated))?;
+    let lines = args.report.with_extension("jsonl");
+    let existing = std::fs::read_to_string(&lines).unwrap_or_default();
+    std::fs::write(&lines, report::merged_lines(&existing, &rows, replicated))?;
     println!("{table}");
     let failed: Vec<_> = rows
         .iter()

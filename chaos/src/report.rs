@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::scenarios::Row;
+use crate::scenarios::{Row, Scenario};
 
 /// What each column measures, and from which source (client answers, side effects seen by
 /// the sidecar, the database, the product's own audit log): decision 0009.
@@ -91,4 +91,58 @@ pub fn json_lines(rows: &[Row]) -> String {
         .filter_map(|row| serde_json::to_string(row).ok())
         .map(|line| line + "\n")
         .collect()
+}
+
+/// The heading of the report's cluster-scale part (`--replicated`). One file holds both
+/// parts: a run rewrites its own and keeps the other's last run.
+pub const REPLICATED_HEADING: &str = "## Cluster scale";
+
+/// `existing` (the report file, maybe empty) with one part replaced by `part`: the
+/// cluster-scale part when `replicated` (`part` starts with [`REPLICATED_HEADING`]), else
+/// the single-services part before it.
+pub fn merged(existing: &str, part: &str, replicated: bool) -> String {
+    let (single, cluster) = existing
+        .find(REPLICATED_HEADING)
+        .map_or((existing, ""), |at| existing.split_at(at));
+    match (replicated, single.trim().is_empty(), cluster.is_empty()) {
+        (true, true, _) => part.to_owned(),
+        (true, false, _) => format!("{}\n\n{part}", single.trim_end()),
+        (false, _, true) => part.to_owned(),
+        (false, _, false) => format!("{}\n\n{cluster}", part.trim_end()),
+    }
+}
+
+/// The JSON lines of `existing` from the other kind of run (as [`merged`] keeps its part),
+/// then this run's.
+pub fn merged_lines(existing: &str, rows: &[Row], replicated: bool) -> String {
+    let kept = existing.lines().filter(|line| {
+        serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| Scenario::parse(v["scenario"].as_str()?))
+            .is_some_and(|scenario| scenario.replicated() != replicated)
+    });
+    kept.map(|line| format!("{line}\n"))
+        .chain(std::iter::once(json_lines(rows)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_run_replaces_its_own_part_and_keeps_the_other() {
+        let single = "# Chaos report\n\n| a |\n";
+        let cluster = format!("{REPLICATED_HEADING}\n\n| b |\n");
+        let both = merged(single, &cluster, true);
+        assert_eq!(both, format!("# Chaos report\n\n| a |\n\n{cluster}"));
+        let again = merged(&both, "# Chaos report\n\n| c |\n", false);
+        assert_eq!(again, format!("# Chaos report\n\n| c |\n\n{cluster}"));
+        let newer = format!("{REPLICATED_HEADING}\n\n| d |\n");
+        assert_eq!(
+            merged(&again, &newer, true),
+            format!("# Chaos report\n\n| c |\n\n{newer}")
+        );
+        assert_eq!(merged("", &newer, true), newer);
+    }
 }

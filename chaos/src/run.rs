@@ -9,6 +9,7 @@ use nix::sys::signal::Signal;
 use tokio::sync::mpsc;
 
 use crate::cluster::ClusterTarget;
+use crate::failover;
 use crate::faults;
 use crate::load;
 use crate::observe::{Observer, SAMPLE_EVERY};
@@ -105,6 +106,9 @@ impl Target {
         observer: &mut Observer,
     ) -> anyhow::Result<(Instant, Vec<String>)> {
         match self {
+            Target::Processes(system) if scenario.replicated() => {
+                failover::inject(scenario, system, scale, observer).await
+            }
             Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
             Target::Cluster(cluster) => Ok(cluster.inject(scenario).await),
         }
@@ -195,6 +199,11 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     failures.extend(target.failures_of_its_own(scenario, &telemetry));
     if scenario == Scenario::Backlog && outcome.refusals.get(&429).copied().unwrap_or(0) == 0 {
         failures.push("the gateway never answered 429 past maxQueueDepth".to_owned());
+    }
+    if scenario == Scenario::PostgresFailover
+        && outcome.refusals.get(&503).copied().unwrap_or(0) == 0
+    {
+        failures.push("the gateway never answered 503 while the database was gone".to_owned());
     }
     if outcome.missing_retry_after > 0 {
         failures.push(format!(

@@ -71,8 +71,20 @@ pub enum Scenario {
     ///     TaskType reports RabbitMQUnavailable, the pool's MetricsAvailable goes False and
     ///     its count stays within min/max; both recover once the broker is back.
     BrokerStoppedCluster,
+    /// 16. Replicated services: the RabbitMQ node that leads the work queue `kill -9`ed
+    ///     under load, then started again.
+    RabbitmqLeaderKill,
+    /// 16. Replicated services: the leading RabbitMQ node paused (SIGSTOP: cut off from the
+    ///     other two, which elect a new leader), then resumed; it rejoins.
+    RabbitmqNodePause,
+    /// 16. Replicated services: each of the three RabbitMQ nodes stopped and started in turn.
+    RabbitmqRollingRestart,
+    /// 16. Replicated services: the PostgreSQL primary `kill -9`ed, its synchronous standby
+    ///     promoted and the database's address moved to it.
+    PostgresFailover,
 }
 
+/// Every scenario on the single services and the local cluster (`make chaos`).
 pub const ALL: [Scenario; 24] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
@@ -98,6 +110,14 @@ pub const ALL: [Scenario; 24] = [
     Scenario::WorkersGone,
     Scenario::PoolScaledToZero,
     Scenario::BrokerStoppedCluster,
+];
+
+/// The cluster-scale scenarios, on the replicated services (`make chaos-cluster`).
+pub const REPLICATED: [Scenario; 4] = [
+    Scenario::RabbitmqLeaderKill,
+    Scenario::RabbitmqNodePause,
+    Scenario::RabbitmqRollingRestart,
+    Scenario::PostgresFailover,
 ];
 
 /// Those that leave the shared RabbitMQ and PostgreSQL alone (fit to run in `make test`);
@@ -141,11 +161,15 @@ impl Scenario {
             Scenario::WorkersGone => "workers-gone",
             Scenario::PoolScaledToZero => "pool-scaled-to-zero",
             Scenario::BrokerStoppedCluster => "rabbitmq-stopped-cluster",
+            Scenario::RabbitmqLeaderKill => "rabbitmq-leader-kill",
+            Scenario::RabbitmqNodePause => "rabbitmq-node-pause",
+            Scenario::RabbitmqRollingRestart => "rabbitmq-rolling-restart",
+            Scenario::PostgresFailover => "postgres-failover",
         }
     }
 
     pub fn parse(name: &str) -> Option<Scenario> {
-        ALL.into_iter().find(|s| s.name() == name)
+        ALL.into_iter().chain(REPLICATED).find(|s| s.name() == name)
     }
 
     pub fn options(self) -> Options {
@@ -172,6 +196,10 @@ impl Scenario {
             Scenario::Backlog => Options {
                 max_queue_depth: BACKLOG_MAX_DEPTH,
                 start_workers: false,
+                ..defaults
+            },
+            _ if self.replicated() => Options {
+                replicated: true,
                 ..defaults
             },
             _ => defaults,
@@ -213,6 +241,18 @@ impl Scenario {
                 forget_unanswered_every: Some(3),
                 ..plan
             },
+            // Long enough that the load still runs when the fault is over (a rolling restart
+            // takes three nodes' restarts), with tasks long enough to be caught mid-run.
+            Scenario::RabbitmqRollingRestart => Plan {
+                over: Duration::from_secs(75),
+                sleep_ms: 200,
+                ..plan
+            },
+            _ if self.replicated() => Plan {
+                over: Duration::from_secs(45),
+                sleep_ms: 200,
+                ..plan
+            },
             _ => plan,
         }
     }
@@ -231,6 +271,11 @@ impl Scenario {
         )
     }
 
+    /// Runs against the replicated services (`replicated.rs`, faults in `failover.rs`).
+    pub fn replicated(self) -> bool {
+        REPLICATED.contains(&self)
+    }
+
     /// How many times the fault can catch tasks mid-run: re-runs are bounded by this many
     /// times the effects under way in the fault window. `None` where a fault recurs for as
     /// long as it lasts (poison, resets at every COMMIT, a slow link), or where a crash
@@ -238,12 +283,17 @@ impl Scenario {
     /// Whether the fault keeps every worker's heartbeats from the database past the
     /// heartbeat timeout while the gateway's reaper still reaches it.
     pub fn silences_heartbeats(self) -> bool {
-        self == Scenario::WorkerKillDegraded
+        matches!(
+            self,
+            Scenario::WorkerKillDegraded | Scenario::PostgresFailover
+        )
     }
 
     pub fn rounds(self) -> Option<usize> {
         match self {
-            Scenario::WorkerKill | Scenario::PodDelete => Some(3),
+            Scenario::WorkerKill | Scenario::PodDelete | Scenario::RabbitmqRollingRestart => {
+                Some(3)
+            }
             Scenario::PostgresTerminate => Some(5),
             Scenario::Poison | Scenario::CommitReset | Scenario::PostgresSlow => None,
             _ => Some(1),

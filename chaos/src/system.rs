@@ -9,10 +9,14 @@ use anyhow::Context as _;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::policies::{shared_policies, task_type_policies};
 use conveyor_core::task_type::load_task_types;
-use conveyor_core::testing::{self, binary, free_port, log_file, proxy::Proxy, TestDatabase};
+use conveyor_core::testing::{
+    self, binary, free_port, log_file, proxy::Proxy, Services, TestDatabase,
+};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
+
+use crate::replicated::Replicated;
 
 pub const TOKEN: &str = "chaos-token";
 
@@ -32,6 +36,9 @@ pub struct Options {
     pub max_retries: i32,
     /// Workers start with the system (else `start_workers` later).
     pub start_workers: bool,
+    /// Against the RabbitMQ cluster and the PostgreSQL pair (`System::replicated`) instead
+    /// of the single services.
+    pub replicated: bool,
 }
 
 impl Default for Options {
@@ -46,6 +53,7 @@ impl Default for Options {
             heartbeat_timeout_seconds: 3.0,
             max_retries: 3,
             start_workers: true,
+            replicated: false,
         }
     }
 }
@@ -71,6 +79,9 @@ pub struct System {
     pub worker_broker: Option<Proxy>,
     pub gateway_broker: Option<Proxy>,
     pub worker_database: Option<Proxy>,
+    /// Where the services are.
+    services: Services,
+    pub replicated: Option<Replicated>,
 }
 
 use testing::{BROKER_ADDRESS as BROKER, DATABASE_ADDRESS as DATABASE};
@@ -82,7 +93,14 @@ impl System {
         handler_url: &str,
         logs: &Path,
     ) -> anyhow::Result<System> {
-        let test_db = TestDatabase::create().await;
+        let replicated = match options.replicated {
+            true => Some(Replicated::up().await?),
+            false => None,
+        };
+        let services = replicated
+            .as_ref()
+            .map_or_else(Services::single, |r| r.services.clone());
+        let test_db = TestDatabase::create_in(&services).await;
         let database = test_db.name.clone();
         test_db.db.close().await;
         let db_url = test_db.url.clone();
@@ -125,7 +143,7 @@ impl System {
             &gateway_admin,
             &types_file,
             &db_url,
-            &amqp_url(gateway_broker.as_ref()),
+            &amqp_url(&services, gateway_broker.as_ref()),
             &logs,
         )?;
         let mut system = System {
@@ -148,6 +166,8 @@ impl System {
             worker_broker,
             gateway_broker,
             worker_database,
+            services,
+            replicated,
         };
         system.wait_gateway_ready().await?;
         system.put_policies().await?;
@@ -168,8 +188,7 @@ impl System {
         {
             let url = format!(
                 "{}/api/policies/%2f/{}",
-                testing::management_url(),
-                policy.name
+                self.services.management_url, policy.name
             );
             let response = http.put(&url).json(&policy).send().await?;
             anyhow::ensure!(
@@ -202,7 +221,7 @@ impl System {
             &self.gateway_admin,
             &self.types_file,
             &self.db_url,
-            &amqp_url(self.gateway_broker.as_ref()),
+            &amqp_url(&self.services, self.gateway_broker.as_ref()),
             &self.logs,
         )?;
         self.wait_gateway_ready().await
@@ -260,7 +279,7 @@ impl System {
             .arg(self.logs.join("buffers"))
             .args(["--database-timeout-seconds", "2"])
             .env("CONVEYOR_DATABASE_URL", database_url)
-            .env("CONVEYOR_AMQP_URL", amqp_url(broker))
+            .env("CONVEYOR_AMQP_URL", amqp_url(&self.services, broker))
             // Short, so that a silent broker link is noticed within seconds.
             .env("CONVEYOR_AMQP_HEARTBEAT_SECONDS", "2")
             .env("RUST_LOG", "warn")
@@ -346,11 +365,11 @@ impl System {
         let _ = self.gateway.kill().await;
         self.db.close().await;
         // Its queues, exchange and own policies.
-        testing::delete_queues(&self.task_type).await;
+        testing::delete_queues_in(&self.services, &self.task_type).await;
         if keep_database {
             eprintln!("chaos: kept database {} for inspection", self.database);
         } else {
-            testing::drop_database(&self.database).await;
+            testing::drop_database_in(&self.services, &self.database).await;
         }
     }
 }
@@ -387,9 +406,10 @@ fn spawn_gateway(
         .context("start conveyor-gateway (run `cargo build --bins` first)")
 }
 
-fn amqp_url(proxy: Option<&Proxy>) -> String {
+/// The broker setting a process gets: through `proxy` where a scenario breaks its link.
+fn amqp_url(services: &Services, proxy: Option<&Proxy>) -> String {
     match proxy {
-        Some(proxy) => testing::via_port(&testing::amqp_url(), BROKER, proxy.port),
-        None => testing::amqp_url(),
+        Some(proxy) => testing::via_port(&services.amqp_url, BROKER, proxy.port),
+        None => services.amqp_url.clone(),
     }
 }

@@ -39,7 +39,9 @@ pub fn with_pod_ca(granted: Granted, ca_pem: String) -> anyhow::Result<Granted> 
         &[("sslmode", "verify-full"), ("sslrootcert", &mounted)],
     )?;
     let amqp_url = if granted.amqp_url.starts_with("amqps://") {
-        with_params(&granted.amqp_url, &[("cacertfile", &mounted)])?
+        each_node(&granted.amqp_url, |url| {
+            Ok(with_params(url, &[("cacertfile", &mounted)])?)
+        })?
     } else {
         anyhow::bail!("--worker-ca needs an amqps:// broker URL")
     };
@@ -74,7 +76,7 @@ pub async fn grant(
         .context("setting the broker user's permissions")?;
     Ok(Granted {
         database_url: with_credentials(database_url, user, role.password())?,
-        amqp_url: with_credentials(&direct.amqp_url, user, role.password())?,
+        amqp_url: amqp_with_credentials(&direct.amqp_url, user, role.password())?,
         ca: None,
     })
 }
@@ -168,7 +170,7 @@ pub async fn grant_component(
                 ),
                 (
                     "amqp-url".to_owned(),
-                    with_credentials(&direct.amqp_url, user, password)?,
+                    amqp_with_credentials(&direct.amqp_url, user, password)?,
                 ),
             ])
         }
@@ -186,7 +188,7 @@ pub async fn grant_component(
             Ok(vec![
                 (
                     "amqp-url".to_owned(),
-                    with_credentials(&direct.amqp_url, user, password)?,
+                    amqp_with_credentials(&direct.amqp_url, user, password)?,
                 ),
                 (
                     "rabbitmq-management-url".to_owned(),
@@ -209,9 +211,31 @@ fn with_credentials(url: &str, user: &str, password: &str) -> anyhow::Result<Str
     Ok(url.to_string())
 }
 
-/// The vhost an AMQP URL names (`/%2f` is `/`; none is `/`).
-pub fn vhost_of(amqp_url: &str) -> anyhow::Result<String> {
-    let url = Url::parse(amqp_url).context("the AMQP URL")?;
+/// An AMQP setting (one URL per node) with another user and password on every node.
+fn amqp_with_credentials(setting: &str, user: &str, password: &str) -> anyhow::Result<String> {
+    each_node(setting, |url| with_credentials(url, user, password))
+}
+
+/// An AMQP setting with `change` applied to each node's URL.
+fn each_node(
+    setting: &str,
+    change: impl Fn(&str) -> anyhow::Result<String>,
+) -> anyhow::Result<String> {
+    let urls = conveyor_core::amqp::node_urls(setting)
+        .into_iter()
+        .map(change)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(urls.join(","))
+}
+
+/// The vhost an AMQP setting names (`/%2f` is `/`; none is `/`); the first node's, as every
+/// node of a cluster serves the same vhosts.
+pub fn vhost_of(amqp_setting: &str) -> anyhow::Result<String> {
+    let first = conveyor_core::amqp::node_urls(amqp_setting)
+        .first()
+        .copied()
+        .context("the AMQP URL is empty")?;
+    let url = Url::parse(first).context("the AMQP URL")?;
     let path = url.path().trim_start_matches('/');
     Ok(if path.is_empty() {
         "/".to_owned()
@@ -278,6 +302,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(amqp, "amqps://u:p@127.0.0.1:5671/%2f?cacertfile=/ca.crt");
+        // A cluster: every node's URL gets them.
+        let nodes = amqp_with_credentials("amqps://a:b@n1:5671/v, amqps://a:b@n2:5671/v", "u", "p")
+            .unwrap();
+        assert_eq!(nodes, "amqps://u:p@n1:5671/v,amqps://u:p@n2:5671/v");
+        assert_eq!(vhost_of("amqps://n1/%2f,amqps://n2/%2f").unwrap(), "/");
     }
 
     #[test]

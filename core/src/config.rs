@@ -91,7 +91,8 @@ impl DatabaseArgs {
 /// Where the broker is.
 #[derive(Debug, Clone, Args)]
 pub struct AmqpArgs {
-    /// AMQP URL (contains the password, so it is never logged).
+    /// AMQP URL (contains the password, so it is never logged). For a RabbitMQ cluster,
+    /// one URL per node separated by commas: connections go to a node that answers.
     #[arg(
         id = "amqp_url",
         long = "amqp-url",

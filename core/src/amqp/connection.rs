@@ -1,27 +1,82 @@
-//! Opening connections: heartbeats, TLS, a bounded connect, a refused login told apart.
+//! A broker setting names one node or several: URLs separated by commas, one per node of a
+//! RabbitMQ cluster. Each connect tries them in turn, starting with the one that last worked
+//! in this process, so that clients move to a surviving node when theirs dies.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lapin::{Connection, ConnectionProperties};
 
 use super::error::{AmqpError, AmqpResult};
 
-/// Adds `heartbeat=<seconds>` to an AMQP URL that does not choose one (one that does not
-/// parse is left for the client to report).
-pub fn with_heartbeat(url: &str, seconds: u16) -> String {
-    match crate::urls::query_param(url, "heartbeat") {
-        Some(_) => url.to_owned(),
-        None => crate::urls::with_params(url, &[("heartbeat", &seconds.to_string())])
-            .unwrap_or_else(|_| url.to_owned()),
-    }
+/// The URLs of a broker setting: one per node, in the order given (blanks ignored).
+pub fn node_urls(setting: &str) -> Vec<&str> {
+    setting
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .collect()
 }
 
-/// Opens a connection driven by the tokio runtime. `name` shows in the broker's
+/// Adds `heartbeat=<seconds>` to each node URL that does not choose one (one that does not
+/// parse is left for the client to report).
+pub fn with_heartbeat(setting: &str, seconds: u16) -> String {
+    let seconds = seconds.to_string();
+    node_urls(setting)
+        .into_iter()
+        .map(|url| match crate::urls::query_param(url, "heartbeat") {
+            Some(_) => url.to_owned(),
+            None => crate::urls::with_params(url, &[("heartbeat", &seconds)])
+                .unwrap_or_else(|_| url.to_owned()),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The node this process last connected to, as an index into its setting's node list.
+/// Seeded from the process id, so that a fleet's connections spread over the nodes.
+static LAST_GOOD: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Opens a connection driven by the tokio runtime, to the first node of `setting` that
+/// accepts one, starting from the node that last did. `name` shows in the broker's
 /// connection list (and lets tests find and cut a given process's connection). An
-/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect. Bounded
-/// by [`CONNECT_TIMEOUT`]: a broker that accepts TCP but never answers (or a dropped SYN)
-/// must not hold a caller, or the link's lock, for the OS's minutes.
-pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
+/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect. The nodes
+/// share [`CONNECT_TIMEOUT`] (at least [`NODE_CONNECT_TIMEOUT`] each), so that a node that
+/// accepts TCP but never answers (paused, cut off) costs only its share. A refused login or unusable TLS settings end the search: every
+/// node of a cluster shares its users, so the next would refuse them too.
+pub async fn connect(setting: &str, name: &str) -> AmqpResult<Connection> {
+    let nodes = node_urls(setting);
+    if nodes.is_empty() {
+        return Err(AmqpError::NoUrl);
+    }
+    let mut start = LAST_GOOD.load(Ordering::Relaxed);
+    if start == usize::MAX {
+        start = std::process::id() as usize;
+    }
+    let each = (CONNECT_TIMEOUT / nodes.len() as u32).max(NODE_CONNECT_TIMEOUT);
+    let mut last_error = None;
+    for k in 0..nodes.len() {
+        let i = (start + k) % nodes.len();
+        match connect_node(nodes[i], name, each).await {
+            Ok(conn) => {
+                LAST_GOOD.store(i, Ordering::Relaxed);
+                return Ok(conn);
+            }
+            Err(err @ (AmqpError::LoginRefused(_) | AmqpError::Tls(_))) => return Err(err),
+            Err(err) => {
+                if nodes.len() > 1 {
+                    tracing::warn!(node = i, error = %err, "broker node unreachable, trying the next");
+                }
+                last_error = Some(err);
+            }
+        }
+    }
+    Err(last_error.expect("at least one node was tried"))
+}
+
+/// One node, bounded by `timeout`: a broker that accepts TCP but never answers (a paused
+/// node, a dropped SYN) must not hold a caller, or the link's lock, for the OS's minutes.
+async fn connect_node(url: &str, name: &str, timeout: Duration) -> AmqpResult<Connection> {
     let properties = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
@@ -31,13 +86,13 @@ pub async fn connect(url: &str, name: &str) -> AmqpResult<Connection> {
         cert_chain: crate::tls::amqp_ca(url).map_err(|e| AmqpError::Tls(e.to_string()))?,
     };
     match tokio::time::timeout(
-        CONNECT_TIMEOUT,
+        timeout,
         Connection::connect_with_config(url, properties, tls),
     )
     .await
     {
         Ok(connected) => connected.map_err(connect_error),
-        Err(_) => Err(AmqpError::ConnectTimeout(CONNECT_TIMEOUT)),
+        Err(_) => Err(AmqpError::ConnectTimeout(timeout)),
     }
 }
 
@@ -56,8 +111,10 @@ fn connect_error(err: lapin::Error) -> AmqpError {
     }
 }
 
-/// The longest a connection attempt may take.
+/// The longest a connection attempt may take (to a single node, or shared by a cluster's).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The least each node of a cluster gets: a TLS handshake on a busy node takes a while.
+pub const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 #[cfg(test)]
 mod tests {
@@ -86,5 +143,10 @@ mod tests {
             with_heartbeat("amqp://h/?heartbeat=3", 5),
             "amqp://h/?heartbeat=3"
         );
+        assert_eq!(
+            with_heartbeat("amqp://a/%2f?x=1, amqp://b/%2f?heartbeat=3,", 5),
+            "amqp://a/%2f?x=1&heartbeat=5,amqp://b/%2f?heartbeat=3"
+        );
+        assert_eq!(node_urls(" amqp://a ,,amqp://b"), ["amqp://a", "amqp://b"]);
     }
 }

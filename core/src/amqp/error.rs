@@ -16,6 +16,9 @@ pub enum AmqpError {
     /// The URL's TLS settings cannot be used (its `cacertfile`).
     #[error("{0}")]
     Tls(String),
+    /// The broker setting names no node.
+    #[error("no broker URL given")]
+    NoUrl,
     #[error("queue {queue} does not exist (declare the task type first)")]
     NoQueue { queue: String },
     #[error("broker refused the publish (nack)")]
@@ -38,6 +41,7 @@ impl AmqpError {
         match self {
             AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) => "unavailable",
             AmqpError::Tls(_) => "tls_settings",
+            AmqpError::NoUrl => "no_url",
             AmqpError::LoginRefused(_) => "login_refused",
             AmqpError::NoQueue { .. } => "no_queue",
             AmqpError::Nacked => "nacked",
@@ -67,5 +71,6 @@ pub(super) fn clone_error(err: &AmqpError) -> AmqpError {
         },
         AmqpError::Encode(_) => AmqpError::Nacked,
         AmqpError::Tls(e) => AmqpError::Tls(e.clone()),
+        AmqpError::NoUrl => AmqpError::NoUrl,
     }
 }

@@ -30,6 +30,9 @@ pub struct Outgoing {
     pub retry_tier: u32,
 }
 
+/// The longest a reset waits for the broker to confirm a close.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// One lazily (re)opened connection and channel, counted so that tests and metrics can
 /// tell a reconnect from a reused link.
 struct Link {
@@ -87,10 +90,12 @@ impl Link {
         Ok(channel)
     }
 
-    /// Drops the connection so that the next call starts afresh.
+    /// Drops the connection so that the next call starts afresh. The close is bounded: a
+    /// node that stopped answering (paused, cut off) never sends close-ok, and waiting for
+    /// it would hold every publish behind this link until the heartbeat gives up.
     async fn reset(&self) {
         if let Some((conn, _)) = self.slot.lock().await.take() {
-            let _ = conn.close(0, "resetting the link").await;
+            let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(0, "resetting the link")).await;
         }
     }
 }

@@ -92,9 +92,38 @@ pub struct TestDatabase {
     pub name: String,
 }
 
+/// Where a test's services are: the single ones of `scripts/services.sh` by default, or a
+/// replicated set (the chaos suite's RabbitMQ cluster and PostgreSQL pair).
+#[derive(Debug, Clone)]
+pub struct Services {
+    /// A database URL with rights to create databases (its database name is replaced).
+    pub admin_database_url: String,
+    /// The broker setting (one URL, or one per node separated by commas).
+    pub amqp_url: String,
+    /// The management API, with credentials.
+    pub management_url: String,
+}
+
+impl Services {
+    /// The single PostgreSQL and RabbitMQ of `scripts/services.sh` (or the test
+    /// environment's overrides).
+    pub fn single() -> Services {
+        Services {
+            admin_database_url: admin_database_url(),
+            amqp_url: amqp_url(),
+            management_url: management_url(),
+        }
+    }
+}
+
 impl TestDatabase {
     pub async fn create() -> TestDatabase {
-        let admin_url = admin_database_url();
+        Self::create_in(&Services::single()).await
+    }
+
+    /// A fresh, migrated database on `services`' PostgreSQL.
+    pub async fn create_in(services: &Services) -> TestDatabase {
+        let admin_url = services.admin_database_url.clone();
         let name = format!("conveyor_test_{}", Uuid::new_v4().simple());
         let admin = Db::connect(&DbOptions::new(&admin_url)).expect("admin database URL");
         sqlx::query(&format!("CREATE DATABASE {name}"))
@@ -116,7 +145,12 @@ pub fn unique_type(prefix: &str) -> String {
 
 /// Deletes a task type's queues (best effort, at the end of a test).
 pub async fn delete_queues(task_type: &str) {
-    let Ok(conn) = amqp::connect(&amqp_url(), "conveyor-test-cleanup").await else {
+    delete_queues_in(&Services::single(), task_type).await
+}
+
+/// Deletes a task type's queues, exchange and policies on `services`' broker.
+pub async fn delete_queues_in(services: &Services, task_type: &str) {
+    let Ok(conn) = amqp::connect(&services.amqp_url, "conveyor-test-cleanup").await else {
         return;
     };
     let names = QueueNames::of(task_type);
@@ -128,7 +162,7 @@ pub async fn delete_queues(task_type: &str) {
     for name in
         crate::policies::task_type_policy_names(&crate::task_type::NamedTaskType::named(task_type))
     {
-        let url = format!("{}/api/policies/%2f/{name}", management_url());
+        let url = format!("{}/api/policies/%2f/{name}", services.management_url);
         let _ = http.delete(url).send().await;
     }
 }
@@ -238,7 +272,12 @@ pub fn metric_sum(page: &str, prefix: &str) -> f64 {
 
 /// Drops a test database and closes its sessions (best effort, at the end of a run).
 pub async fn drop_database(name: &str) {
-    let Ok(admin) = Db::connect(&DbOptions::new(admin_database_url())) else {
+    drop_database_in(&Services::single(), name).await
+}
+
+/// Drops a test database on `services`' PostgreSQL.
+pub async fn drop_database_in(services: &Services, name: &str) {
+    let Ok(admin) = Db::connect(&DbOptions::new(&services.admin_database_url)) else {
         return;
     };
     let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))

@@ -51,6 +51,8 @@ impl Trap {
 
 pub struct Proxy {
     pub port: u16,
+    /// Where new connections go (`point_to` moves it, as a Service's endpoint moves).
+    upstream: Arc<Mutex<SocketAddr>>,
     mode: watch::Sender<Mode>,
     trap: Arc<Trap>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
@@ -86,7 +88,9 @@ impl Proxy {
         let (mode, _) = watch::channel(Mode::Pass);
         let trap: Arc<Trap> = Arc::default();
         let connections: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
+        let upstream = Arc::new(Mutex::new(upstream));
         let accept = tokio::spawn({
+            let upstream = upstream.clone();
             let mode = mode.clone();
             let trap = trap.clone();
             let connections = connections.clone();
@@ -95,9 +99,10 @@ impl Proxy {
                     if *mode.borrow() == Mode::Cut {
                         continue; // dropped: the client sees its connection closed
                     }
+                    let to = *upstream.lock().unwrap_or_else(|p| p.into_inner());
                     let relay = tokio::spawn(connect(
                         client,
-                        upstream,
+                        to,
                         link.clone(),
                         mode.subscribe(),
                         trap.clone(),
@@ -110,6 +115,7 @@ impl Proxy {
         });
         Proxy {
             port,
+            upstream,
             mode,
             trap,
             connections,
@@ -120,6 +126,18 @@ impl Proxy {
     /// Drops every connection and refuses new ones.
     pub fn cut(&self) {
         self.mode.send_replace(Mode::Cut);
+        self.drop_connections();
+    }
+
+    /// Sends new connections to `upstream` and drops those open to the old one: an
+    /// address that moves to a new server (a Service whose endpoint moved to a promoted
+    /// standby), as clients of the old one find out.
+    pub fn point_to(&self, upstream: SocketAddr) {
+        *self.upstream.lock().unwrap_or_else(|p| p.into_inner()) = upstream;
+        self.drop_connections();
+    }
+
+    fn drop_connections(&self) {
         let mut all = self.connections.lock().unwrap_or_else(|p| p.into_inner());
         for relay in all.drain(..) {
             relay.abort();

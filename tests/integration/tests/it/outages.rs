@@ -74,6 +74,50 @@ async fn broker_connection_loss_answers_503_then_everything_reconnects_without_l
     harness.shutdown().await;
 }
 
+/// A cluster setting (one URL per node, here two proxies to the one broker): whichever
+/// node the gateway and the worker are on goes away, and they carry on through the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_given_every_node_move_to_a_surviving_one() {
+    let spec = test_type("nodeloss");
+    let name = spec.name.clone();
+    let broker = testing::BROKER_ADDRESS.parse().unwrap();
+    let nodes = [Proxy::start(broker).await, Proxy::start(broker).await];
+    let setting = format!(
+        "{}, {}",
+        amqp_url_via(nodes[0].port),
+        amqp_url_via(nodes[1].port)
+    );
+    let mut harness =
+        Harness::start_with(vec![spec], |config| config.amqp_url = setting.clone()).await;
+    harness.start_worker_via(&[&name], Handler::Noop, 8, &setting);
+    let mut done = 0;
+    for (down, up) in [(0, 1), (1, 0)] {
+        nodes[up].restore();
+        nodes[down].cut();
+        // Each client finds its link gone on its next use (the worker by its heartbeat).
+        for _ in 0..10 {
+            let key = Uuid::new_v4();
+            wait_until(
+                "the gateway publishes through the node that is up",
+                Duration::from_secs(30),
+                || async {
+                    let (status, _) = harness
+                        .submit(&name, serde_json::json!({}), Some(key))
+                        .await;
+                    status.is_success()
+                },
+            )
+            .await;
+        }
+        done += 10;
+        harness
+            .wait_for_state(&name, Completed, done, Duration::from_secs(60))
+            .await;
+    }
+    assert_eq!(harness.total_tasks(&name).await, 20);
+    harness.shutdown().await;
+}
+
 #[tokio::test]
 async fn database_outage_answers_503_and_records_nothing_half_way() {
     let spec = test_type("dbloss");
