@@ -4,7 +4,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STATE=${CONVEYOR_CLUSTER_DIR:-$PWD/.dev/cluster}
-for name in kwok kube-scheduler kube-controller-manager kube-apiserver etcd; do
+kwoks=$(cd "$STATE" 2>/dev/null && ls kwok*.pid 2>/dev/null | sed 's/\.pid$//')
+for name in $kwoks kube-scheduler kube-controller-manager kube-apiserver etcd; do
   pidfile="$STATE/$name.pid"
   [ -f "$pidfile" ] || continue
   pid=$(cat "$pidfile")

@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
 # Starts a local Kubernetes control plane without containers: etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler and kwok (which gives the cluster one node,
-# `conveyor-node`, and marks the pods scheduled to it running). All on 127.0.0.1; state,
-# logs and the kubeconfig in $STATE. Idempotent; `cluster/down.sh` stops it.
+# kube-controller-manager, kube-scheduler, and one kwok per node ($CONVEYOR_CLUSTER_NODES,
+# default 3: `conveyor-node`, `conveyor-node-2`, ...), which renews its node's lease and
+# marks the pods scheduled to it running; each node's pod runner (scripts/stack.sh) is its
+# kubelet. A node whose kwok stops is NotReady within the node monitor grace period below,
+# and its pods are evicted after their tolerations (the operator sets 30 s on worker pods).
+# All on 127.0.0.1; state, logs and the kubeconfig in $STATE. Idempotent (a component whose
+# command line changed is restarted); `cluster/down.sh` stops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STATE=${CONVEYOR_CLUSTER_DIR:-$PWD/.dev/cluster}
 PORT=${CONVEYOR_APISERVER_PORT:-16443}
 ETCD_PORT=${CONVEYOR_ETCD_PORT:-23790}
+NODES=${CONVEYOR_CLUSTER_NODES:-3}
 BIN=$(cluster/build.sh)
 KUBECONFIG_FILE="$STATE/kubeconfig"
 mkdir -p "$STATE"
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
-running() { [ -f "$STATE/$1.pid" ] && kill -0 "$(cat "$STATE/$1.pid")" 2>/dev/null; }
+PID_DIR=$STATE
+. scripts/lib/pidfiles.sh
 start() { # name, command...
   local name=$1; shift
-  running "$name" && return 0
+  if running "$name"; then
+    [ "$(cat "$STATE/$name.cmd" 2>/dev/null)" = "$*" ] && return 0
+    log "restarting $name for its new command line"
+    stop_process "$name"
+  fi
   nohup "$@" >"$STATE/$name.log" 2>&1 &
   echo $! >"$STATE/$name.pid"
+  echo "$*" >"$STATE/$name.cmd"
   log "started $name (log $STATE/$name.log)"
 }
+node_name() { [ "$1" -eq 1 ] && echo conveyor-node || echo "conveyor-node-$1"; }
 
 # Credentials: a service-account signing key and one static admin token. The apiserver
 # generates its own self-signed serving certificate in $STATE/certs.
@@ -54,20 +66,26 @@ api() { curl -fsk -H "Authorization: Bearer $TOKEN" "https://127.0.0.1:$PORT$1";
 for _ in $(seq 1 90); do api /readyz >/dev/null 2>&1 && break; sleep 1; done
 api /readyz >/dev/null || { log "kube-apiserver not ready; see $STATE/kube-apiserver.log"; exit 1; }
 
+# Node lifecycle on a test's time scale: a node whose lease is not renewed for 24 s is
+# NotReady (the default is 40-50 s), checked every 2 s.
 start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig "$KUBECONFIG_FILE" \
   --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false \
+  --node-monitor-grace-period 24s --node-monitor-period 2s \
   --service-account-private-key-file "$STATE/sa.key" --use-service-account-credentials=false \
   --controllers '*,-serviceaccount-token-controller'
 start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$KUBECONFIG_FILE" \
   --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false
-start kwok "$BIN/kwok" --kubeconfig "$KUBECONFIG_FILE" --manage-single-node conveyor-node \
-  --node-lease-duration-seconds 40 \
-  --config cluster/kwok-stages.yaml
-
-# The one node, managed by kwok.
-node='{"apiVersion":"v1","kind":"Node","metadata":{"name":"conveyor-node","labels":{"type":"kwok","kubernetes.io/hostname":"conveyor-node"},"annotations":{"kwok.x-k8s.io/node":"fake"}},"status":{"allocatable":{"cpu":"32","memory":"64Gi","pods":"256"},"capacity":{"cpu":"32","memory":"64Gi","pods":"256"}}}'
-if ! api /api/v1/nodes/conveyor-node >/dev/null 2>&1; then
-  curl -fsk -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
-    -X POST --data "$node" "https://127.0.0.1:$PORT/api/v1/nodes" >/dev/null
-fi
+# One kwok per node: a node dies with its kwok (its lease is no longer renewed). A lease of
+# 16 s is renewed every 4 s, well inside the grace period. (An older stack ran one kwok.)
+stop_process kwok
+for i in $(seq 1 "$NODES"); do
+  name=$(node_name "$i")
+  start "kwok-$name" "$BIN/kwok" --kubeconfig "$KUBECONFIG_FILE" --manage-single-node "$name" \
+    --node-lease-duration-seconds 16 --config cluster/kwok-stages.yaml
+  node='{"apiVersion":"v1","kind":"Node","metadata":{"name":"'$name'","labels":{"type":"kwok","kubernetes.io/hostname":"'$name'"},"annotations":{"kwok.x-k8s.io/node":"fake"}},"status":{"allocatable":{"cpu":"32","memory":"64Gi","pods":"256"},"capacity":{"cpu":"32","memory":"64Gi","pods":"256"}}}'
+  if ! api "/api/v1/nodes/$name" >/dev/null 2>&1; then
+    curl -fsk -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
+      -X POST --data "$node" "https://127.0.0.1:$PORT/api/v1/nodes" >/dev/null
+  fi
+done
 log "ready: export KUBECONFIG=$KUBECONFIG_FILE"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole local stack on one machine: RabbitMQ and PostgreSQL (scripts/services.sh), the
-# local Kubernetes control plane (cluster/up.sh), and Conveyor's operator, gateway and pod
-# runner as local processes talking to it. `make dev` and the e2e tests in `make test` both
+# local Kubernetes control plane with three kwok nodes (cluster/up.sh), and Conveyor's
+# operator and gateway and one pod runner per node as local processes talking to it. `make dev` and the e2e tests in `make test` both
 # use it. Idempotent: what runs is left alone, unless its binary was rebuilt since it started.
 #
 #   scripts/stack.sh up | down | env
@@ -22,19 +22,21 @@ export CONVEYOR_CA_FILE=${CONVEYOR_CA_FILE:-$TLS/ca.crt}
 export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:conveyor@127.0.0.1:5432/conveyor?sslmode=verify-full&sslrootcert=$TLS/ca.crt}
 export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=$TLS/ca.crt}
 mkdir -p "$DEV"
+# Kubernetes nodes (cluster/up.sh makes them), each with its own pod runner.
+export CONVEYOR_CLUSTER_NODES=${CONVEYOR_CLUSTER_NODES:-3}
+NODES=$CONVEYOR_CLUSTER_NODES
+node_name() { [ "$1" -eq 1 ] && echo conveyor-node || echo "conveyor-node-$1"; }
+runner_name() { [ "$1" -eq 1 ] && echo pod-runner || echo "pod-runner-$1"; }
 # kubectl comes with the control plane (cluster/build.sh builds it once, cached).
 CONTROL_PLANE_BIN=$(cluster/build.sh)
 PATH=$CONTROL_PLANE_BIN:$PATH
 
 log() { printf 'stack: %s\n' "$*" >&2; }
-running() { [ -f "$DEV/$1.pid" ] && kill -0 "$(cat "$DEV/$1.pid")" 2>/dev/null; }
+PID_DIR=$DEV
+. scripts/lib/pidfiles.sh
 stop() { # name
   running "$1" || { rm -f "$DEV/$1.pid"; return 0; }
-  local pid; pid=$(cat "$DEV/$1.pid")
-  kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 150); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  kill -KILL "$pid" 2>/dev/null || true
-  rm -f "$DEV/$1.pid" "$DEV/$1.stamp"
+  stop_process "$1"
   log "stopped $1"
 }
 start() { # name, binary, args...
@@ -89,15 +91,21 @@ up() {
     --tls-cert-file "$TLS/server.crt" --tls-key-file "$TLS/server.key" --task-types-from-cluster \
     --task-types-refresh-seconds 2 --tokens-file examples/dev-tokens.yaml
   mkdir -p "$DEV/media"
-  start pod-runner "$BIN/conveyor-pod-runner" --bin-dir "$BIN" --state-dir "$DEV/pods" \
-    --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
-    --map /media="$DEV/media"
+  # Each node's kubelet: its pod runner, with pod addresses of its own (127.N.x.y).
+  for i in $(seq 1 "$NODES"); do
+    start "$(runner_name "$i")" "$BIN/conveyor-pod-runner" --node "$(node_name "$i")" --pod-subnet "$i" \
+      --bin-dir "$BIN" --state-dir "$DEV/pods" \
+      --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
+      --map /media="$DEV/media"
+  done
   wait_http operator "http://$OPERATOR/readyz"
   wait_http gateway "http://$GATEWAY_ADMIN/readyz"
 }
 
 down() {
-  for name in pod-runner gateway operator; do stop "$name"; done
+  for name in $(cd "$DEV" && ls pod-runner*.pid 2>/dev/null | sed 's/\.pid$//') gateway operator; do
+    stop "$name"
+  done
   rm -rf "$DEV/pods"
   cluster/down.sh
   log "RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"

@@ -9,7 +9,7 @@ use conveyor_core::crd::worker_pool::HandlerKind;
 use conveyor_core::crd::WorkerPool;
 use conveyor_core::task_type::NamedTaskType;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Service, Toleration};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
@@ -29,6 +29,16 @@ const BUFFER_DIR: &str = "/var/lib/conveyor";
 pub const WORKER_CA_DIR: &str = "/var/run/conveyor/tls";
 pub const WORKER_CA_KEY: &str = "ca.crt";
 const TASK_TYPES_FILE: &str = "task-types.yaml";
+/// How long a worker pod stays bound to a node that stopped reporting (NotReady or
+/// unreachable) before it is evicted and replaced elsewhere, unless the pool's own
+/// tolerations say otherwise (decision 0022). Kubernetes' default is 300 s: five minutes of a
+/// pool's capacity gone with the node, while its tasks are re-run elsewhere anyway once their
+/// heartbeats stop.
+pub const NODE_LOST_TOLERATION_SECONDS: i64 = 30;
+const NODE_LOST_TAINTS: [&str; 2] = [
+    "node.kubernetes.io/not-ready",
+    "node.kubernetes.io/unreachable",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
@@ -266,8 +276,16 @@ fn deployment(
                     "serviceAccountName": overrides.service_account_name,
                     "priorityClassName": overrides.priority_class_name,
                     "nodeSelector": overrides.node_selector,
-                    "tolerations": overrides.tolerations,
+                    "tolerations": tolerations(&overrides.tolerations),
                     "affinity": overrides.affinity,
+                    // Spread over nodes where the scheduler can (never blocking it), so that
+                    // a node lost takes a share of the pool, not all of it.
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                        "labelSelector": {"matchLabels": {POOL_LABEL: name}}
+                    }],
                     "terminationGracePeriodSeconds": i64::from(spec.drain_grace_seconds) + 10,
                     "automountServiceAccountToken": false,
                     "securityContext": {
@@ -317,6 +335,23 @@ fn deployment(
         }
     });
     typed("Deployment", strip_nulls(deployment))
+}
+
+/// The pool's tolerations, and [`NODE_LOST_TOLERATION_SECONDS`] for the node-lost taints it
+/// does not tolerate itself.
+fn tolerations(given: &[Toleration]) -> Vec<Toleration> {
+    let covered = |key: &str| given.iter().any(|t| t.key.as_deref() == Some(key));
+    let defaults = NODE_LOST_TAINTS
+        .into_iter()
+        .filter(|key| !covered(key))
+        .map(|key| Toleration {
+            key: Some(key.to_owned()),
+            operator: Some("Exists".to_owned()),
+            effect: Some("NoExecute".to_owned()),
+            toleration_seconds: Some(NODE_LOST_TOLERATION_SECONDS),
+            value: None,
+        });
+    given.iter().cloned().chain(defaults).collect()
 }
 
 fn service(pool: &WorkerPool, name: &str, owner: &OwnerReference) -> Result<Service, BuildError> {

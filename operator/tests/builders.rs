@@ -54,6 +54,42 @@ fn transcode_pool_matches_its_fixture() {
     );
 }
 
+/// A node lost takes its pods away after 30 s (not Kubernetes' 300 s), unless the pool says
+/// otherwise for a taint; and pods spread over nodes where they can.
+#[test]
+fn pods_leave_a_lost_node_soon_and_spread_over_nodes() {
+    let (mut input, _) = fixture("transcode-pool");
+    let pod_spec = |pool: &WorkerPool| {
+        let objects = pool_objects(pool, &input.task_types, 3, &ConnectionSecret::default());
+        serde_json::to_value(objects.unwrap().deployment).unwrap()["spec"]["template"]["spec"]
+            .clone()
+    };
+    let pod = pod_spec(&input.pool);
+    let seconds = |pod: &serde_json::Value, key: &str| {
+        pod["tolerations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["key"] == key)
+            .map(|t| t["tolerationSeconds"].as_i64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(seconds(&pod, "node.kubernetes.io/unreachable"), [30]);
+    assert_eq!(seconds(&pod, "node.kubernetes.io/not-ready"), [30]);
+    let spread = &pod["topologySpreadConstraints"][0];
+    assert_eq!(spread["topologyKey"], "kubernetes.io/hostname");
+    assert_eq!(spread["whenUnsatisfiable"], "ScheduleAnyway");
+
+    let own = serde_json::json!({"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+        "effect": "NoExecute", "tolerationSeconds": 600});
+    let mut overrides = input.pool.spec.pod.clone().unwrap_or_default();
+    overrides.tolerations = vec![serde_json::from_value(own).unwrap()];
+    input.pool.spec.pod = Some(overrides);
+    let pod = pod_spec(&input.pool);
+    assert_eq!(seconds(&pod, "node.kubernetes.io/unreachable"), [600]);
+    assert_eq!(seconds(&pod, "node.kubernetes.io/not-ready"), [30]);
+}
+
 #[test]
 fn workers_run_restricted_and_owned_by_the_pool() {
     let (input, _) = fixture("transcode-pool");

@@ -5,6 +5,7 @@
 //! `kubectl delete pod` really stops a worker.
 
 mod plan;
+mod status;
 mod supervisor;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -24,6 +25,7 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 
 use crate::plan::{Host, Objects};
+use crate::status::{ContainerState, Report};
 use crate::supervisor::Supervisor;
 
 #[derive(Debug, Parser)]
@@ -87,6 +89,8 @@ async fn main() -> anyhow::Result<()> {
         stopping: Vec::new(),
         addresses: HashMap::new(),
         refused: HashMap::new(),
+        reported: HashMap::new(),
+        http: reqwest::Client::new(),
     };
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     tracing::info!(node = %runner.args.node, selector = %runner.args.selector, "running pods");
@@ -128,6 +132,10 @@ struct Runner {
     addresses: HashMap<String, Ipv4Addr>,
     /// Pods that cannot run here, with why (logged once per reason).
     refused: HashMap<String, String>,
+    /// What was last reported of each pod's status, by uid.
+    reported: HashMap<String, Report>,
+    /// For readiness probes.
+    http: reqwest::Client,
 }
 
 impl Runner {
@@ -158,7 +166,10 @@ impl Runner {
         }
         self.stopping.retain(|(s, _)| !s.is_finished());
         self.refused.retain(|uid, _| wanted.contains_key(uid));
-        for (uid, pod) in wanted {
+        self.reported.retain(|uid, _| wanted.contains_key(uid));
+        for (uid, pod) in &wanted {
+            let uid = uid.clone();
+            let pod = pod.clone();
             if let Some(address) = self.addresses.get(&uid) {
                 self.report_address(&pod, *address).await;
                 continue;
@@ -182,6 +193,67 @@ impl Runner {
                         tracing::warn!(pod = %key, error = %reason, "cannot run pod yet");
                         self.refused.insert(uid, reason);
                     }
+                }
+            }
+        }
+        self.report_statuses(&wanted).await;
+    }
+
+    /// Reports each pod's container state and readiness where it changed (the probes run
+    /// side by side, each bounded by a second).
+    async fn report_statuses(&mut self, wanted: &BTreeMap<String, std::sync::Arc<Pod>>) {
+        let reports = wanted.iter().filter_map(|(uid, pod)| {
+            let state = match (self.refused.get(uid), self.running.get(uid)) {
+                (Some(why), _) => ContainerState::Refused(why.clone()),
+                (None, Some(supervisor)) => ContainerState::of(supervisor.state()),
+                (None, None) => return None,
+            };
+            let restarts = self.running.get(uid).map_or(0, |s| s.state().restarts);
+            let probe = self
+                .addresses
+                .get(uid)
+                .and_then(|address| status::readiness_url(pod, *address));
+            let http = &self.http;
+            Some(async move {
+                let ready = match (&state, probe) {
+                    (ContainerState::Running(_), Some(url)) => status::probe(http, &url).await,
+                    (ContainerState::Running(_), None) => true,
+                    _ => false,
+                };
+                let report = Report {
+                    state,
+                    restarts,
+                    ready,
+                };
+                (uid.clone(), pod.clone(), report)
+            })
+        });
+        let reports = futures_util::future::join_all(reports).await;
+        for (uid, pod, report) in reports {
+            let same = self.reported.get(&uid).is_some_and(|last| {
+                last.ready == report.ready
+                    && last.restarts == report.restarts
+                    && std::mem::discriminant(&last.state) == std::mem::discriminant(&report.state)
+            });
+            if same {
+                continue;
+            }
+            let pods: Api<Pod> =
+                Api::namespaced(self.client.clone(), &pod.namespace().unwrap_or_default());
+            let patch = status::patch(&pod, &report);
+            match pods
+                .patch_status(
+                    &pod.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Strategic(&patch),
+                )
+                .await
+            {
+                Ok(_) => {
+                    self.reported.insert(uid, report);
+                }
+                Err(err) => {
+                    tracing::warn!(pod = %pod.name_any(), error = %err, "cannot report the pod's status")
                 }
             }
         }

@@ -4,7 +4,8 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
@@ -18,18 +19,32 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// A process that ran this long before exiting starts its back-off afresh.
 const HEALTHY_RUN: Duration = Duration::from_secs(60);
 
+/// What a kubelet reports of a container: whether its process runs, since when, and how
+/// often it was restarted.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProcessState {
+    pub running_since: Option<SystemTime>,
+    pub restarts: u32,
+}
+
 /// A running pod's supervisor: stop it with `stop`, wait for it with `join`.
 pub struct Supervisor {
     stop: CancellationToken,
     task: JoinHandle<()>,
+    state: Arc<Mutex<ProcessState>>,
 }
 
 impl Supervisor {
     /// Starts supervising `launch` for `pod` (namespace/name), its output appended to `log`.
     pub fn spawn(pod: String, launch: Launch, log: PathBuf) -> Self {
         let stop = CancellationToken::new();
-        let task = tokio::spawn(supervise(pod, launch, log, stop.clone()));
-        Self { stop, task }
+        let state = Arc::new(Mutex::new(ProcessState::default()));
+        let task = tokio::spawn(supervise(pod, launch, log, stop.clone(), state.clone()));
+        Self { stop, task, state }
+    }
+
+    pub fn state(&self) -> ProcessState {
+        *self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Asks the process to stop; `join` waits until it has.
@@ -48,7 +63,16 @@ impl Supervisor {
     }
 }
 
-async fn supervise(pod: String, launch: Launch, log: PathBuf, stop: CancellationToken) {
+async fn supervise(
+    pod: String,
+    launch: Launch,
+    log: PathBuf,
+    stop: CancellationToken,
+    state: Arc<Mutex<ProcessState>>,
+) {
+    let set = |change: &dyn Fn(&mut ProcessState)| {
+        change(&mut state.lock().unwrap_or_else(|p| p.into_inner()));
+    };
     let mut failures: u32 = 0;
     loop {
         let started = Instant::now();
@@ -56,9 +80,14 @@ async fn supervise(pod: String, launch: Launch, log: PathBuf, stop: Cancellation
             Ok(mut child) => {
                 let pid = child.id();
                 tracing::info!(%pod, ?pid, log = %log.display(), "process started");
+                set(&|s| s.running_since = Some(SystemTime::now()));
                 tokio::select! {
                     status = child.wait() => {
                         tracing::warn!(%pod, ?status, "process exited; restarting it");
+                        set(&|s| {
+                            s.running_since = None;
+                            s.restarts += 1;
+                        });
                     }
                     () = stop.cancelled() => {
                         terminate(&pod, &mut child, launch.grace).await;
@@ -67,7 +96,8 @@ async fn supervise(pod: String, launch: Launch, log: PathBuf, stop: Cancellation
                 }
             }
             Err(err) => {
-                tracing::error!(%pod, program = %launch.program.display(), error = %err, "cannot start process")
+                tracing::error!(%pod, program = %launch.program.display(), error = %err, "cannot start process");
+                set(&|s| s.restarts += 1);
             }
         }
         failures = if started.elapsed() > HEALTHY_RUN {

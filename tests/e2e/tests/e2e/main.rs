@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod nodes;
 mod operator;
 mod scaling;
 mod tenancy;
