@@ -12,11 +12,20 @@ use conveyor_core::testing::{self, wait_until};
 use conveyor_e2e_tests::{kubectl_with, restart_operator, Stack};
 use serde_json::json;
 
+use crate::node_loss;
 use crate::oracle;
 use crate::scenarios::Scenario;
 
 const POOL: &str = "chaos";
 const REPLICAS: usize = 2;
+
+/// The pool's workers: one per node where a node is lost.
+fn replicas(scenario: Scenario) -> usize {
+    match scenario {
+        Scenario::NodeLoss => 3,
+        _ => REPLICAS,
+    }
+}
 const MINUTE: Duration = Duration::from_secs(60);
 /// The scenario TaskType's `heartbeatTimeoutSeconds`.
 const HEARTBEAT_TIMEOUT_SECONDS: u64 = 3;
@@ -57,10 +66,13 @@ impl ClusterTarget {
         stack.apply(&format!(
             "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {POOL}}}\n\
              spec:\n  taskTypes: [{name}]\n  image: conveyor:dev\n  \
-             handler: {{type: http, url: \"{sidecar_url}\"}}\n  replicas: {REPLICAS}\n  concurrency: 8\n  \
-             drainGraceSeconds: 20\n"
+             handler: {{type: http, url: \"{sidecar_url}\"}}\n  replicas: {}\n  concurrency: 8\n  \
+             drainGraceSeconds: 20\n",
+            replicas(scenario)
         ));
-        stack.wait_for_workers(&name, REPLICAS as u64).await;
+        stack
+            .wait_for_workers(&name, replicas(scenario) as u64)
+            .await;
         wait_for_gateway(&stack, &name).await;
         Ok(ClusterTarget {
             task_type: stack.key(&name),
@@ -170,6 +182,10 @@ async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> (Instant,
             Instant::now()
         }
         Scenario::BrokerStoppedCluster => broker_stopped(stack, &mut failures).await,
+        Scenario::NodeLoss => {
+            let replicas = replicas(scenario);
+            node_loss::inject(stack, POOL, replicas, task_type, &mut failures).await
+        }
         _ => {
             failures.push(format!("{} is not a cluster scenario", scenario.name()));
             Instant::now()

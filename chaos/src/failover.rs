@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use conveyor_core::amqp::QueueNames;
 use nix::sys::signal::Signal;
 
-use crate::observe::{Observer, SAMPLE_EVERY};
+use crate::observe::{self, Observer, SAMPLE_EVERY};
 use crate::replicated::{self, NODES};
 use crate::scenarios::{Scale, Scenario};
 use crate::system::System;
@@ -147,26 +147,16 @@ where
     false
 }
 
-/// Samples for `how_long`.
-async fn observe_for(observer: &mut Observer, system: &System, how_long: Duration) {
-    until(observer, system, how_long, || async { false }).await;
-}
-
 /// Runs `work` (a script that takes seconds) while sampling.
 async fn while_sampling<T>(
     observer: &mut Observer,
     system: &System,
-    work: impl Future<Output = anyhow::Result<T>>,
-) -> anyhow::Result<T> {
-    let mut work = std::pin::pin!(work);
-    loop {
-        tokio::select! {
-            done = &mut work => return done,
-            () = observer.sample_system(system) => {}
-        }
-        tokio::select! {
-            done = &mut work => return done,
-            () = tokio::time::sleep(SAMPLE_EVERY) => {}
-        }
-    }
+    work: impl Future<Output = T>,
+) -> T {
+    observe::sampling(work, async || observer.sample_system(system).await).await
+}
+
+/// Samples for `how_long`.
+async fn observe_for(observer: &mut Observer, system: &System, how_long: Duration) {
+    until(observer, system, how_long, || async { false }).await;
 }

@@ -266,7 +266,8 @@ pub async fn inject(
         | Scenario::OperatorRestart
         | Scenario::RollingUpdate
         | Scenario::PoolScaledToZero
-        | Scenario::BrokerStoppedCluster => {
+        | Scenario::BrokerStoppedCluster
+        | Scenario::NodeLoss => {
             anyhow::bail!("{} runs in the cluster (cluster.rs)", scenario.name())
         }
     }

@@ -7,6 +7,7 @@ pub mod cluster;
 pub mod failover;
 pub mod faults;
 pub mod load;
+pub mod node_loss;
 pub mod observe;
 pub mod oracle;
 pub mod replicated;

@@ -37,3 +37,19 @@ impl Observer {
         self.throughput.recovery(fault, healed)
     }
 }
+
+/// Runs `work` to its end, calling `sample` every [`SAMPLE_EVERY`] meanwhile (never cutting a
+/// sample short: `work` waits for it), so that a fault that takes minutes leaves no gap in
+/// the throughput the recovery time is read from.
+pub async fn sampling<T>(
+    work: impl std::future::Future<Output = T>,
+    mut sample: impl AsyncFnMut(),
+) -> T {
+    let mut work = std::pin::pin!(work);
+    loop {
+        tokio::select! {
+            done = &mut work => return done,
+            () = tokio::time::sleep(SAMPLE_EVERY) => sample().await,
+        }
+    }
+}

@@ -7,6 +7,7 @@
 //! standby, playing the HA manager's part.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use conveyor_core::testing::{self, proxy::Proxy, Services};
@@ -78,7 +79,9 @@ impl Replicated {
     pub async fn quorum(&self, queue: &str) -> Option<(u8, usize)> {
         for node in NODES {
             let url = format!("{}/api/queues/%2f/{queue}", management_url(node));
-            let Ok(answer) = self.http.get(&url).send().await else {
+            // Bounded: a paused node accepts the request and never answers it.
+            let request = self.http.get(&url).timeout(Duration::from_secs(2));
+            let Ok(answer) = request.send().await else {
                 continue;
             };
             let Ok(body) = answer.json::<serde_json::Value>().await else {

@@ -12,7 +12,7 @@ use crate::cluster::ClusterTarget;
 use crate::failover;
 use crate::faults;
 use crate::load;
-use crate::observe::{Observer, SAMPLE_EVERY};
+use crate::observe::{self, Observer, SAMPLE_EVERY};
 use crate::oracle;
 use crate::scenarios::{Row, Scale, Scenario};
 use crate::sidecar::Sidecar;
@@ -110,7 +110,12 @@ impl Target {
                 failover::inject(scenario, system, scale, observer).await
             }
             Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
-            Target::Cluster(cluster) => Ok(cluster.inject(scenario).await),
+            // Faults through Kubernetes take up to minutes (a node lost three times).
+            Target::Cluster(cluster) => {
+                let (db, task_type) = (&cluster.stack.db, &cluster.task_type);
+                let work = cluster.inject(scenario);
+                Ok(observe::sampling(work, async || observer.sample(db, task_type).await).await)
+            }
         }
     }
 

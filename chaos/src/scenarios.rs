@@ -71,6 +71,10 @@ pub enum Scenario {
     ///     TaskType reports RabbitMQUnavailable, the pool's MetricsAvailable goes False and
     ///     its count stays within min/max; both recover once the broker is back.
     BrokerStoppedCluster,
+    /// 15. In the local cluster: a node lost under load (its kwok, its pod runner and every
+    ///     worker on it killed), three times; the node controller and the eviction take
+    ///     over, the pool's pods are replaced on the other nodes, the tasks re-run.
+    NodeLoss,
     /// 16. Replicated services: the RabbitMQ node that leads the work queue `kill -9`ed
     ///     under load, then started again.
     RabbitmqLeaderKill,
@@ -85,7 +89,7 @@ pub enum Scenario {
 }
 
 /// Every scenario on the single services and the local cluster (`make chaos`).
-pub const ALL: [Scenario; 24] = [
+pub const ALL: [Scenario; 25] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
@@ -110,6 +114,7 @@ pub const ALL: [Scenario; 24] = [
     Scenario::WorkersGone,
     Scenario::PoolScaledToZero,
     Scenario::BrokerStoppedCluster,
+    Scenario::NodeLoss,
 ];
 
 /// The cluster-scale scenarios, on the replicated services (`make chaos-cluster`).
@@ -161,6 +166,7 @@ impl Scenario {
             Scenario::WorkersGone => "workers-gone",
             Scenario::PoolScaledToZero => "pool-scaled-to-zero",
             Scenario::BrokerStoppedCluster => "rabbitmq-stopped-cluster",
+            Scenario::NodeLoss => "node-loss",
             Scenario::RabbitmqLeaderKill => "rabbitmq-leader-kill",
             Scenario::RabbitmqNodePause => "rabbitmq-node-pause",
             Scenario::RabbitmqRollingRestart => "rabbitmq-rolling-restart",
@@ -241,6 +247,14 @@ impl Scenario {
                 forget_unanswered_every: Some(3),
                 ..plan
             },
+            // Three node losses take a minute or two each (NotReady, eviction, replacement,
+            // the node back): the load runs through all of them.
+            // Tasks of 2 s, so that each node holds several when it dies.
+            Scenario::NodeLoss => Plan {
+                over: Duration::from_secs(300),
+                sleep_ms: 2000,
+                ..plan
+            },
             // Long enough that the load still runs when the fault is over (a rolling restart
             // takes three nodes' restarts), with tasks long enough to be caught mid-run.
             Scenario::RabbitmqRollingRestart => Plan {
@@ -268,6 +282,7 @@ impl Scenario {
                 | Scenario::RollingUpdate
                 | Scenario::PoolScaledToZero
                 | Scenario::BrokerStoppedCluster
+                | Scenario::NodeLoss
         )
     }
 
@@ -294,6 +309,7 @@ impl Scenario {
             Scenario::WorkerKill | Scenario::PodDelete | Scenario::RabbitmqRollingRestart => {
                 Some(3)
             }
+            Scenario::NodeLoss => Some(crate::node_loss::ROUNDS),
             Scenario::PostgresTerminate => Some(5),
             Scenario::Poison | Scenario::CommitReset | Scenario::PostgresSlow => None,
             _ => Some(1),

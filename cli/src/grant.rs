@@ -38,7 +38,10 @@ pub fn with_pod_ca(granted: Granted, ca_pem: String) -> anyhow::Result<Granted> 
         &granted.database_url,
         &[("sslmode", "verify-full"), ("sslrootcert", &mounted)],
     )?;
-    let amqp_url = if granted.amqp_url.starts_with("amqps://") {
+    let every_node_tls = conveyor_core::amqp::node_urls(&granted.amqp_url)
+        .iter()
+        .all(|url| url.starts_with("amqps://"));
+    let amqp_url = if every_node_tls {
         each_node(&granted.amqp_url, |url| {
             Ok(with_params(url, &[("cacertfile", &mounted)])?)
         })?

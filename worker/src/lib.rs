@@ -409,12 +409,12 @@ async fn consume(
             // Stop deliveries but keep the channel open: in-flight tasks still need to ack.
             cancel_consumers(&channel, &deliveries).await;
             drain(&mut running, &in_flight, config.drain_grace).await;
-            let _ = conn.close(200, "worker shutting down").await;
+            amqp::close_bounded(&conn, 200, "worker shutting down").await;
         } else {
             // The consumer ended while the connection may live on (a deleted queue, a
             // cancelled consumer): close it rather than leak it; unacked deliveries return
             // to the queue and their duplicates are dropped by the claim.
-            let _ = conn.close(320, "reconnecting").await;
+            amqp::close_bounded(&conn, 320, "reconnecting").await;
         }
     }
     drain(&mut running, &in_flight, config.drain_grace).await;

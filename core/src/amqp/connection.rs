@@ -34,15 +34,17 @@ pub fn with_heartbeat(setting: &str, seconds: u16) -> String {
 }
 
 /// The node this process last connected to, as an index into its setting's node list.
-/// Seeded from the process id, so that a fleet's connections spread over the nodes.
+/// Seeded at random (not from the process id, which is 1 in every container), so that a
+/// fleet's connections spread over the nodes.
 static LAST_GOOD: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Opens a connection driven by the tokio runtime, to the first node of `setting` that
 /// accepts one, starting from the node that last did. `name` shows in the broker's
 /// connection list (and lets tests find and cut a given process's connection). An
-/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect. The nodes
-/// share [`CONNECT_TIMEOUT`] (at least [`NODE_CONNECT_TIMEOUT`] each), so that a node that
-/// accepts TCP but never answers (paused, cut off) costs only its share. A refused login or unusable TLS settings end the search: every
+/// `amqps://` URL is verified against its `cacertfile`, read anew on each connect. Each node
+/// gets its share of [`CONNECT_TIMEOUT`] but at least [`NODE_CONNECT_TIMEOUT`] (so a search
+/// over more than three nodes can take longer), so that a node that accepts TCP but never
+/// answers (paused, cut off) costs only its share. A refused login or unusable TLS settings end the search: every
 /// node of a cluster shares its users, so the next would refuse them too.
 pub async fn connect(setting: &str, name: &str) -> AmqpResult<Connection> {
     let nodes = node_urls(setting);
@@ -51,7 +53,7 @@ pub async fn connect(setting: &str, name: &str) -> AmqpResult<Connection> {
     }
     let mut start = LAST_GOOD.load(Ordering::Relaxed);
     if start == usize::MAX {
-        start = std::process::id() as usize;
+        start = rand::random::<u32>() as usize;
     }
     let each = (CONNECT_TIMEOUT / nodes.len() as u32).max(NODE_CONNECT_TIMEOUT);
     let mut last_error = None;
@@ -96,6 +98,13 @@ async fn connect_node(url: &str, name: &str, timeout: Duration) -> AmqpResult<Co
     }
 }
 
+/// Closes `conn`, waiting at most [`CLOSE_TIMEOUT`] for the broker's close-ok: a node that
+/// stopped answering (paused, cut off) never sends it, and a caller waiting for it would
+/// wait for the heartbeat to give up.
+pub async fn close_bounded(conn: &Connection, code: u16, reason: &str) {
+    let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(code, reason)).await;
+}
+
 /// A refused login (403) or vhost (530) is the caller's settings; anything else an outage.
 fn connect_error(err: lapin::Error) -> AmqpError {
     use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
@@ -113,6 +122,8 @@ fn connect_error(err: lapin::Error) -> AmqpError {
 
 /// The longest a connection attempt may take (to a single node, or shared by a cluster's).
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest a close waits for the broker to confirm it.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// The least each node of a cluster gets: a TLS handshake on a busy node takes a while.
 pub const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 

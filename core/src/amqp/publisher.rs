@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use super::connection::connect;
+use super::connection::{close_bounded, connect};
 use super::consume::PROBE_KIND;
 use super::error::{clone_error, AmqpError, AmqpResult};
 use super::names::QueueNames;
@@ -29,9 +29,6 @@ pub struct Outgoing {
     /// For [`Requeue::Retry`]: the retry queue ([`NamedTaskType::retry_tier`]).
     pub retry_tier: u32,
 }
-
-/// The longest a reset waits for the broker to confirm a close.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// One lazily (re)opened connection and channel, counted so that tests and metrics can
 /// tell a reconnect from a reused link.
@@ -90,12 +87,11 @@ impl Link {
         Ok(channel)
     }
 
-    /// Drops the connection so that the next call starts afresh. The close is bounded: a
-    /// node that stopped answering (paused, cut off) never sends close-ok, and waiting for
-    /// it would hold every publish behind this link until the heartbeat gives up.
+    /// Drops the connection so that the next call starts afresh (the close is bounded:
+    /// every publish behind this link waits for it).
     async fn reset(&self) {
         if let Some((conn, _)) = self.slot.lock().await.take() {
-            let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(0, "resetting the link")).await;
+            close_bounded(&conn, 0, "resetting the link").await;
         }
     }
 }

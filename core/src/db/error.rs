@@ -139,8 +139,11 @@ impl From<sqlx::Error> for DbError {
             | sqlx::Error::Protocol(_) => DbError::Unavailable(err),
             sqlx::Error::Database(db)
                 if db.code().is_some_and(|c| {
-                    // admin shutdown, crash shutdown, cannot connect now, too many clients
+                    // admin shutdown, crash shutdown, cannot connect now, too many clients;
+                    // a write that reached a standby (a failed-over primary behind an
+                    // address not yet moved): the writable server is elsewhere
                     c.starts_with("08")
+                        || c == "25006"
                         || c == "57P01"
                         || c == "57P02"
                         || c == "57P03"
