@@ -28,7 +28,8 @@ start() { # name, command...
     log "restarting $name for its new command line"
     stop_process "$name"
   fi
-  nohup "$@" >"$STATE/$name.log" 2>&1 &
+  # A session of its own, so that an interrupt of whoever ran this does not reach it.
+  nohup setsid "$@" >"$STATE/$name.log" 2>&1 &
   echo $! >"$STATE/$name.pid"
   echo "$*" >"$STATE/$name.cmd"
   log "started $name (log $STATE/$name.log)"

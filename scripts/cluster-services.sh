@@ -115,6 +115,10 @@ rabbit_members() {
 
 rabbit_up() {
   rabbit_configure
+  # A node an interrupted run left paused (SIGSTOP) would answer nothing: resume it.
+  for n in "${NODES[@]}"; do
+    as_root test -f "$RABBIT_VAR/node$n.pid" && as_root kill -CONT "$(rabbit_pid "$n")" 2>/dev/null || true
+  done
   for n in "${NODES[@]}"; do rabbit_start "$n"; done
   for n in 2 3; do
     if ! rabbit_members | grep -qx "$(node_name "$n")"; then
@@ -212,8 +216,15 @@ pg_make_standby() { # standby port, primary port
   log "re-making $name (port $port) as the standby of port $primary"
   as_root pg_ctlcluster "$VER" "$name" stop -m immediate 2>/dev/null || true
   local slot=${name//-/_}
-  psql_at "$primary" -c "SELECT pg_drop_replication_slot('$slot')
-      FROM pg_replication_slots WHERE slot_name = '$slot' AND NOT active" >/dev/null
+  # The slot of an earlier copy: its walsender may still be exiting after the stop.
+  for _ in $(seq 1 30); do
+    psql_at "$primary" -c "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots
+        WHERE slot_name = '$slot' AND active" >/dev/null
+    psql_at "$primary" -c "SELECT pg_drop_replication_slot('$slot')
+        FROM pg_replication_slots WHERE slot_name = '$slot' AND NOT active" >/dev/null 2>&1 || true
+    [ -z "$(psql_at "$primary" -c "SELECT 1 FROM pg_replication_slots WHERE slot_name = '$slot'")" ] && break
+    sleep 1
+  done
   as_root rm -rf "$data"
   # -R writes standby.signal and primary_conninfo; the slot keeps the WAL it has not yet had.
   as_root runuser -u postgres -- env PGPASSWORD="$REPLICATOR_PASSWORD" pg_basebackup \
@@ -273,6 +284,10 @@ pg_kill() {
 # accept commits alone (no standby to wait for until the old primary rejoins, as Patroni's
 # non-strict synchronous mode and CloudNativePG do).
 pg_promote() {
+  # Fenced first: the old primary, should it start again (a reboot, `down` then `up`), comes
+  # up as a standby, never as a second primary that `up` could take for the real one.
+  local old; old=$(pg_data "$(pg_name_of "$(pg_other "$1")")")
+  as_root runuser -u postgres -- touch "$old/standby.signal"
   psql_at "$1" -c "SELECT pg_promote(wait => true, wait_seconds => 60)" >/dev/null
   psql_at "$1" -c "ALTER SYSTEM SET synchronous_standby_names = ''" -c "SELECT pg_reload_conf()" >/dev/null
 }

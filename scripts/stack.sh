@@ -4,7 +4,7 @@
 # operator and gateway and one pod runner per node as local processes talking to it. `make dev` and the e2e tests in `make test` both
 # use it. Idempotent: what runs is left alone, unless its binary was rebuilt since it started.
 #
-#   scripts/stack.sh up | down | env
+#   scripts/stack.sh up | down | env | node-up NODE
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,7 +48,9 @@ start() { # name, binary, args...
     log "$name was rebuilt; restarting it"
     stop "$name"
   fi
-  nohup "$binary" "$@" >>"$DEV/$name.log" 2>&1 &
+  # A session of its own: an interrupt of whoever ran this (a test run, a chaos scenario
+  # that brought a node back) does not reach the stack.
+  nohup setsid "$binary" "$@" >>"$DEV/$name.log" 2>&1 &
   echo $! >"$DEV/$name.pid"
   echo "$stamp" >"$DEV/$name.stamp"
   log "started $name (pid $!, log $DEV/$name.log)"
@@ -73,6 +75,14 @@ wait_http() { # name, url
   log "$1 is not ready at $2; see $DEV/$1.log"; exit 1
 }
 
+# Node N's kubelet: its pod runner, with pod addresses of its own (127.N.x.y).
+start_runner() {
+  start "$(runner_name "$1")" "$BIN/conveyor-pod-runner" --node "$(node_name "$1")" --pod-subnet "$1" \
+    --bin-dir "$BIN" --state-dir "$DEV/pods" \
+    --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
+    --map /media="$DEV/media"
+}
+
 up() {
   scripts/services.sh up
   cluster/up.sh
@@ -91,13 +101,7 @@ up() {
     --tls-cert-file "$TLS/server.crt" --tls-key-file "$TLS/server.key" --task-types-from-cluster \
     --task-types-refresh-seconds 2 --tokens-file examples/dev-tokens.yaml
   mkdir -p "$DEV/media"
-  # Each node's kubelet: its pod runner, with pod addresses of its own (127.N.x.y).
-  for i in $(seq 1 "$NODES"); do
-    start "$(runner_name "$i")" "$BIN/conveyor-pod-runner" --node "$(node_name "$i")" --pod-subnet "$i" \
-      --bin-dir "$BIN" --state-dir "$DEV/pods" \
-      --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
-      --map /media="$DEV/media"
-  done
+  for i in $(seq 1 "$NODES"); do start_runner "$i"; done
   wait_http operator "http://$OPERATOR/readyz"
   wait_http gateway "http://$GATEWAY_ADMIN/readyz"
 }
@@ -113,8 +117,16 @@ down() {
 
 case "${1:-up}" in
   up) up ;;
+  # A node back after it was lost (the chaos suite's node-loss): its kwok and pod runner,
+  # nothing else.
+  node-up)
+    cluster/up.sh
+    for i in $(seq 1 "$NODES"); do
+      if [ "$(node_name "$i")" = "${2:?node name}" ]; then start_runner "$i"; fi
+    done
+    ;;
   down) down ;;
   # For `eval "$(scripts/stack.sh env)"`: how to reach the stack.
   env) echo "export KUBECONFIG=$KUBECONFIG PATH=$CONTROL_PLANE_BIN:\$PATH CONVEYOR_GATEWAY_URL=https://$GATEWAY CONVEYOR_CA_FILE=$CONVEYOR_CA_FILE CONVEYOR_TOKEN=dev-token-change-me" ;;
-  *) echo "usage: $0 [up|down|env]" >&2; exit 2 ;;
+  *) echo "usage: $0 [up|down|env|node-up NODE]" >&2; exit 2 ;;
 esac

@@ -83,8 +83,12 @@ impl ClusterTarget {
     }
 
     /// Injects the fault through Kubernetes; returns when it healed, with what went wrong.
-    pub async fn inject(&self, scenario: Scenario) -> (Instant, Vec<String>) {
-        inject(scenario, &self.stack, &self.task_type).await
+    pub async fn inject(
+        &self,
+        scenario: Scenario,
+        notes: &mut Vec<String>,
+    ) -> (Instant, Vec<String>) {
+        inject(scenario, &self.stack, &self.task_type, notes).await
     }
 
     pub async fn finish(self) {
@@ -111,7 +115,12 @@ async fn wait_for_gateway(stack: &Stack, task_type: &str) {
 
 /// Injects the fault through Kubernetes; returns when it healed (the last pod deleted, the
 /// operator back, the rollout or the pool's return applied), with what went wrong.
-async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> (Instant, Vec<String>) {
+async fn inject(
+    scenario: Scenario,
+    stack: &Stack,
+    task_type: &str,
+    notes: &mut Vec<String>,
+) -> (Instant, Vec<String>) {
     let mut failures = Vec::new();
     let ns = stack.namespace.as_str();
     let healed = match scenario {
@@ -184,7 +193,7 @@ async fn inject(scenario: Scenario, stack: &Stack, task_type: &str) -> (Instant,
         Scenario::BrokerStoppedCluster => broker_stopped(stack, &mut failures).await,
         Scenario::NodeLoss => {
             let replicas = replicas(scenario);
-            node_loss::inject(stack, POOL, replicas, task_type, &mut failures).await
+            node_loss::inject(stack, POOL, replicas, task_type, &mut failures, notes).await
         }
         _ => {
             failures.push(format!("{} is not a cluster scenario", scenario.name()));

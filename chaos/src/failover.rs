@@ -28,6 +28,7 @@ pub async fn inject(
     system: &System,
     scale: &Scale,
     observer: &mut Observer,
+    notes: &mut Vec<String>,
 ) -> anyhow::Result<(Instant, Vec<String>)> {
     let replicated = system
         .replicated
@@ -47,8 +48,14 @@ pub async fn inject(
                 .quorum(&queue)
                 .await
                 .context("the work queue's leader")?;
+            let clients = replicated.connections_on(leader).await;
             replicated.signal_node(leader, signal).await?;
             eprintln!("chaos: node {leader}, the work queue's leader, {what}");
+            // Clients start at a random node: say whether any had to move.
+            notes.push(match clients {
+                Some(n) => format!("{n} client connections were on node {leader}"),
+                None => format!("client connections on node {leader} unknown"),
+            });
             let elected = until(observer, system, HEAL_WITHIN, || async {
                 replicated
                     .quorum(&queue)
@@ -56,7 +63,7 @@ pub async fn inject(
                     .is_some_and(|(now, _)| now != leader)
             })
             .await;
-            report_election(elected, from, leader, what, &mut failures);
+            report_election(elected, from, leader, what, &mut failures, notes);
             if kill {
                 observe_for(observer, system, Duration::from_secs(5)).await;
                 while_sampling(observer, system, replicated.start_node(leader)).await?;
@@ -68,12 +75,19 @@ pub async fn inject(
             failures.extend(rejoined(observer, system, &queue, leader).await);
         }
         Scenario::RabbitmqRollingRestart => {
+            let mut stops = Vec::new();
             for node in NODES {
                 from = Instant::now();
+                stops.push((node, from));
                 eprintln!("chaos: restarting node {node}");
                 while_sampling(observer, system, replicated.stop_node(node)).await?;
                 while_sampling(observer, system, replicated.start_node(node)).await?;
                 failures.extend(rejoined(observer, system, &queue, node).await);
+            }
+            // The last node's recovery is the report's; the earlier ones' are notes.
+            for (node, stopped) in &stops[..stops.len() - 1] {
+                let seconds = observer.recovery(*stopped, *stopped);
+                notes.push(format!("recovery after node {node}'s stop {seconds:.1} s"));
             }
         }
         Scenario::PostgresFailover => {
@@ -101,12 +115,15 @@ fn report_election(
     leader: u8,
     what: &str,
     failures: &mut Vec<String>,
+    notes: &mut Vec<String>,
 ) {
     if elected {
-        eprintln!(
-            "chaos: a new leader {:.1} s after node {leader} {what}",
+        let note = format!(
+            "a new leader seen {:.1} s after node {leader} {what}",
             fault.elapsed().as_secs_f64()
         );
+        eprintln!("chaos: {note}");
+        notes.push(note);
     } else {
         failures.push(format!("no new leader after node {leader} {what}"));
     }

@@ -315,14 +315,17 @@ pub fn degraded_failures(scenario: Scenario, system: &System, t: &Telemetry) -> 
     let mut failures = Vec::new();
     let takes_database = matches!(
         scenario,
-        Scenario::PostgresCrash | Scenario::PostgresSlow | Scenario::WorkerKillDegraded
+        Scenario::PostgresCrash
+            | Scenario::PostgresSlow
+            | Scenario::WorkerKillDegraded
+            | Scenario::PostgresFailover
     );
     if takes_database && t.breaker_opens == 0 {
         failures.push("no worker's breaker opened".to_owned());
     }
     if matches!(
         scenario,
-        Scenario::PostgresCrash | Scenario::WorkerKillDegraded
+        Scenario::PostgresCrash | Scenario::WorkerKillDegraded | Scenario::PostgresFailover
     ) && (t.buffered_max == 0 || t.replayed == 0)
     {
         failures.push(format!(

@@ -4,11 +4,13 @@
 //! when a machine loses power. Then Kubernetes does the rest on its own, and this watches:
 //! the node controller marks the node NotReady, the pods on it are evicted once their
 //! tolerations run out, their replacements start on the other nodes, and the tasks the dead
-//! workers held are reaped and run again. The node comes back before the next round.
+//! workers held are reaped and run again (the sidecar sees them run twice: `run.rs` requires
+//! it). The node comes back before the next round.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use conveyor_e2e_tests::Stack;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams};
@@ -19,104 +21,164 @@ use crate::oracle;
 
 /// Node failures in one run.
 pub const ROUNDS: usize = 3;
-/// Longest wait for each step Kubernetes takes on its own (NotReady after the node monitor
-/// grace period, eviction after the 30 s tolerations, replacements started).
-const STEP_WITHIN: Duration = Duration::from_secs(180);
+/// What must follow a node's death within this long: the case study's recovery bound.
+const RECOVER_WITHIN: Duration = Duration::from_secs(120);
+/// Longest wait for the node to be Ready again after it was restarted.
+const BACK_WITHIN: Duration = Duration::from_secs(60);
+/// Longest wait for a node to hold a task, so that its death catches work mid-run.
+const BUSY_WITHIN: Duration = Duration::from_secs(30);
 
-/// Loses a node hosting the pool's pods, [`ROUNDS`] times; returns when the last one died.
+/// What is seen after a node's death, each step the first time it holds.
+const STEPS: [&str; 4] = [
+    "NotReady",
+    "its workers' tasks reaped",
+    "its pods evicted",
+    "replacements Ready elsewhere",
+];
+
+/// Loses the node whose workers hold the most tasks, [`ROUNDS`] times; returns when the
+/// last one died. Each round's timings go to `notes`.
 pub async fn inject(
     stack: &Stack,
     pool: &str,
     replicas: usize,
     task_type: &str,
     failures: &mut Vec<String>,
+    notes: &mut Vec<String>,
 ) -> Instant {
     let mut last = Instant::now();
     for round in 1..=ROUNDS {
-        let pods: Vec<Pod> = pool_pods(stack, pool)
-            .await
-            .into_iter()
-            .filter(|p| p.metadata.deletion_timestamp.is_none() && is_ready(p))
-            .collect();
-        let node: Option<String> = pods.iter().find_map(|p| p.spec.as_ref()?.node_name.clone());
-        let Some(node) = node else {
-            failures.push(format!(
-                "round {round}: no pod of the pool runs on any node"
-            ));
-            continue;
-        };
-        let doomed: Vec<String> = pods
-            .iter()
-            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node))
-            .filter_map(|p| p.metadata.name.clone())
-            .collect();
-        last = Instant::now();
-        if let Err(err) = power_off(&node) {
-            failures.push(format!("round {round}: cannot stop node {node}: {err:#}"));
-            continue;
-        }
-        let held = oracle::count_owned_by(&stack.db, task_type, &doomed).await;
-        eprintln!(
-            "chaos: node-loss round {round}: {node} lost with pods {doomed:?} holding {held} tasks"
-        );
-        let mut step = |what: &str, done: bool| {
-            match done {
-                true => eprintln!(
-                    "chaos: node-loss round {round}: {what} {:.0} s after the node died",
-                    last.elapsed().as_secs_f64()
-                ),
-                false => failures.push(format!(
-                    "round {round}: {what} not seen within {STEP_WITHIN:?}"
-                )),
+        match lose_a_node(stack, pool, replicas, task_type, round).await {
+            Ok((died, note, missed)) => {
+                last = died;
+                notes.push(note);
+                failures.extend(missed);
             }
-            done
-        };
-        let not_ready = until(|| async { node_ready(stack, &node).await == Some(false) }).await;
-        step("NotReady", not_ready);
-        let reaped =
-            until(|| async { oracle::count_owned_by(&stack.db, task_type, &doomed).await == 0 })
-                .await;
-        step("its workers' tasks reaped", reaped);
-        let evicted = until(|| async {
-            let now = pool_pods(stack, pool).await;
-            doomed.iter().all(|name| {
-                now.iter().all(|p| {
-                    p.metadata.name.as_ref() != Some(name)
-                        || p.metadata.deletion_timestamp.is_some()
-                })
-            })
-        })
-        .await;
-        step("its pods evicted", evicted);
-        let replaced =
-            until(|| async { ready_elsewhere(stack, pool, &node).await >= replicas }).await;
-        step("replacements ready on the other nodes", replaced);
-        // The machine back: its kwok and pod runner start again (scripts/stack.sh up starts
-        // what is not running); the pods evicted from it are deleted for good.
-        let back = run_stack_up().await.is_ok()
-            && until(|| async { node_ready(stack, &node).await == Some(true) }).await;
-        step("back Ready", back);
+            Err(err) => failures.push(format!("round {round}: {err:#}")),
+        }
     }
     last
 }
 
-/// The pool's pods that are not being deleted and are Ready on nodes other than `lost`.
-async fn ready_elsewhere(stack: &Stack, pool: &str, lost: &str) -> usize {
-    pool_pods(stack, pool)
-        .await
+/// One round: the busiest node dies, Kubernetes takes over, the node comes back. Returns
+/// when it died, a note of when each step was seen, and the steps missed.
+async fn lose_a_node(
+    stack: &Stack,
+    pool: &str,
+    replicas: usize,
+    task_type: &str,
+    round: usize,
+) -> anyhow::Result<(Instant, String, Vec<String>)> {
+    let (node, doomed, held) = busiest_node(stack, pool, task_type).await?;
+    let died = Instant::now();
+    power_off(&node)?;
+    eprintln!("chaos: node-loss round {round}: {node} lost with {doomed:?} holding {held} tasks");
+    let mut seen: [Option<f64>; 4] = [None; 4];
+    while died.elapsed() < RECOVER_WITHIN && seen.iter().any(Option::is_none) {
+        let pods = pool_pods(stack, pool).await?;
+        let now = [
+            node_ready(stack, &node).await? == Some(false),
+            oracle::count_owned_by(&stack.db, task_type, &doomed).await? == 0,
+            doomed.iter().all(|name| {
+                pods.iter()
+                    .all(|p| p.metadata.name.as_ref() != Some(name) || deleted(p))
+            }),
+            pods.iter()
+                .filter(|p| !deleted(p) && is_ready(p) && node_of(p) != Some(&node))
+                .count()
+                >= replicas,
+        ];
+        for (step, holds) in seen.iter_mut().zip(now) {
+            if holds && step.is_none() {
+                *step = Some(died.elapsed().as_secs_f64());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut missed: Vec<String> = STEPS
         .iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none() && is_ready(p))
-        .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) != Some(lost))
-        .count()
+        .zip(seen)
+        .filter(|(_, at)| at.is_none())
+        .map(|(step, _)| format!("round {round}: {step} not seen within {RECOVER_WITHIN:?}"))
+        .collect();
+    // The machine back: its kwok and pod runner start again, and the pods evicted from it
+    // are deleted for good.
+    node_up(&node).await?;
+    let back_since = Instant::now();
+    while back_since.elapsed() < BACK_WITHIN && node_ready(stack, &node).await? != Some(true) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let back = died.elapsed().as_secs_f64();
+    if node_ready(stack, &node).await? != Some(true) {
+        missed.push(format!(
+            "round {round}: {node} not Ready again after its restart"
+        ));
+    }
+    let steps: Vec<String> = STEPS
+        .iter()
+        .zip(seen)
+        .filter_map(|(step, at)| Some(format!("{step} {:.0} s", at?)))
+        .collect();
+    let note = format!(
+        "round {round}: {node} lost holding {held} tasks; {}; back {back:.0} s",
+        steps.join(", ")
+    );
+    eprintln!("chaos: node-loss {note}");
+    Ok((died, note, missed))
 }
 
-async fn pool_pods(stack: &Stack, pool: &str) -> Vec<Pod> {
+/// The node whose pool workers hold the most tasks (claimed or running), its pods and that
+/// count; waits up to [`BUSY_WITHIN`] for some node to hold one.
+async fn busiest_node(
+    stack: &Stack,
+    pool: &str,
+    task_type: &str,
+) -> anyhow::Result<(String, Vec<String>, i64)> {
+    let since = Instant::now();
+    loop {
+        let pods = pool_pods(stack, pool).await?;
+        let mut best: Option<(String, Vec<String>, i64)> = None;
+        let mut nodes: Vec<&str> = pods
+            .iter()
+            .filter(|p| !deleted(p))
+            .filter_map(node_of)
+            .collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        for node in nodes {
+            let on_it: Vec<String> = pods
+                .iter()
+                .filter(|p| !deleted(p) && node_of(p) == Some(node))
+                .filter_map(|p| p.metadata.name.clone())
+                .collect();
+            let held = oracle::count_owned_by(&stack.db, task_type, &on_it).await?;
+            if best.as_ref().is_none_or(|(_, _, most)| held > *most) {
+                best = Some((node.to_owned(), on_it, held));
+            }
+        }
+        match best {
+            Some(busiest) if busiest.2 > 0 => return Ok(busiest),
+            _ if since.elapsed() > BUSY_WITHIN => {
+                anyhow::bail!("no node held a task within {BUSY_WITHIN:?}: nothing to lose")
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+async fn pool_pods(stack: &Stack, pool: &str) -> anyhow::Result<Vec<Pod>> {
     let pods: Api<Pod> = Api::namespaced(stack.client.clone(), &stack.namespace);
     let selector = format!("conveyor.dev/pool={pool}");
-    pods.list(&ListParams::default().labels(&selector))
-        .await
-        .map(|l| l.items)
-        .unwrap_or_default()
+    let list = pods.list(&ListParams::default().labels(&selector)).await?;
+    Ok(list.items)
+}
+
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+fn deleted(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_some()
 }
 
 fn is_ready(pod: &Pod) -> bool {
@@ -126,32 +188,15 @@ fn is_ready(pod: &Pod) -> bool {
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
-/// Whether the node's Ready condition is True (`None` when unreadable).
-async fn node_ready(stack: &Stack, node: &str) -> Option<bool> {
+/// Whether the node's Ready condition is True (`None` while it reports none).
+async fn node_ready(stack: &Stack, node: &str) -> anyhow::Result<Option<bool>> {
     let nodes: Api<Node> = Api::all(stack.client.clone());
-    let node = nodes.get(node).await.ok()?;
+    let node = nodes.get(node).await?;
     let ready = node
-        .status?
-        .conditions?
-        .into_iter()
-        .find(|c| c.type_ == "Ready")?;
-    Some(ready.status == "True")
-}
-
-/// Checks `done` every second until it holds or [`STEP_WITHIN`] passes.
-async fn until<F, Fut>(done: F) -> bool
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + STEP_WITHIN;
-    while Instant::now() < deadline {
-        if done().await {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
-    false
+        .status
+        .and_then(|s| s.conditions)
+        .and_then(|c| c.into_iter().find(|c| c.type_ == "Ready"));
+    Ok(ready.map(|c| c.status == "True"))
 }
 
 /// The local stack's process directory (scripts/stack.sh's `$DEV`).
@@ -162,10 +207,9 @@ fn dev_dir() -> PathBuf {
     )
 }
 
-fn pid_of(path: PathBuf) -> anyhow::Result<i32> {
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    Ok(text.trim().parse()?)
+fn pid_of(path: PathBuf) -> anyhow::Result<Pid> {
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    Ok(Pid::from_raw(text.trim().parse()?))
 }
 
 /// kill -9 of the node's pod runner, of every process it started (each pod's process
@@ -178,47 +222,50 @@ fn power_off(node: &str) -> anyhow::Result<()> {
     };
     let runner = pid_of(dev.join(format!("{runner}.pid")))?;
     let kwok = pid_of(dev.join(format!("cluster/kwok-{node}.pid")))?;
-    // The runner first, so that it restarts nothing; then what it ran.
+    // Stopped first, so that it starts nothing between the listing and the kill.
+    kill(runner, Signal::SIGSTOP)?;
     let children = children_of(runner);
-    kill(Pid::from_raw(runner), Signal::SIGKILL)?;
+    kill(runner, Signal::SIGKILL)?;
     for child in children {
-        let _ = killpg(Pid::from_raw(child), Signal::SIGKILL);
+        let _ = killpg(child, Signal::SIGKILL);
     }
-    kill(Pid::from_raw(kwok), Signal::SIGKILL)?;
+    kill(kwok, Signal::SIGKILL)?;
     Ok(())
 }
 
-/// The processes whose parent is `pid` (from /proc).
-fn children_of(pid: i32) -> Vec<i32> {
+/// The processes whose parent is `parent` (from /proc).
+fn children_of(parent: Pid) -> Vec<Pid> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     entries
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|child| {
+        .filter(|pid| {
             // Field 4 of /proc/<pid>/stat, after the parenthesised command name.
-            std::fs::read_to_string(format!("/proc/{child}/stat"))
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
                 .ok()
                 .and_then(|stat| {
                     let after = stat.rsplit_once(')')?.1;
                     after.split_whitespace().nth(1)?.parse::<i32>().ok()
                 })
-                == Some(pid)
+                == Some(parent.as_raw())
         })
+        .map(Pid::from_raw)
         .collect()
 }
 
-/// `scripts/stack.sh up`, which starts the lost node's kwok and pod runner again.
-async fn run_stack_up() -> anyhow::Result<()> {
+/// Starts the node's kwok and pod runner again (`scripts/stack.sh node-up`), and nothing
+/// else.
+async fn node_up(node: &str) -> anyhow::Result<()> {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/stack.sh");
     let out = tokio::process::Command::new(&script)
-        .arg("up")
+        .args(["node-up", node])
         .stdin(std::process::Stdio::null())
         .output()
         .await?;
     anyhow::ensure!(
         out.status.success(),
-        "{} up: {}",
+        "{} node-up {node}: {}",
         script.display(),
         String::from_utf8_lossy(&out.stderr)
     );

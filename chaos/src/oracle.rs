@@ -139,19 +139,20 @@ pub async fn processing_owners(db: &Db, task_type: &str) -> Vec<String> {
 }
 
 /// Tasks of `task_type` claimed or running by a worker of one of `pods` (worker ids are
-/// `<pod>-<suffix>`).
-pub async fn count_owned_by(db: &Db, task_type: &str, pods: &[String]) -> i64 {
+/// `<pod>-<suffix>`). An error is an error: a count of 0 would pass for "all reaped".
+pub async fn count_owned_by(db: &Db, task_type: &str, pods: &[String]) -> anyhow::Result<i64> {
     let prefixes: Vec<String> = pods.iter().map(|pod| format!("{pod}-%")).collect();
-    sqlx::query_scalar::<_, i64>(
+    let states = [TaskState::Claimed.as_str(), TaskState::Processing.as_str()];
+    let count = sqlx::query_scalar::<_, i64>(
         "SELECT count(*) FROM tasks WHERE task_type = $1 AND state = ANY($2)
            AND owner LIKE ANY($3)",
     )
     .bind(task_type)
-    .bind([TaskState::Claimed.as_str(), TaskState::Processing.as_str()])
+    .bind(&states[..])
     .bind(&prefixes)
     .fetch_one(db.pool())
-    .await
-    .unwrap_or(0)
+    .await?;
+    Ok(count)
 }
 
 /// Judges a quiet system.

@@ -73,23 +73,41 @@ impl Replicated {
         })
     }
 
-    /// `queue`'s quorum: its leader's node, and how many of its members are online, as the
-    /// first node whose management API answers says. `None` while no node answers or the
-    /// queue has no leader.
+    /// `queue`'s quorum: its leader's node, and how many of its members are online. `None`
+    /// while no node answers or the queue has no leader.
     pub async fn quorum(&self, queue: &str) -> Option<(u8, usize)> {
+        let body = self.management(&format!("/api/queues/%2f/{queue}")).await?;
+        let leader = body["leader"].as_str().and_then(node_of)?;
+        let online = body["online"].as_array().map_or(0, Vec::len);
+        Some((leader, online))
+    }
+
+    /// How many connections of the system under test (not the suite's own) node `node`
+    /// holds.
+    pub async fn connections_on(&self, node: u8) -> Option<usize> {
+        let name = format!("conveyor-{node}@localhost");
+        let body = self.management("/api/connections").await?;
+        let on_it = body.as_array()?.iter().filter(|c| {
+            let client = c["client_properties"]["connection_name"]
+                .as_str()
+                .unwrap_or("");
+            c["node"] == name.as_str() && !client.starts_with("conveyor-chaos")
+        });
+        Some(on_it.count())
+    }
+
+    /// What the first node whose management API answers says to `GET path`.
+    async fn management(&self, path: &str) -> Option<serde_json::Value> {
         for node in NODES {
-            let url = format!("{}/api/queues/%2f/{queue}", management_url(node));
+            let url = format!("{}{path}", management_url(node));
             // Bounded: a paused node accepts the request and never answers it.
             let request = self.http.get(&url).timeout(Duration::from_secs(2));
             let Ok(answer) = request.send().await else {
                 continue;
             };
-            let Ok(body) = answer.json::<serde_json::Value>().await else {
-                continue;
-            };
-            let leader = body["leader"].as_str().and_then(node_of)?;
-            let online = body["online"].as_array().map_or(0, Vec::len);
-            return Some((leader, online));
+            if let Ok(body) = answer.json::<serde_json::Value>().await {
+                return Some(body);
+            }
         }
         None
     }
@@ -143,15 +161,27 @@ pub async fn pg_standby() -> anyhow::Result<u16> {
         .context("the pair has no standby")
 }
 
+/// The longest a call of the services script may take (`up` may re-make a standby).
+const SCRIPT_WITHIN: Duration = Duration::from_secs(300);
+
 /// Runs `scripts/cluster-services.sh` with `args`; its standard output.
 async fn script(args: &[&str]) -> anyhow::Result<String> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/cluster-services.sh");
-    let out = tokio::process::Command::new(&path)
+    let run = tokio::process::Command::new(&path)
         .args(args)
         .stdin(std::process::Stdio::null())
         .stderr(std::process::Stdio::inherit())
-        .output()
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(SCRIPT_WITHIN, run)
         .await
+        .with_context(|| {
+            format!(
+                "{} {} took over {SCRIPT_WITHIN:?}",
+                path.display(),
+                args.join(" ")
+            )
+        })?
         .with_context(|| format!("run {}", path.display()))?;
     anyhow::ensure!(
         out.status.success(),

@@ -7,7 +7,7 @@ use crate::scenarios::{Row, Scenario};
 
 /// What each column measures, and from which source (client answers, side effects seen by
 /// the sidecar, the database, the product's own audit log): decision 0009.
-const COLUMNS: [&str; 19] = [
+const COLUMNS: [&str; 20] = [
     "scenario",
     "accepted (client told 2xx)",
     "completed (db)",
@@ -27,6 +27,7 @@ const COLUMNS: [&str; 19] = [
     "replayed",
     "breaker opens",
     "worker RSS max (MiB)",
+    "notes",
 ];
 
 pub fn markdown(rows: &[Row], header: &str) -> String {
@@ -62,7 +63,7 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
         let t = &row.telemetry;
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {:.0} |",
+            "| {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {:.0} | {} |",
             row.scenario,
             counts.join(" | "),
             v.reruns,
@@ -74,13 +75,14 @@ pub fn markdown(rows: &[Row], header: &str) -> String {
             t.replayed,
             t.breaker_opens,
             t.worker_rss_max_mib,
+            row.notes.join("; "),
         );
     }
     let reruns: usize = rows.iter().map(|r| r.verdict.reruns).sum();
     let totals: Vec<String> = totals.iter().map(ToString::to_string).collect();
     let _ = writeln!(
         out,
-        "| **total** | {} | {reruns} | | | | | | | | |",
+        "| **total** | {} | {reruns} | | | | | | | | | |",
         totals.join(" | ")
     );
     out

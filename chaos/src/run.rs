@@ -99,21 +99,24 @@ impl Target {
         Ok(())
     }
 
+    /// Injects the fault; returns when it healed and what went wrong. What a fault saw on
+    /// its way (a new leader's election, a lost node's steps) goes to `notes`.
     async fn inject(
         &mut self,
         scenario: Scenario,
         scale: &Scale,
         observer: &mut Observer,
+        notes: &mut Vec<String>,
     ) -> anyhow::Result<(Instant, Vec<String>)> {
         match self {
             Target::Processes(system) if scenario.replicated() => {
-                failover::inject(scenario, system, scale, observer).await
+                failover::inject(scenario, system, scale, observer, notes).await
             }
             Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
             // Faults through Kubernetes take up to minutes (a node lost three times).
             Target::Cluster(cluster) => {
                 let (db, task_type) = (&cluster.stack.db, &cluster.task_type);
-                let work = cluster.inject(scenario);
+                let work = cluster.inject(scenario, notes);
                 Ok(observe::sampling(work, async || observer.sample(db, task_type).await).await)
             }
         }
@@ -156,7 +159,10 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     let fault = Instant::now();
     observer.telemetry.fault_starts();
     sidecar.mark();
-    let (healed, fault_failures) = target.inject(scenario, scale, &mut observer).await?;
+    let mut notes = Vec::new();
+    let (healed, fault_failures) = target
+        .inject(scenario, scale, &mut observer, &mut notes)
+        .await?;
     // Effects under way while the fault struck (up to a heartbeat timeout after it healed,
     // when the reapers hand abandoned tasks on).
     let bound_until = healed + Duration::from_secs(4);
@@ -222,6 +228,7 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         verdict,
         failures,
         telemetry,
+        notes,
     })
 }
 

@@ -25,7 +25,10 @@ use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 
 use crate::plan::{Host, Objects};
-use crate::status::{ContainerState, Report};
+use crate::status::{ContainerState, Readiness, Report};
+
+/// A status sent this long ago that the pod still does not show is sent again.
+const RESEND_AFTER: Duration = Duration::from_secs(5);
 use crate::supervisor::Supervisor;
 
 #[derive(Debug, Parser)]
@@ -90,6 +93,7 @@ async fn main() -> anyhow::Result<()> {
         addresses: HashMap::new(),
         refused: HashMap::new(),
         reported: HashMap::new(),
+        readiness: HashMap::new(),
         http: reqwest::Client::new(),
     };
     let mut tick = tokio::time::interval(Duration::from_secs(2));
@@ -132,8 +136,10 @@ struct Runner {
     addresses: HashMap<String, Ipv4Addr>,
     /// Pods that cannot run here, with why (logged once per reason).
     refused: HashMap<String, String>,
-    /// What was last reported of each pod's status, by uid.
-    reported: HashMap<String, Report>,
+    /// What was last sent of each pod's status, and when, by uid.
+    reported: HashMap<String, (Report, std::time::Instant)>,
+    /// Each running pod's readiness probe results, by uid.
+    readiness: HashMap<String, Readiness>,
     /// For readiness probes.
     http: reqwest::Client,
 }
@@ -199,10 +205,11 @@ impl Runner {
         self.report_statuses(&wanted).await;
     }
 
-    /// Reports each pod's container state and readiness where it changed (the probes run
-    /// side by side, each bounded by a second).
+    /// Reports each pod's container state and readiness where the pod does not show them
+    /// yet (the probes run side by side, each bounded by a second).
     async fn report_statuses(&mut self, wanted: &BTreeMap<String, std::sync::Arc<Pod>>) {
-        let reports = wanted.iter().filter_map(|(uid, pod)| {
+        self.readiness.retain(|uid, _| wanted.contains_key(uid));
+        let probes = wanted.iter().filter_map(|(uid, pod)| {
             let state = match (self.refused.get(uid), self.running.get(uid)) {
                 (Some(why), _) => ContainerState::Refused(why.clone()),
                 (None, Some(supervisor)) => ContainerState::of(supervisor.state()),
@@ -212,30 +219,45 @@ impl Runner {
             let probe = self
                 .addresses
                 .get(uid)
-                .and_then(|address| status::readiness_url(pod, *address));
+                .and_then(|address| status::readiness_probe(pod, *address));
             let http = &self.http;
             Some(async move {
-                let ready = match (&state, probe) {
-                    (ContainerState::Running(_), Some(url)) => status::probe(http, &url).await,
-                    (ContainerState::Running(_), None) => true,
-                    _ => false,
+                let answered = match (&state, &probe) {
+                    (ContainerState::Running(_), Some(probe)) => {
+                        Some(status::probe(http, &probe.url).await)
+                    }
+                    _ => None,
                 };
-                let report = Report {
+                let threshold = probe.map_or(1, |p| p.failure_threshold);
+                (
+                    uid.clone(),
+                    pod.clone(),
                     state,
                     restarts,
-                    ready,
-                };
-                (uid.clone(), pod.clone(), report)
+                    answered,
+                    threshold,
+                )
             })
         });
-        let reports = futures_util::future::join_all(reports).await;
-        for (uid, pod, report) in reports {
-            let same = self.reported.get(&uid).is_some_and(|last| {
-                last.ready == report.ready
-                    && last.restarts == report.restarts
-                    && std::mem::discriminant(&last.state) == std::mem::discriminant(&report.state)
-            });
-            if same {
+        let probed = futures_util::future::join_all(probes).await;
+        for (uid, pod, state, restarts, answered, threshold) in probed {
+            let running = matches!(state, ContainerState::Running(_));
+            let readiness = self.readiness.entry(uid.clone()).or_default();
+            let ready = readiness.after(running, answered, threshold);
+            let report = Report {
+                state,
+                restarts,
+                ready,
+            };
+            if report.shown_by(&pod) {
+                continue;
+            }
+            // Sent a moment ago: the watch has not brought it back yet.
+            let just_sent = self
+                .reported
+                .get(&uid)
+                .is_some_and(|(last, at)| last.same_as(&report) && at.elapsed() < RESEND_AFTER);
+            if just_sent {
                 continue;
             }
             let pods: Api<Pod> =
@@ -250,7 +272,8 @@ impl Runner {
                 .await
             {
                 Ok(_) => {
-                    self.reported.insert(uid, report);
+                    self.reported
+                        .insert(uid, (report, std::time::Instant::now()));
                 }
                 Err(err) => {
                     tracing::warn!(pod = %pod.name_any(), error = %err, "cannot report the pod's status")

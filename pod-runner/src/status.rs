@@ -31,13 +31,14 @@ impl ContainerState {
         match process.running_since {
             Some(since) => ContainerState::Running(since),
             None if process.restarts > 0 => ContainerState::BackingOff,
-            // Started a moment ago and not yet running: as good as running for a report.
+            // Being started (a moment): reported as the first start's back-off would be
+            // only after an exit, so as running, and not ready until its probe answers.
             None => ContainerState::Running(SystemTime::now()),
         }
     }
 }
 
-/// What was last reported of a pod: a new report goes out only when this changes.
+/// What the runner reports of a pod.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Report {
     pub state: ContainerState,
@@ -45,17 +46,96 @@ pub struct Report {
     pub ready: bool,
 }
 
-/// The URL of the container's HTTP readiness probe at the pod's address; `None` when it
-/// has none (then running is ready).
-pub fn readiness_url(pod: &Pod, address: Ipv4Addr) -> Option<String> {
+impl Report {
+    /// The same report but for times (a state's start).
+    pub fn same_as(&self, other: &Report) -> bool {
+        self.ready == other.ready
+            && self.restarts == other.restarts
+            && std::mem::discriminant(&self.state) == std::mem::discriminant(&other.state)
+    }
+
+    /// Whether the pod's status already says this (readiness, restarts and the kind of
+    /// state; not the times). Compared with the pod as the API server has it, not with the
+    /// last report: the node controller also writes Ready (False, when a node's heartbeats
+    /// lapse), and a runner must put it back.
+    pub fn shown_by(&self, pod: &Pod) -> bool {
+        let Some(status) = pod.status.as_ref() else {
+            return false;
+        };
+        let ready = status
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        let Some(container) = status.container_statuses.iter().flatten().next() else {
+            return false;
+        };
+        let state = container.state.as_ref();
+        let waiting = state
+            .and_then(|s| s.waiting.as_ref())
+            .and_then(|w| w.reason.as_deref());
+        let kind_shown = match &self.state {
+            ContainerState::Refused(_) => waiting == Some("CreateContainerConfigError"),
+            ContainerState::BackingOff => waiting == Some("CrashLoopBackOff"),
+            ContainerState::Running(_) => state.is_some_and(|s| s.running.is_some()),
+        };
+        kind_shown && ready == self.ready && container.restart_count == self.restarts as i32
+    }
+}
+
+/// A pod's readiness as a kubelet keeps it: not ready until its probe first answers, then
+/// ready until the probe fails `failureThreshold` times in a row (one slow answer on a busy
+/// machine does not take a worker out of its pool), not ready whenever the process is not
+/// running.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Readiness {
+    ready: bool,
+    failures: u32,
+}
+
+impl Readiness {
+    /// Takes one round: whether the process runs and what its probe said (`None`: it has
+    /// none); returns whether the pod is ready now.
+    pub fn after(&mut self, running: bool, answered: Option<bool>, failure_threshold: u32) -> bool {
+        match (running, answered) {
+            (false, _) => *self = Readiness::default(),
+            (true, None) | (true, Some(true)) => {
+                self.ready = true;
+                self.failures = 0;
+            }
+            (true, Some(false)) => {
+                self.failures += 1;
+                if self.failures >= failure_threshold {
+                    self.ready = false;
+                }
+            }
+        }
+        self.ready
+    }
+}
+
+/// A container's HTTP readiness probe, at the pod's address.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadinessProbe {
+    pub url: String,
+    /// Failures in a row before a ready pod is not ready (`failureThreshold`, default 3).
+    pub failure_threshold: u32,
+}
+
+/// The container's HTTP readiness probe; `None` when it has none (then running is ready).
+pub fn readiness_probe(pod: &Pod, address: Ipv4Addr) -> Option<ReadinessProbe> {
     let container = pod.spec.as_ref()?.containers.first()?;
-    let get = container.readiness_probe.as_ref()?.http_get.as_ref()?;
+    let probe = container.readiness_probe.as_ref()?;
+    let get = probe.http_get.as_ref()?;
     let port = match &get.port {
         IntOrString::Int(port) => *port,
         IntOrString::String(name) => named_port(container, name)?,
     };
     let path = get.path.as_deref().unwrap_or("/");
-    Some(format!("http://{address}:{port}{path}"))
+    Some(ReadinessProbe {
+        url: format!("http://{address}:{port}{path}"),
+        failure_threshold: probe.failure_threshold.map_or(3, |n| n.max(1) as u32),
+    })
 }
 
 fn named_port(container: &Container, name: &str) -> Option<i32> {
@@ -142,16 +222,43 @@ mod tests {
     fn the_readiness_probe_is_reached_at_the_pod_address_by_port_name_or_number() {
         let address = Ipv4Addr::new(127, 2, 0, 5);
         let named = pod(json!({"httpGet": {"path": "/readyz", "port": "metrics"}}));
+        let url = |pod: &Pod| readiness_probe(pod, address).map(|p| p.url);
+        assert_eq!(url(&named).as_deref(), Some("http://127.2.0.5:9090/readyz"));
+        let numbered = pod(json!({"httpGet": {"port": 8000}, "failureThreshold": 6}));
+        assert_eq!(url(&numbered).as_deref(), Some("http://127.2.0.5:8000/"));
         assert_eq!(
-            readiness_url(&named, address).as_deref(),
-            Some("http://127.2.0.5:9090/readyz")
+            readiness_probe(&numbered, address)
+                .unwrap()
+                .failure_threshold,
+            6
         );
-        let numbered = pod(json!({"httpGet": {"port": 8000}}));
         assert_eq!(
-            readiness_url(&numbered, address).as_deref(),
-            Some("http://127.2.0.5:8000/")
+            readiness_probe(&named, address).unwrap().failure_threshold,
+            3
         );
-        assert_eq!(readiness_url(&pod(json!(null)), address), None);
+        assert_eq!(url(&pod(json!(null))), None);
+    }
+
+    #[test]
+    fn readiness_needs_one_answer_and_is_lost_after_the_failure_threshold() {
+        let mut readiness = Readiness::default();
+        assert!(
+            !readiness.after(true, Some(false), 3),
+            "not ready before its first answer"
+        );
+        assert!(readiness.after(true, Some(true), 3));
+        assert!(
+            readiness.after(true, Some(false), 3),
+            "one slow answer is not enough"
+        );
+        assert!(readiness.after(true, Some(false), 3));
+        assert!(!readiness.after(true, Some(false), 3));
+        assert!(readiness.after(true, Some(true), 3));
+        assert!(
+            !readiness.after(false, None, 3),
+            "a process that exited is not ready"
+        );
+        assert!(readiness.after(true, None, 3), "no probe: running is ready");
     }
 
     #[test]
@@ -161,7 +268,8 @@ mod tests {
             restarts: 0,
             ready: false,
         };
-        let patch = patch(&pod(json!(null)), &report);
+        let mut unready = pod(json!(null));
+        let patch = patch(&unready, &report);
         let status = &patch["status"];
         assert_eq!(status["conditions"][0]["type"], "Ready");
         assert_eq!(status["conditions"][0]["status"], "False");
@@ -170,6 +278,18 @@ mod tests {
         assert_eq!(
             container["state"]["waiting"]["reason"],
             "CreateContainerConfigError"
+        );
+        // Once the API server has the patch, the pod shows the report; not before.
+        assert!(!report.shown_by(&unready));
+        unready.status = Some(serde_json::from_value(patch["status"].clone()).unwrap());
+        assert!(report.shown_by(&unready));
+        let ready = Report {
+            ready: true,
+            ..report
+        };
+        assert!(
+            !ready.shown_by(&unready),
+            "the node controller's Ready=False is put back"
         );
     }
 }

@@ -385,7 +385,9 @@ async fn consume(
                             // Nothing in hand acks on the old channels any more.
                             if intake.state().in_flight == 0 {
                                 for old in retired.drain(..) {
-                                    let _ = old.close(200, "drained").await;
+                                    let closing = old.close(200, "drained");
+                                    let _ =
+                                        tokio::time::timeout(amqp::CLOSE_TIMEOUT, closing).await;
                                 }
                             }
                             deliveries = select_all(consumers);

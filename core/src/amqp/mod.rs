@@ -19,7 +19,9 @@ mod names;
 mod publisher;
 mod topology;
 
-pub use connection::{close_bounded, connect, node_urls, with_heartbeat, CONNECT_TIMEOUT};
+pub use connection::{
+    close_bounded, connect, node_urls, with_heartbeat, CLOSE_TIMEOUT, CONNECT_TIMEOUT,
+};
 pub use consume::{consume, get_one, probe_id, PROBE_KIND};
 pub use error::{AmqpError, AmqpResult};
 pub use names::QueueNames;
