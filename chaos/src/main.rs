@@ -69,7 +69,8 @@ async fn main() -> anyhow::Result<()> {
     };
     let mut rows = Vec::new();
     for scenario in chosen {
-        eprintln!("chaos: {} ({} tasks)", scenario.name(), scale.tasks);
+        let tasks = scenario.plan(&scale).tasks;
+        eprintln!("chaos: {} ({tasks} tasks)", scenario.name());
         let row = conveyor_chaos::run::run(scenario, &scale, &args.logs).await?;
         eprintln!("chaos: {} → {:?}", row.scenario, row.failures);
         rows.push(row);
