@@ -65,7 +65,7 @@ chaos: stack
 
 # The cluster-scale scenarios (a RabbitMQ node killed, cut off, restarted in turn; the
 # PostgreSQL primary replaced by its standby), at 2,500 tasks each; their part of
-# docs/chaos-report.md (+ .jsonl) beside the single-services scenarios. About 8 minutes.
+# docs/chaos-report.md (+ .jsonl) beside the single-services scenarios. About 10 minutes.
 chaos-cluster: build cluster-services
 	$(CARGO) run -q -p conveyor-chaos -- --replicated --tasks 2500 --outage-seconds 30 --report docs/chaos-report.md
 

@@ -36,6 +36,22 @@ pub async fn inject(
         .context("this scenario runs against the replicated services")?;
     let queue = QueueNames::of(&system.task_type).main;
     let mut failures = Vec::new();
+    if scenario != Scenario::PostgresFailover {
+        // The work queue has a member on every node before anything is broken.
+        let whole = until(observer, system, HEAL_WITHIN, || async {
+            replicated
+                .quorum(&queue)
+                .await
+                .is_some_and(|(_, online)| online == NODES.len())
+        })
+        .await;
+        if !whole {
+            failures.push(format!(
+                "the work queue never had {} members online before the fault",
+                NODES.len()
+            ));
+        }
+    }
     let mut from = Instant::now();
     match scenario {
         Scenario::RabbitmqLeaderKill | Scenario::RabbitmqNodePause => {

@@ -71,39 +71,24 @@ async fn lose_a_node(
 ) -> anyhow::Result<(Instant, String, Vec<String>)> {
     let (node, doomed, held) = busiest_node(stack, pool, task_type).await?;
     let died = Instant::now();
-    power_off(&node)?;
-    eprintln!("chaos: node-loss round {round}: {node} lost with {doomed:?} holding {held} tasks");
-    let mut seen: [Option<f64>; 4] = [None; 4];
-    while died.elapsed() < RECOVER_WITHIN && seen.iter().any(Option::is_none) {
-        let pods = pool_pods(stack, pool).await?;
-        let now = [
-            node_ready(stack, &node).await? == Some(false),
-            oracle::count_owned_by(&stack.db, task_type, &doomed).await? == 0,
-            doomed.iter().all(|name| {
-                pods.iter()
-                    .all(|p| p.metadata.name.as_ref() != Some(name) || deleted(p))
-            }),
-            pods.iter()
-                .filter(|p| !deleted(p) && is_ready(p) && node_of(p) != Some(&node))
-                .count()
-                >= replicas,
-        ];
-        for (step, holds) in seen.iter_mut().zip(now) {
-            if holds && step.is_none() {
-                *step = Some(died.elapsed().as_secs_f64());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Err(err) = power_off(&node) {
+        // Half dead is no state to leave a node in.
+        let _ = node_up(&node).await;
+        return Err(err);
     }
+    eprintln!("chaos: node-loss round {round}: {node} lost with {doomed:?} holding {held} tasks");
+    // Whatever happens while watching, the node comes back before the round ends.
+    let watched = watch(stack, pool, replicas, task_type, &node, &doomed, died).await;
+    node_up(&node).await?;
+    let seen = watched?;
     let mut missed: Vec<String> = STEPS
         .iter()
         .zip(seen)
         .filter(|(_, at)| at.is_none())
         .map(|(step, _)| format!("round {round}: {step} not seen within {RECOVER_WITHIN:?}"))
         .collect();
-    // The machine back: its kwok and pod runner start again, and the pods evicted from it
+    // The machine is back: its kwok and pod runner run again, and the pods evicted from it
     // are deleted for good.
-    node_up(&node).await?;
     let back_since = Instant::now();
     while back_since.elapsed() < BACK_WITHIN && node_ready(stack, &node).await? != Some(true) {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -125,6 +110,42 @@ async fn lose_a_node(
     );
     eprintln!("chaos: node-loss {note}");
     Ok((died, note, missed))
+}
+
+/// Each of [`STEPS`] the first time it holds, in seconds after `died`, watched for up to
+/// [`RECOVER_WITHIN`].
+async fn watch(
+    stack: &Stack,
+    pool: &str,
+    replicas: usize,
+    task_type: &str,
+    node: &str,
+    doomed: &[String],
+    died: Instant,
+) -> anyhow::Result<[Option<f64>; 4]> {
+    let mut seen: [Option<f64>; 4] = [None; 4];
+    while died.elapsed() < RECOVER_WITHIN && seen.iter().any(Option::is_none) {
+        let pods = pool_pods(stack, pool).await?;
+        let now = [
+            node_ready(stack, node).await? == Some(false),
+            oracle::count_owned_by(&stack.db, task_type, doomed).await? == 0,
+            doomed.iter().all(|name| {
+                pods.iter()
+                    .all(|p| p.metadata.name.as_ref() != Some(name) || deleted(p))
+            }),
+            pods.iter()
+                .filter(|p| !deleted(p) && is_ready(p) && node_of(p) != Some(node))
+                .count()
+                >= replicas,
+        ];
+        for (step, holds) in seen.iter_mut().zip(now) {
+            if holds && step.is_none() {
+                *step = Some(died.elapsed().as_secs_f64());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(seen)
 }
 
 /// The node whose pool workers hold the most tasks (claimed or running), its pods and that

@@ -211,6 +211,10 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
     if scenario == Scenario::Backlog && outcome.refusals.get(&429).copied().unwrap_or(0) == 0 {
         failures.push("the gateway never answered 429 past maxQueueDepth".to_owned());
     }
+    // Judged by the sidecar, not the database: the tasks the lost nodes held ran again.
+    if scenario == Scenario::NodeLoss && verdict.reruns == 0 {
+        failures.push("no task ran again after its node was lost".to_owned());
+    }
     if scenario == Scenario::PostgresFailover
         && outcome.refusals.get(&503).copied().unwrap_or(0) == 0
     {

@@ -54,6 +54,7 @@ async fn every_manifest_and_example_is_accepted_by_the_apiserver() {
     for target in [
         ["-k", "manifests/base"],
         ["-k", "manifests/kind"],
+        ["-k", "manifests/replicated"],
         ["-f", "examples/video-pipeline/"],
     ] {
         let path = format!("../../{}", target[1]);
