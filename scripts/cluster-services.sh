@@ -83,10 +83,14 @@ CONF
 }
 
 rabbit_running() { rabbit_tool "$1" rabbitmqctl -q status >/dev/null 2>&1; }
+# The node's VM answers, whether or not RabbitMQ runs in it (pause_minority stops RabbitMQ in
+# a node left alone, and keeps the VM).
+rabbit_vm_up() { rabbit_tool "$1" rabbitmqctl -q ping >/dev/null 2>&1; }
 
-rabbit_start() {
+# Launches node $1 in the background unless its VM is up.
+rabbit_launch() {
   local n=$1
-  rabbit_running "$n" && return 0
+  rabbit_vm_up "$n" && return 0
   log "starting RabbitMQ node $(node_name "$n")"
   as_root runuser -u rabbitmq -- env HOME=/var/lib/rabbitmq ERL_EPMD_ADDRESS=127.0.0.1 \
     RABBITMQ_CONF_ENV_FILE="$RABBIT_ETC/node$n-env.conf" \
@@ -97,13 +101,21 @@ rabbit_start() {
     RABBITMQ_LOG_BASE="$RABBIT_LOG" \
     RABBITMQ_PID_FILE="$RABBIT_VAR/node$n.pid" \
     RABBITMQ_ENABLED_PLUGINS_FILE="$RABBIT_ETC/enabled_plugins" \
-    sh -c 'nohup /usr/lib/rabbitmq/bin/rabbitmq-server >"$1" 2>&1 &' sh "$RABBIT_LOG/node$n-start.log"
-  for _ in $(seq 1 120); do rabbit_running "$n" && break; sleep 1; done
+    setsid sh -c 'nohup /usr/lib/rabbitmq/bin/rabbitmq-server >"$1" 2>&1 &' sh "$RABBIT_LOG/node$n-start.log"
+}
+
+# Waits for RabbitMQ to run in node $1. A clustered node that was not the last to stop
+# waits at boot for a peer: `up` launches every node before waiting for any.
+rabbit_await() {
+  local n=$1
+  for _ in $(seq 1 120); do rabbit_running "$n" && return 0; sleep 1; done
   rabbit_tool "$n" rabbitmqctl -q await_startup >/dev/null ||
     { log "node $n did not start: see $RABBIT_LOG"; exit 1; }
 }
 
-rabbit_stop() { rabbit_running "$1" && rabbit_tool "$1" rabbitmqctl -q shutdown >/dev/null || true; }
+rabbit_start() { rabbit_launch "$1"; rabbit_await "$1"; }
+
+rabbit_stop() { rabbit_vm_up "$1" && rabbit_tool "$1" rabbitmqctl -q shutdown >/dev/null || true; }
 
 # The process id of node $1's Erlang VM (what a node failure kills).
 rabbit_pid() { as_root cat "$RABBIT_VAR/node$1.pid"; }
@@ -119,7 +131,8 @@ rabbit_up() {
   for n in "${NODES[@]}"; do
     as_root test -f "$RABBIT_VAR/node$n.pid" && as_root kill -CONT "$(rabbit_pid "$n")" 2>/dev/null || true
   done
-  for n in "${NODES[@]}"; do rabbit_start "$n"; done
+  for n in "${NODES[@]}"; do rabbit_launch "$n"; done
+  for n in "${NODES[@]}"; do rabbit_await "$n"; done
   for n in 2 3; do
     if ! rabbit_members | grep -qx "$(node_name "$n")"; then
       log "joining $(node_name "$n") to the cluster"
