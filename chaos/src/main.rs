@@ -47,11 +47,7 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|name| {
                 Scenario::parse(name).with_context(|| {
-                    let known: Vec<_> = scenarios::ALL
-                        .iter()
-                        .chain(&scenarios::REPLICATED)
-                        .map(|s| s.name())
-                        .collect();
+                    let known: Vec<_> = scenarios::known().map(Scenario::name).collect();
                     format!("unknown scenario {name:?}; known: {}", known.join(", "))
                 })
             })

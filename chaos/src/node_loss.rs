@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context as _;
 use conveyor_e2e_tests::Stack;
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 
@@ -125,7 +125,7 @@ async fn watch(
 ) -> anyhow::Result<[Option<f64>; 4]> {
     let mut seen: [Option<f64>; 4] = [None; 4];
     while died.elapsed() < RECOVER_WITHIN && seen.iter().any(Option::is_none) {
-        let pods = pool_pods(stack, pool).await?;
+        let pods = stack.pool_pods(pool).await?;
         let now = [
             node_ready(stack, node).await? == Some(false),
             oracle::count_owned_by(&stack.db, task_type, doomed).await? == 0,
@@ -157,7 +157,7 @@ async fn busiest_node(
 ) -> anyhow::Result<(String, Vec<String>, i64)> {
     let since = Instant::now();
     loop {
-        let pods = pool_pods(stack, pool).await?;
+        let pods = stack.pool_pods(pool).await?;
         let mut best: Option<(String, Vec<String>, i64)> = None;
         let mut nodes: Vec<&str> = pods
             .iter()
@@ -185,13 +185,6 @@ async fn busiest_node(
             _ => tokio::time::sleep(Duration::from_millis(200)).await,
         }
     }
-}
-
-async fn pool_pods(stack: &Stack, pool: &str) -> anyhow::Result<Vec<Pod>> {
-    let pods: Api<Pod> = Api::namespaced(stack.client.clone(), &stack.namespace);
-    let selector = format!("conveyor.dev/pool={pool}");
-    let list = pods.list(&ListParams::default().labels(&selector)).await?;
-    Ok(list.items)
 }
 
 fn node_of(pod: &Pod) -> Option<&str> {

@@ -139,6 +139,11 @@ pub const SHORT: [Scenario; 9] = [
     Scenario::Backlog,
 ];
 
+/// Every scenario, of both runs.
+pub fn known() -> impl Iterator<Item = Scenario> {
+    ALL.into_iter().chain(REPLICATED)
+}
+
 impl Scenario {
     pub fn name(self) -> &'static str {
         match self {

@@ -26,10 +26,12 @@ use kube::{Api, Client, ResourceExt};
 
 use crate::plan::{Host, Objects};
 use crate::status::{ContainerState, Readiness, Report};
+use crate::supervisor::Supervisor;
 
+/// How often pods' readiness probes run (a kubelet's probe period) and processes are checked.
+const PERIOD: Duration = Duration::from_secs(2);
 /// A status sent this long ago that the pod still does not show is sent again.
 const RESEND_AFTER: Duration = Duration::from_secs(5);
-use crate::supervisor::Supervisor;
 
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-pod-runner", version)]
@@ -96,19 +98,24 @@ async fn main() -> anyhow::Result<()> {
         readiness: HashMap::new(),
         http: reqwest::Client::new(),
     };
-    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    let mut tick = tokio::time::interval(PERIOD);
     tracing::info!(node = %runner.args.node, selector = %runner.args.selector, "running pods");
     loop {
-        tokio::select! {
+        // Statuses are reported once a period: a pod's own status patch comes back as a
+        // watch event, and probing on each would count failures faster than the period.
+        let period = tokio::select! {
             event = events.next() => match event {
-                Some(Ok(_)) => {}
-                Some(Err(err)) => tracing::warn!(error = %err, "pod watch failed; retrying"),
+                Some(Ok(_)) => false,
+                Some(Err(err)) => {
+                    tracing::warn!(error = %err, "pod watch failed; retrying");
+                    false
+                }
                 None => break,
             },
-            _ = tick.tick() => {}
+            _ = tick.tick() => true,
             _ = shutdown_signal() => break,
-        }
-        runner.sync(&store).await;
+        };
+        runner.sync(&store, period).await;
     }
     runner.shutdown().await;
     Ok(())
@@ -145,8 +152,9 @@ struct Runner {
 }
 
 impl Runner {
-    /// Starts a process for every running pod without one, stops those whose pod is gone.
-    async fn sync(&mut self, store: &Store<Pod>) {
+    /// Starts a process for every running pod without one, stops those whose pod is gone;
+    /// with `report`, reports their statuses too.
+    async fn sync(&mut self, store: &Store<Pod>, report: bool) {
         let wanted: BTreeMap<String, std::sync::Arc<Pod>> = store
             .state()
             .into_iter()
@@ -202,7 +210,9 @@ impl Runner {
                 }
             }
         }
-        self.report_statuses(&wanted).await;
+        if report {
+            self.report_statuses(&wanted).await;
+        }
     }
 
     /// Reports each pod's container state and readiness where the pod does not show them
@@ -210,12 +220,13 @@ impl Runner {
     async fn report_statuses(&mut self, wanted: &BTreeMap<String, std::sync::Arc<Pod>>) {
         self.readiness.retain(|uid, _| wanted.contains_key(uid));
         let probes = wanted.iter().filter_map(|(uid, pod)| {
-            let state = match (self.refused.get(uid), self.running.get(uid)) {
+            let process = self.running.get(uid).map(Supervisor::state);
+            let state = match (self.refused.get(uid), process) {
                 (Some(why), _) => ContainerState::Refused(why.clone()),
-                (None, Some(supervisor)) => ContainerState::of(supervisor.state()),
+                (None, Some(process)) => ContainerState::of(process),
                 (None, None) => return None,
             };
-            let restarts = self.running.get(uid).map_or(0, |s| s.state().restarts);
+            let restarts = process.map_or(0, |p| p.restarts);
             let probe = self
                 .addresses
                 .get(uid)

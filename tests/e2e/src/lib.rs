@@ -188,12 +188,20 @@ impl Stack {
         Api::namespaced(self.client.clone(), &self.namespace)
     }
 
-    /// The pool's pods kwok reports Running (the pod runner runs a worker for each).
-    pub async fn running_pods(&self, pool: &str) -> Vec<Pod> {
+    /// Every pod of the pool, deleted or not, whatever its phase.
+    pub async fn pool_pods(&self, pool: &str) -> kube::Result<Vec<Pod>> {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.namespace);
         let selector = format!("conveyor.dev/pool={pool}");
-        let list = pods.list(&ListParams::default().labels(&selector)).await;
-        list.map(|l| l.items)
+        Ok(pods
+            .list(&ListParams::default().labels(&selector))
+            .await?
+            .items)
+    }
+
+    /// The pool's pods kwok reports Running (the pod runner runs a worker for each).
+    pub async fn running_pods(&self, pool: &str) -> Vec<Pod> {
+        self.pool_pods(pool)
+            .await
             .unwrap_or_default()
             .into_iter()
             .filter(|p| {

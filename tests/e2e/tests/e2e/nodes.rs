@@ -1,19 +1,15 @@
 //! The local cluster's nodes and their pod runners, as users of a real cluster would see
 //! them: a pod is Ready only while its worker runs and answers its readiness probe.
 
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ListParams};
-
 use crate::{pool_yaml, task_type_yaml, MINUTE};
 use conveyor_core::testing::wait_until;
 use conveyor_e2e_tests::{kubectl_with, Stack};
 
 /// The pool's pods' (Ready condition, container waiting reason), one per pod.
 async fn readiness(stack: &Stack, pool: &str) -> Vec<(String, Option<String>)> {
-    let pods: Api<Pod> = Api::namespaced(stack.client.clone(), &stack.namespace);
-    let selector = format!("conveyor.dev/pool={pool}");
-    let list = pods.list(&ListParams::default().labels(&selector)).await;
-    list.map(|l| l.items)
+    stack
+        .pool_pods(pool)
+        .await
         .unwrap_or_default()
         .into_iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
