@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control plane from Go modules, once per version, into a cache outside the
 # clone: kube-apiserver, kube-controller-manager, kube-scheduler, kubectl (k8s.io/kubernetes), etcd
-# (go.etcd.io/etcd/server/v3) and kwok (sigs.k8s.io/kwok). Prints the bin directory.
+# (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok) and helm (helm.sh/helm/v4). Prints the
+# bin directory.
 #
 # `go install` of the kubernetes commands fails on the module's replace directives, so a
 # small wrapper module requires k8s.io/kubernetes and replaces every k8s.io staging module
@@ -11,6 +12,8 @@ set -euo pipefail
 KUBERNETES_VERSION=${KUBERNETES_VERSION:-v1.36.3}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
+# Helm installs the chart (charts/conveyor) on the local cluster in the e2e suite.
+HELM_VERSION=${HELM_VERSION:-v4.3.2}
 CACHE=${CONVEYOR_CACHE:-$HOME/.cache/conveyor}
 # Bumped whenever the way the binaries are built changes, so that old caches are not reused.
 RECIPE=2
@@ -20,16 +23,36 @@ K8S_COMMANDS="kube-apiserver kube-controller-manager kube-scheduler kubectl"
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 
+# `--path`: where the binaries are (or will be), without building: for commands that only
+# stop or print.
+if [ "${1:-}" = --path ]; then echo "$BIN"; exit 0; fi
+
 have_all() {
-  for b in $K8S_COMMANDS etcd kwok; do
+  for b in $K8S_COMMANDS etcd kwok helm; do
     [ -x "$BIN/$b" ] || return 1
   done
 }
 
 if have_all; then echo "$BIN"; exit 0; fi
+cd "$(dirname "$0")/.."
+. scripts/lib/tools.sh
+need_toolchains go
 mkdir -p "$BIN"
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# A cold build is quiet for most of its half hour: say what it needs, then how it is going.
+free_gb=$(df -Pk "$CACHE" | awk 'NR == 2 {print int($4 / 1048576)}')
+if ! [ -x "$BIN/kube-apiserver" ]; then
+  log "first run: building the control plane from Go modules into $BIN; about 30-40 minutes on"
+  log "2 cores, 4 GB of disk for Go's caches (~/.cache/go-build, ~/go/pkg/mod; $free_gb GB free)"
+  log "and up to 3 GB of memory. It is cached: later runs start at once."
+fi
+[ "$free_gb" -ge 5 ] || log "warning: less than 5 GB free on the disk of $CACHE"
+started=$(date +%s)
+( while sleep 60; do
+    log "still building ($(( ($(date +%s) - started) / 60 )) min; Go build cache $(du -sh "$(go env GOCACHE)" 2>/dev/null | cut -f1))"
+  done ) &
+ticker=$!
+trap 'kill $ticker 2>/dev/null; rm -rf "$work"' EXIT
 
 missing_k8s=""
 for b in $K8S_COMMANDS; do [ -x "$BIN/$b" ] || missing_k8s="$missing_k8s $b"; done
@@ -77,6 +100,11 @@ fi
 if ! [ -x "$BIN/kwok" ]; then
   log "building kwok $KWOK_VERSION"
   GOBIN="$BIN" go install -trimpath -ldflags=-s "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION" >&2
+fi
+
+if ! [ -x "$BIN/helm" ]; then
+  log "building helm $HELM_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags=-s "helm.sh/helm/v4/cmd/helm@$HELM_VERSION" >&2
 fi
 
 have_all || { log "some binaries are missing in $BIN"; ls -l "$BIN" >&2; exit 1; }

@@ -35,7 +35,7 @@ RABBIT_LOG=/var/log/rabbitmq/conveyor-cluster
 export ERL_EPMD_ADDRESS=127.0.0.1
 
 log() { printf 'cluster-services: %s\n' "$*" >&2; }
-as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+. "$(dirname "$0")/lib/tools.sh"
 here=$(cd "$(dirname "$0")" && pwd)
 
 # ---- RabbitMQ ----------------------------------------------------------------------------

@@ -18,15 +18,10 @@ export CONVEYOR_DATABASE_URL=${CONVEYOR_DATABASE_URL:-postgres://conveyor:convey
 export CONVEYOR_AMQP_URL=${CONVEYOR_AMQP_URL:-amqps://conveyor:conveyor@127.0.0.1:5671/%2f?cacertfile=$TLS/ca.crt}
 
 log() { printf 'dev: %s\n' "$*" >&2; }
-as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+. scripts/lib/tools.sh
 
 # The example handlers run ffmpeg, ffprobe and jq.
-ensure_tools() {
-  command -v ffmpeg >/dev/null && command -v jq >/dev/null && return 0
-  log "installing ffmpeg and jq from Debian packages"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends ffmpeg jq >/dev/null
-}
+ensure_tools() { need_packages ffmpeg=ffmpeg jq=jq; }
 
 submit() { # type, payload → task id; retried while the gateway has not seen the type yet
   local key answer

@@ -19,7 +19,9 @@ TLS_DIR=/etc/conveyor/dev-tls
 export ERL_EPMD_ADDRESS=127.0.0.1
 
 log() { printf 'services: %s\n' "$*" >&2; }
-as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+cd "$(dirname "$0")/.."
+. scripts/lib/tools.sh
+need_packages curl=curl openssl=openssl
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -256,6 +258,14 @@ CONF
   done
   [ -n "$ready" ] || { log "PostgreSQL $ver did not start: see /var/log/postgresql/postgresql-$ver-main.log"; exit 1; }
   local psql=(as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
+  # The settings must be the running server's, not only the file's: a server the package
+  # started (or that another tool restarted) may still run with its defaults.
+  if [ "$("${psql[@]}" -c 'SHOW max_connections')" != 400 ]; then
+    log "PostgreSQL $ver runs without this script's settings; restarting it"
+    as_root pg_ctlcluster "$ver" main restart
+    [ "$("${psql[@]}" -c 'SHOW max_connections')" = 400 ] ||
+      { log "PostgreSQL $ver ignores $etc/conf.d/conveyor.conf (is include_dir = 'conf.d' in $etc/postgresql.conf?)"; exit 1; }
+  fi
   if [ -z "$("${psql[@]}" -c "SELECT 1 FROM pg_roles WHERE rolname='$PG_USER'")" ]; then
     log "creating PostgreSQL role $PG_USER"
     "${psql[@]}" -c "CREATE ROLE $PG_USER LOGIN CREATEDB CREATEROLE PASSWORD '$PG_PASSWORD'"

@@ -27,9 +27,11 @@ export CONVEYOR_CLUSTER_NODES=${CONVEYOR_CLUSTER_NODES:-3}
 NODES=$CONVEYOR_CLUSTER_NODES
 node_name() { [ "$1" -eq 1 ] && echo conveyor-node || echo "conveyor-node-$1"; }
 runner_name() { [ "$1" -eq 1 ] && echo pod-runner || echo "pod-runner-$1"; }
-# kubectl comes with the control plane (cluster/build.sh builds it once, cached).
-CONTROL_PLANE_BIN=$(cluster/build.sh)
+# kubectl comes with the control plane (cluster/build.sh builds it once, cached); only the
+# commands that start something build it.
+case "${1:-up}" in up | node-up) CONTROL_PLANE_BIN=$(cluster/build.sh) ;; *) CONTROL_PLANE_BIN=$(cluster/build.sh --path) ;; esac
 PATH=$CONTROL_PLANE_BIN:$PATH
+. scripts/lib/tools.sh
 
 log() { printf 'stack: %s\n' "$*" >&2; }
 PID_DIR=$DEV
@@ -84,6 +86,7 @@ start_runner() {
 }
 
 up() {
+  need_packages curl=curl
   scripts/services.sh up
   cluster/up.sh
   [ -x "$BIN/conveyor-operator" ] || { log "build first: cargo build --workspace --bins"; exit 1; }
