@@ -1,8 +1,7 @@
 //! Prometheus metrics, one registry per process, injected (no globals).
 
 use prometheus::{
-    exponential_buckets, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry,
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
 /// Every metric a Conveyor process exports. Gateways and workers fill in their own part;
@@ -28,8 +27,8 @@ pub struct Metrics {
     pub processing_seconds: HistogramVec,
     /// Submission to COMPLETED.
     pub end_to_end_seconds: HistogramVec,
-    /// Ready messages in the work queue, as last read by the gateway.
-    pub queue_depth: IntGaugeVec,
+    /// Gateway: API requests by matched route, method and status code.
+    pub http_request_seconds: HistogramVec,
     /// Errors talking to the database or the broker, by component and category.
     pub errors: IntCounterVec,
     /// Tasks this worker is processing now; the operator reads it to pick idle pods to
@@ -56,53 +55,84 @@ pub struct Metrics {
 
 /// Registers a labelled counter named `conveyor_<name>`.
 pub fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let metric = IntCounterVec::new(Opts::new(format!("conveyor_{name}"), help), labels)
-        .expect("metric definition is valid");
-    registry
-        .register(Box::new(metric.clone()))
-        .expect("metric registered once");
-    metric
+    let metric = IntCounterVec::new(Opts::new(format!("conveyor_{name}"), help), labels);
+    register(registry, metric)
 }
 
 /// Registers a gauge named `conveyor_<name>`.
-fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
-    let metric =
-        IntGauge::new(format!("conveyor_{name}"), help).expect("metric definition is valid");
+pub fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    register(registry, IntGauge::new(format!("conveyor_{name}"), help))
+}
+
+/// Upper bounds, in seconds, of the task latency histograms: a noop task takes milliseconds,
+/// a transcode an hour or more, and both must land in a bucket of their own size.
+pub const TASK_SECONDS_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+    1200.0, 1800.0, 3600.0, 7200.0, 14400.0, 28800.0,
+];
+
+/// Upper bounds, in seconds, of request and reconcile durations (a millisecond to a minute).
+pub const REQUEST_SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Registers a labelled histogram named `conveyor_<name>`.
+pub fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+    buckets: &[f64],
+) -> HistogramVec {
+    let metric = HistogramVec::new(
+        HistogramOpts::new(format!("conveyor_{name}"), help).buckets(buckets.to_vec()),
+        labels,
+    );
+    register(registry, metric)
+}
+
+/// Registers a labelled gauge named `conveyor_<name>`.
+pub fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let metric = IntGaugeVec::new(Opts::new(format!("conveyor_{name}"), help), labels);
+    register(registry, metric)
+}
+
+/// Metric definitions are constants of this crate: a bad one, or one registered twice in
+/// one registry, is a programming error.
+fn register<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: prometheus::Result<M>,
+) -> M {
+    let metric = metric.expect("metric definition is valid");
     registry
         .register(Box::new(metric.clone()))
         .expect("metric registered once");
     metric
 }
 
-fn histogram(registry: &Registry, name: &str, help: &str) -> HistogramVec {
-    // 1 ms to ~65 s.
-    let buckets = exponential_buckets(0.001, 2.0, 17).expect("buckets are valid");
-    let metric = HistogramVec::new(
-        HistogramOpts::new(format!("conveyor_{name}"), help).buckets(buckets),
-        &["task_type"],
+/// What every Conveyor process exports beside its own metrics: `conveyor_build_info`
+/// (which component, which version) and the process's CPU, memory and file descriptors
+/// (`process_*`, read from /proc).
+pub fn describe_process(registry: &Registry, component: &str) {
+    gauge_vec(
+        registry,
+        "build_info",
+        "Always 1; the labels say which component and version this process is",
+        &["component", "version"],
     )
-    .expect("metric definition is valid");
+    .with_label_values(&[component, env!("CARGO_PKG_VERSION")])
+    .set(1);
     registry
-        .register(Box::new(metric.clone()))
-        .expect("metric registered once");
-    metric
+        .register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))
+        .expect("process collector registered once");
 }
 
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let r = &registry;
-        let queue_depth = IntGaugeVec::new(
-            Opts::new(
-                "conveyor_queue_depth",
-                "Ready messages in the work queue, as seen by the gateway",
-            ),
-            &["task_type"],
-        )
-        .expect("metric definition is valid");
-        registry
-            .register(Box::new(queue_depth.clone()))
-            .expect("metric registered once");
         Metrics {
             in_flight: gauge(r, "in_flight_tasks", "Tasks this worker is processing"),
             draining: gauge(
@@ -203,13 +233,23 @@ impl Metrics {
                 r,
                 "processing_duration_seconds",
                 "Handler run time per attempt",
+                &["task_type"],
+                TASK_SECONDS_BUCKETS,
             ),
             end_to_end_seconds: histogram(
                 r,
                 "end_to_end_latency_seconds",
                 "Submission to COMPLETED",
+                &["task_type"],
+                TASK_SECONDS_BUCKETS,
             ),
-            queue_depth,
+            http_request_seconds: histogram(
+                r,
+                "http_request_duration_seconds",
+                "Gateway API requests, by route, method and status",
+                &["route", "method", "status"],
+                REQUEST_SECONDS_BUCKETS,
+            ),
             errors: counter(
                 r,
                 "errors_total",
@@ -233,5 +273,33 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_hour_long_transcode_lands_in_a_bucket_not_in_inf() {
+        let metrics = Metrics::new();
+        let e2e = metrics.end_to_end_seconds.with_label_values(&["transcode"]);
+        e2e.observe(3000.0);
+        e2e.observe(0.003);
+        let families = metrics.registry.gather();
+        let family = families
+            .iter()
+            .find(|f| f.name() == "conveyor_end_to_end_latency_seconds")
+            .unwrap();
+        let histogram = family.get_metric()[0].get_histogram();
+        let first_holding = |n: u64| {
+            histogram
+                .get_bucket()
+                .iter()
+                .find(|b| b.cumulative_count() >= n)
+                .map(|b| b.upper_bound())
+        };
+        assert_eq!(first_holding(1), Some(0.005));
+        assert_eq!(first_holding(2), Some(3600.0));
     }
 }

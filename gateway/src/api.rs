@@ -70,6 +70,11 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
         .route("/v1/tasks/{id}", get(get_task))
         .route("/v1/tasks/{id}/events", get(get_events))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
+        // Outermost, so that refusals (401, 429, 413) are timed and logged too.
+        .layer(middleware::from_fn_with_state(
+            state.ingestor.metrics.clone(),
+            crate::access::observe,
+        ))
         .with_state(state)
 }
 

@@ -108,13 +108,10 @@ impl DepthMonitor {
                     Ok::<_, conveyor_core::amqp::AmqpError>((main, retry))
                 };
                 match depths.await {
-                    Ok((main, retry)) => {
-                        self.record(task_type, u64::from(main) + u64::from(retry));
-                        metrics
-                            .queue_depth
-                            .with_label_values(&[task_type.as_str()])
-                            .set(i64::from(main));
-                    }
+                    // Not exported: every gateway replica reads the same queues, so their
+                    // sum would count each message once per replica. The operator exports
+                    // the depths (`conveyor_queue_messages`).
+                    Ok((main, retry)) => self.record(task_type, u64::from(main) + u64::from(retry)),
                     Err(err) => {
                         metrics
                             .errors

@@ -2,6 +2,7 @@
 //! them, publishes them with confirms, and answers only once the broker holds them.
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod api;
 pub mod auth;
 pub mod backpressure;

@@ -215,7 +215,9 @@ async fn main() -> anyhow::Result<()> {
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
-    conveyor_gateway::run(config, listeners, Metrics::new(), shutdown).await
+    let metrics = Metrics::new();
+    conveyor_core::metrics::describe_process(&metrics.registry, "gateway");
+    conveyor_gateway::run(config, listeners, metrics, shutdown).await
 }
 
 async fn bind(address: &str) -> anyhow::Result<tokio::net::TcpListener> {

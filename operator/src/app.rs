@@ -67,6 +67,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
     let metrics = OperatorMetrics::new();
+    conveyor_core::metrics::describe_process(&metrics.registry, "operator");
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;

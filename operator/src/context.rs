@@ -6,13 +6,14 @@ use std::time::Instant;
 
 use conveyor_core::amqp::Publisher;
 use conveyor_core::crd::WorkerPool;
+use conveyor_core::metrics;
 use k8s_openapi::api::events::v1::Event as EventObject;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
 use kube::api::{Api, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::ObjectRef;
 use kube::{Client, Resource, ResourceExt};
-use prometheus::{IntCounterVec, Registry};
+use prometheus::{HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
 use crate::autoscale::History;
 use crate::backoff::Backoff;
@@ -189,13 +190,21 @@ pub struct OperatorMetrics {
     pub scaling_decisions: IntCounterVec,
     /// Requests to RabbitMQ by API (`management`, `amqp` declarations).
     pub broker_requests: IntCounterVec,
+    /// Reconcile run time by controller.
+    pub reconcile_seconds: HistogramVec,
+    /// 1 while this process leads (and exports the state gauges below).
+    pub leader: IntGauge,
+    /// Workers per pool by state (`gauges.rs`).
+    pub pool_replicas: IntGaugeVec,
+    /// Messages per task type by queue (`gauges.rs`).
+    pub queue_depth: IntGaugeVec,
 }
 
 impl OperatorMetrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
-            conveyor_core::metrics::counter(&registry, name, help, labels)
+            metrics::counter(&registry, name, help, labels)
         };
         OperatorMetrics {
             reconciles: counter(
@@ -217,6 +226,30 @@ impl OperatorMetrics {
                 "operator_broker_requests_total",
                 "Requests to RabbitMQ by API (management, amqp)",
                 &["api"],
+            ),
+            reconcile_seconds: metrics::histogram(
+                &registry,
+                "operator_reconcile_duration_seconds",
+                "Reconcile run time by controller",
+                &["controller"],
+                metrics::REQUEST_SECONDS_BUCKETS,
+            ),
+            leader: metrics::gauge(
+                &registry,
+                "operator_leader",
+                "1 while this operator process holds the lease",
+            ),
+            pool_replicas: metrics::gauge_vec(
+                &registry,
+                "pool_replicas",
+                "Workers per pool: desired, current, ready, draining",
+                &["namespace", "pool", "state"],
+            ),
+            queue_depth: metrics::gauge_vec(
+                &registry,
+                "queue_depth",
+                "Messages per task type: ready, in_flight, retry, remediation (absent while unknown)",
+                &["namespace", "task_type", "queue"],
             ),
             registry,
         }

@@ -26,7 +26,7 @@ use crate::build::POOL_LABEL;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::shared::lock;
-use crate::{task_types, worker_pools};
+use crate::{gauges, task_types, worker_pools};
 
 /// Reconciles of one kind under way at once: thousands of objects must not open thousands
 /// of broker and API requests together.
@@ -60,6 +60,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let (types, types_writer) = reflector::store::<TaskType>();
     let type_changes = spec_changes(&client, types_writer);
     let _ = ctx.task_types.set(types.clone());
+    let types_for_gauges = types.clone();
     // Types at rest (empty queues) are looked at when their counts change, not every period.
     let (store, wake) = (types.clone(), ctx.clone());
     let woken_types = received(type_count_changes).flat_map(move |keys| {
@@ -97,6 +98,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
 
     let (pools, pools_writer) = reflector::store::<WorkerPool>();
     let pool_changes = spec_changes(&client, pools_writer);
+    let gauges = gauges::export(ctx.clone(), pools.clone(), types_for_gauges, stop.clone());
     let consumers = pools.clone();
     let type_edits = watcher(
         Api::<TaskType>::all(client.clone()),
@@ -130,7 +132,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         )
         .for_each(|_| async {});
     tracing::info!("reconciling TaskTypes and WorkerPools");
-    tokio::join!(task_type_controller, pool_controller, pod_watch);
+    tokio::join!(task_type_controller, pool_controller, pod_watch, gauges);
 }
 
 /// The changed task types (`<namespace>.<name>`) of each poll, as a stream.
@@ -230,6 +232,7 @@ where
     F: Future<Output = Result<Action>>,
 {
     let key = key(object.as_ref());
+    let started = std::time::Instant::now();
     // A reconcile that never returns would hold one of the CONCURRENCY slots for good
     // (16 stuck ones stop the controller): bounded, it fails and is retried with backoff.
     let result = match tokio::time::timeout(RECONCILE_TIMEOUT, reconcile(object, ctx.clone())).await
@@ -240,6 +243,10 @@ where
             Err(Error::ReconcileTimeout(RECONCILE_TIMEOUT))
         }
     };
+    ctx.metrics
+        .reconcile_seconds
+        .with_label_values(&[&K::kind(&()).to_lowercase()])
+        .observe(started.elapsed().as_secs_f64());
     if result.is_ok() {
         ctx.backoff.succeeded(&key);
     }

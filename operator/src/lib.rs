@@ -11,6 +11,7 @@ pub mod context;
 pub mod controllers;
 pub mod declarations;
 pub mod error;
+pub mod gauges;
 pub mod leader;
 pub mod rabbitmq;
 pub mod scale_down;

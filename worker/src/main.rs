@@ -123,7 +123,9 @@ async fn main() -> anyhow::Result<()> {
     };
     let shutdown = CancellationToken::new();
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
-    conveyor_worker::run(config, admin, Metrics::new(), shutdown).await
+    let metrics = Metrics::new();
+    conveyor_core::metrics::describe_process(&metrics.registry, "worker");
+    conveyor_worker::run(config, admin, metrics, shutdown).await
 }
 
 /// A duration from a command-line number of seconds (clamped to [0, one day]).

@@ -371,3 +371,57 @@ async fn retries_waiting_out_their_backoff_count_against_max_queue_depth() {
     .await;
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn every_answer_carries_a_request_id_and_every_request_is_timed() {
+    let spec = test_type("observed");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    let (status, task) = harness.submit(&name, serde_json::json!({}), None).await;
+    assert_eq!(status, StatusCode::CREATED);
+    // The client's id comes back as it was sent; without one, the gateway makes one.
+    let get = |id: Option<&'static str>| {
+        let mut request = harness
+            .http
+            .get(format!(
+                "{}/v1/tasks/{}",
+                harness.gateway_url,
+                task["id"].as_str().unwrap()
+            ))
+            .bearer_auth(TOKEN);
+        if let Some(id) = id {
+            request = request.header("x-request-id", id);
+        }
+        request.send()
+    };
+    let answer = get(Some("client-chosen-7")).await.unwrap();
+    assert_eq!(answer.status(), StatusCode::OK);
+    assert_eq!(answer.headers()["x-request-id"], "client-chosen-7");
+    let made = get(None).await.unwrap();
+    let made = made.headers()["x-request-id"].to_str().unwrap().to_owned();
+    assert!(Uuid::parse_str(&made).is_ok(), "{made}");
+    // A refusal gets one too, and is timed under its route.
+    let (unauthorized, _) = post_raw(&harness, None, b"{}".to_vec()).await;
+    assert_eq!(unauthorized, StatusCode::UNAUTHORIZED);
+
+    let page = harness
+        .http
+        .get(format!("{}/metrics", harness.admin_url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for series in [
+        r#"conveyor_http_request_duration_seconds_count{method="POST",route="/v1/tasks",status="201"} 1"#,
+        r#"conveyor_http_request_duration_seconds_count{method="GET",route="/v1/tasks/{id}",status="200"} 2"#,
+        r#"conveyor_http_request_duration_seconds_count{method="POST",route="/v1/tasks",status="401"} 1"#,
+    ] {
+        assert!(
+            page.lines().any(|l| l.starts_with(series) || l == series),
+            "no {series} in\n{page}"
+        );
+    }
+    harness.shutdown().await;
+}
