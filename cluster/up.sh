@@ -79,10 +79,14 @@ start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$KUBECONFIG_FILE" \
 # One kwok per node: a node dies with its kwok (its lease is no longer renewed). A lease of
 # 16 s is renewed every 4 s, well inside the grace period. (An older stack ran one kwok.)
 stop_process kwok
+# The stages under a name of their content: an edited file changes kwok's command line, so
+# the next run restarts it with the new stages.
+stages="$STATE/kwok-stages-$(md5sum <cluster/kwok-stages.yaml | cut -c1-12).yaml"
+cp cluster/kwok-stages.yaml "$stages"
 for i in $(seq 1 "$NODES"); do
   name=$(node_name "$i")
   start "kwok-$name" "$BIN/kwok" --kubeconfig "$KUBECONFIG_FILE" --manage-single-node "$name" \
-    --node-lease-duration-seconds 16 --config cluster/kwok-stages.yaml
+    --node-lease-duration-seconds 16 --config "$stages"
   node='{"apiVersion":"v1","kind":"Node","metadata":{"name":"'$name'","labels":{"type":"kwok","kubernetes.io/hostname":"'$name'"},"annotations":{"kwok.x-k8s.io/node":"fake"}},"status":{"allocatable":{"cpu":"32","memory":"64Gi","pods":"256"},"capacity":{"cpu":"32","memory":"64Gi","pods":"256"}}}'
   if ! api "/api/v1/nodes/$name" >/dev/null 2>&1; then
     curl -fsk -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole local stack on one machine: RabbitMQ and PostgreSQL (scripts/services.sh), the
-# local Kubernetes control plane with three kwok nodes (cluster/up.sh), and Conveyor's
-# operator and gateway and one pod runner per node as local processes talking to it. `make dev` and the e2e tests in `make test` both
+# local Kubernetes control plane with three kwok nodes (cluster/up.sh), Conveyor's
+# operator and gateway and one pod runner per node as local processes talking to it, and a
+# Prometheus scraping them (scripts/prometheus.sh). `make dev` and the e2e tests in `make test` both
 # use it. Idempotent: what runs is left alone, unless its binary was rebuilt since it started.
 #
 #   scripts/stack.sh up | down | env | node-up NODE
@@ -107,12 +108,15 @@ up() {
   for i in $(seq 1 "$NODES"); do start_runner "$i"; done
   wait_http operator "http://$OPERATOR/readyz"
   wait_http gateway "http://$GATEWAY_ADMIN/readyz"
+  # Scrapes all of the above and the workers, as the chart's monitors do in a cluster.
+  scripts/prometheus.sh up
 }
 
 down() {
   for name in $(cd "$DEV" && ls pod-runner*.pid 2>/dev/null | sed 's/\.pid$//') gateway operator; do
     stop "$name"
   done
+  scripts/prometheus.sh down
   rm -rf "$DEV/pods"
   cluster/down.sh
   log "RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"

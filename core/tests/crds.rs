@@ -1,17 +1,20 @@
-//! `crds/` is generated from the Rust types (`conveyor-operator crdgen --out crds`); this
-//! fails when the two drift apart.
+//! `crds/` and the chart's `charts/conveyor/files/crds/` are generated from the Rust types
+//! (`conveyor-operator crdgen --out <dir>`); this fails when either drifts from them.
 
 use conveyor_core::crd::crd_documents;
 
 #[test]
-fn crds_folder_matches_the_types() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crds");
-    for (file, generated) in crd_documents() {
-        let committed = std::fs::read_to_string(dir.join(file)).unwrap_or_default();
-        assert!(
-            committed == generated,
-            "crds/{file} is out of date: run `cargo run -p conveyor-operator -- crdgen --out crds`"
-        );
+fn crds_folders_match_the_types() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for folder in ["crds", "charts/conveyor/files/crds"] {
+        for (file, generated) in crd_documents() {
+            let committed =
+                std::fs::read_to_string(root.join(folder).join(file)).unwrap_or_default();
+            assert!(
+                committed == generated,
+                "{folder}/{file} is out of date: run `cargo run -p conveyor-operator -- crdgen --out {folder}`"
+            );
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::rabbitmq::{
-    depths_in, rates_in, ManagementApi, ManagementError, QueueInfo, Queues, Rates,
+    consumers_in, depths_in, rates_in, ManagementApi, ManagementError, QueueInfo, Queues, Rates,
 };
 
 /// How often the queue list is fetched (RabbitMQ refreshes its statistics every 5 s).
@@ -98,6 +98,11 @@ impl BrokerStats {
     /// A task type's depths in the latest snapshot.
     pub fn depths(&self, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
         depths_in(self.latest()?.as_ref(), spec)
+    }
+
+    /// Consumers of a task type's work queue in the latest snapshot.
+    pub fn consumers(&self, task_type: &str) -> Result<u64, ManagementError> {
+        consumers_in(self.latest()?.as_ref(), task_type)
     }
 
     /// A task type's work-queue rates in the latest snapshot.

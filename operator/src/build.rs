@@ -151,6 +151,8 @@ pub fn labels(pool: &str) -> BTreeMap<String, String> {
         ("app.kubernetes.io/name", "conveyor-worker"),
         ("app.kubernetes.io/instance", pool),
         ("app.kubernetes.io/managed-by", FIELD_MANAGER),
+        // The local cluster's pod runners run the pods of this label (and kwok fakes the rest).
+        ("app.kubernetes.io/part-of", "conveyor"),
         (POOL_LABEL, pool),
     ]
     .into_iter()

@@ -198,6 +198,8 @@ pub struct OperatorMetrics {
     pub pool_replicas: IntGaugeVec,
     /// Messages per task type by queue (`gauges.rs`).
     pub queue_depth: IntGaugeVec,
+    /// Consumers of each task type's work queue (`gauges.rs`).
+    pub queue_consumers: IntGaugeVec,
 }
 
 impl OperatorMetrics {
@@ -250,6 +252,12 @@ impl OperatorMetrics {
                 "queue_depth",
                 "Messages per task type: ready, in_flight, retry, remediation (absent while unknown)",
                 &["namespace", "task_type", "queue"],
+            ),
+            queue_consumers: metrics::gauge_vec(
+                &registry,
+                "queue_consumers",
+                "Consumers of each task type's work queue (absent while unknown)",
+                &["namespace", "task_type"],
             ),
             registry,
         }

@@ -5,7 +5,9 @@
 //! - `conveyor_pool_replicas{namespace, pool, state}`: desired, current, ready and draining
 //!   workers, from each pool's status;
 //! - `conveyor_queue_depth{namespace, task_type, queue}`: messages ready, in flight, waiting
-//!   to retry and dead-lettered, from the broker poller's latest list. A type whose counts
+//!   to retry and dead-lettered, from the broker poller's latest list; `task_type` is the
+//!   key (`video.transcode`) as in the gateways' and workers' series;
+//! - `conveyor_queue_consumers{namespace, task_type}`: workers consuming its work queue. A type whose counts
 //!   are unknown (a broker outage) has no series: unknown, not zero.
 //!
 //! Rebuilt from scratch on each pass, so a deleted pool or type leaves no stale series.
@@ -20,7 +22,7 @@ use prometheus::IntGaugeVec;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker_stats::POLL_EVERY;
-use crate::context::Context;
+use crate::context::{Context, OperatorMetrics};
 
 /// Refreshes the gauges until `stop`, then clears them (a former leader exports nothing).
 pub async fn export(
@@ -33,7 +35,7 @@ pub async fn export(
     metrics.leader.set(1);
     loop {
         pool_replicas(&metrics.pool_replicas, &pools);
-        queue_depths(&metrics.queue_depth, &types, &ctx);
+        queue_depths(metrics, &types, &ctx);
         tokio::select! {
             () = stop.cancelled() => break,
             () = tokio::time::sleep(POLL_EVERY) => {}
@@ -42,6 +44,7 @@ pub async fn export(
     metrics.leader.set(0);
     metrics.pool_replicas.reset();
     metrics.queue_depth.reset();
+    metrics.queue_consumers.reset();
 }
 
 fn pool_replicas(gauge: &IntGaugeVec, pools: &Store<WorkerPool>) {
@@ -62,15 +65,18 @@ fn pool_replicas(gauge: &IntGaugeVec, pools: &Store<WorkerPool>) {
     }
 }
 
-fn queue_depths(gauge: &IntGaugeVec, types: &Store<TaskType>, ctx: &Context) {
+fn queue_depths(metrics: &OperatorMetrics, types: &Store<TaskType>, ctx: &Context) {
+    let gauge = &metrics.queue_depth;
     gauge.reset();
+    metrics.queue_consumers.reset();
     for task_type in types.state() {
         let spec = NamedTaskType::from(task_type.as_ref());
         let Ok(depths) = ctx.broker.depths(&spec) else {
             continue;
         };
         let namespace = task_type.namespace().unwrap_or_default();
-        let name = task_type.name_any();
+        // The key (`<namespace>.<name>`), as the gateways and workers label their series.
+        let name = &spec.name;
         for (queue, count) in [
             ("ready", depths.ready),
             ("in_flight", depths.in_flight),
@@ -78,8 +84,14 @@ fn queue_depths(gauge: &IntGaugeVec, types: &Store<TaskType>, ctx: &Context) {
             ("remediation", depths.remediation),
         ] {
             gauge
-                .with_label_values(&[&namespace, &name, queue])
+                .with_label_values(&[&namespace, name, queue])
                 .set(i64::try_from(count).unwrap_or(i64::MAX));
+        }
+        if let Ok(consumers) = ctx.broker.consumers(name) {
+            metrics
+                .queue_consumers
+                .with_label_values(&[&namespace, name])
+                .set(i64::try_from(consumers).unwrap_or(i64::MAX));
         }
     }
 }

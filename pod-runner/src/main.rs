@@ -24,7 +24,7 @@ use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 
-use crate::plan::{Host, Objects};
+use crate::plan::{Apiserver, Host, Objects};
 use crate::status::{ContainerState, Readiness, Report};
 use crate::supervisor::Supervisor;
 
@@ -40,7 +40,9 @@ struct Args {
     #[arg(long, default_value = "conveyor-node")]
     node: String,
     /// Label selector of the pods to run (others stay kwok's fakes).
-    #[arg(long, default_value = "conveyor.dev/pool")]
+    /// The default is every Conveyor pod: the operator's workers, and the chart's operator,
+    /// gateway and test pods.
+    #[arg(long, default_value = "app.kubernetes.io/part-of=conveyor")]
     selector: String,
     /// Where bare command names (`conveyor-worker`) are found.
     #[arg(long, default_value = "target/debug")]
@@ -97,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
         reported: HashMap::new(),
         readiness: HashMap::new(),
         http: reqwest::Client::new(),
+        apiserver: own_apiserver(),
     };
     let mut tick = tokio::time::interval(PERIOD);
     tracing::info!(node = %runner.args.node, selector = %runner.args.selector, "running pods");
@@ -147,6 +150,8 @@ struct Runner {
     reported: HashMap<String, (Report, std::time::Instant)>,
     /// Each running pod's readiness probe results, by uid.
     readiness: HashMap<String, Readiness>,
+    /// What pods' service-account kubeconfigs point at (see `plan::Host::apiserver`).
+    apiserver: Option<Apiserver>,
     /// For readiness probes.
     http: reqwest::Client,
 }
@@ -365,6 +370,7 @@ impl Runner {
             pod_dir: pod_dir.clone(),
             path_maps: self.args.path_maps.clone(),
             address,
+            apiserver: self.apiserver.clone(),
         };
         let launch = plan::plan(pod, &objects, &host)?;
         Ok((launch, pod_dir.join("container.log")))
@@ -383,4 +389,39 @@ impl Runner {
         }
         futures_util::future::join_all(all.into_iter().map(Supervisor::join)).await;
     }
+}
+
+/// The apiserver and token of this runner's own kubeconfig ($KUBECONFIG), which pods' service
+/// accounts are impersonated with; `None` (pods get no API access) when it has no token.
+fn own_apiserver() -> Option<Apiserver> {
+    let config = kube::config::Kubeconfig::read().ok()?;
+    let context_name = config.current_context.clone()?;
+    let context = config
+        .contexts
+        .iter()
+        .find(|c| c.name == context_name)?
+        .context
+        .clone()?;
+    let server = config
+        .clusters
+        .iter()
+        .find(|c| c.name == context.cluster)?
+        .cluster
+        .as_ref()?
+        .server
+        .clone()?;
+    let user = context.user.as_deref()?;
+    let token = config
+        .auth_infos
+        .iter()
+        .find(|a| a.name == user)?
+        .auth_info
+        .as_ref()?
+        .token
+        .as_ref()?;
+    use secrecy::ExposeSecret;
+    Some(Apiserver {
+        server,
+        token: token.expose_secret().to_owned(),
+    })
 }

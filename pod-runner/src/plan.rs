@@ -19,6 +19,36 @@ pub struct Launch {
     pub dirs: Vec<PathBuf>,
     /// SIGTERM, then this long before SIGKILL (the pod's termination grace period).
     pub grace: Duration,
+    /// When an exited process is started again.
+    pub restart: RestartPolicy,
+}
+
+/// A pod's `restartPolicy`.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum RestartPolicy {
+    #[default]
+    Always,
+    OnFailure,
+    Never,
+}
+
+impl RestartPolicy {
+    fn of(policy: Option<&str>) -> RestartPolicy {
+        match policy {
+            Some("Never") => RestartPolicy::Never,
+            Some("OnFailure") => RestartPolicy::OnFailure,
+            _ => RestartPolicy::Always,
+        }
+    }
+
+    /// Whether a process that exited with `code` is started again.
+    pub fn after(self, code: i32) -> bool {
+        match self {
+            RestartPolicy::Always => true,
+            RestartPolicy::OnFailure => code != 0,
+            RestartPolicy::Never => false,
+        }
+    }
 }
 
 /// Where the pod lands on this machine.
@@ -33,6 +63,42 @@ pub struct Host {
     /// The pod's own loopback address (its `status.podIP`): the pod's ports keep their
     /// numbers there, so `podIP:containerPort` reaches it as in a cluster.
     pub address: std::net::Ipv4Addr,
+    /// How this runner reaches the apiserver; a pod that mounts its service account's token
+    /// gets a kubeconfig acting as that account instead (what a kubelet's projected token
+    /// gives a pod in a cluster).
+    pub apiserver: Option<Apiserver>,
+}
+
+/// The apiserver's address and a token allowed to impersonate service accounts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Apiserver {
+    pub server: String,
+    pub token: String,
+}
+
+/// The projected volume of a service account's token, its CA and namespace.
+fn is_api_access(volume: &k8s_openapi::api::core::v1::Volume) -> bool {
+    volume.projected.as_ref().is_some_and(|p| {
+        p.sources
+            .iter()
+            .flatten()
+            .any(|s| s.service_account_token.is_some())
+    })
+}
+
+/// A kubeconfig acting as `system:serviceaccount:<namespace>:<account>`.
+fn service_account_kubeconfig(apiserver: &Apiserver, namespace: &str, account: &str) -> String {
+    let user = format!("system:serviceaccount:{namespace}:{account}");
+    // JSON is YAML: no quoting rules to get wrong.
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "local", "cluster": {"server": apiserver.server, "insecure-skip-tls-verify": true}}],
+        "users": [{"name": user, "user": {"token": apiserver.token, "as": user}}],
+        "contexts": [{"name": "pod", "context": {"cluster": "local", "user": user, "namespace": namespace}}],
+        "current-context": "pod",
+    })
+    .to_string()
 }
 
 /// The Secrets and ConfigMaps of the pod's namespace that it refers to, by name.
@@ -65,7 +131,7 @@ pub enum PlanError {
     MissingConfigMap(String),
     #[error("env {var}: {what} is not supported by the local runner")]
     UnsupportedEnv { var: String, what: String },
-    #[error("volume {0:?}: only configMap, secret and emptyDir volumes are supported by the local runner")]
+    #[error("volume {0:?}: only configMap, secret, emptyDir and service account token volumes are supported by the local runner")]
     UnsupportedVolume(String),
 }
 
@@ -127,6 +193,9 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
                     .into_iter()
                     .map(|(path, value)| (dir.join(path), value)),
             );
+        } else if is_api_access(volume) {
+            // The service account's token volume the apiserver adds: the pod gets a
+            // kubeconfig acting as its account instead (below); the directory stays empty.
         } else if volume.empty_dir.is_none() {
             return Err(PlanError::UnsupportedVolume(volume.name.clone()));
         }
@@ -175,9 +244,12 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
         ("HOME".to_owned(), display(&host.pod_dir)),
         ("TMPDIR".to_owned(), display(&host.pod_dir.join("tmp"))),
     ];
-    if let Ok(path) = std::env::var("PATH") {
-        env.push(("PATH".to_owned(), path));
-    }
+    // The image's binaries are on its PATH: here they are in bin_dir.
+    let path = std::env::var("PATH").unwrap_or_default();
+    env.push((
+        "PATH".to_owned(),
+        format!("{}:{path}", display(&host.bin_dir)),
+    ));
     dirs.push(host.pod_dir.join("tmp"));
     for var in container.env.iter().flatten() {
         let value = match (&var.value, &var.value_from) {
@@ -188,6 +260,21 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
         env.push((var.name.clone(), value));
     }
 
+    if let (Some(apiserver), false) = (
+        &host.apiserver,
+        spec.automount_service_account_token == Some(false),
+    ) {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+        let account = spec.service_account_name.as_deref().unwrap_or("default");
+        let path = host.pod_dir.join("serviceaccount").join("kubeconfig");
+        files.push((
+            path.clone(),
+            service_account_kubeconfig(apiserver, namespace, account),
+        ));
+        dirs.push(host.pod_dir.join("serviceaccount"));
+        env.push(("KUBECONFIG".to_owned(), display(&path)));
+    }
+
     let grace = spec.termination_grace_period_seconds.unwrap_or(30).max(0);
     Ok(Launch {
         program,
@@ -196,6 +283,7 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
         files,
         dirs,
         grace: Duration::from_secs(grace.unsigned_abs()),
+        restart: RestartPolicy::of(spec.restart_policy.as_deref()),
     })
 }
 
@@ -327,6 +415,7 @@ mod tests {
                 PathBuf::from("/src/handlers"),
             )],
             address: std::net::Ipv4Addr::new(127, 1, 0, 7),
+            apiserver: None,
         }
     }
 
@@ -343,6 +432,52 @@ mod tests {
             )]
             .into(),
         }
+    }
+
+    #[test]
+    fn a_pod_acts_as_its_service_account_unless_it_opts_out() {
+        let apiserver = Apiserver {
+            server: "https://127.0.0.1:16443".into(),
+            token: "admin".into(),
+        };
+        let host = Host {
+            apiserver: Some(apiserver),
+            ..host()
+        };
+        let mut pod = pod();
+        pod.spec.as_mut().unwrap().service_account_name = Some("conveyor-gateway".into());
+        // What the apiserver's ServiceAccount admission adds to every pod.
+        let api_access: k8s_openapi::api::core::v1::Volume = serde_json::from_value(serde_json::json!({
+            "name": "kube-api-access-x1",
+            "projected": {"sources": [{"serviceAccountToken": {"path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}}]}
+        }))
+        .unwrap();
+        pod.spec
+            .as_mut()
+            .unwrap()
+            .volumes
+            .get_or_insert_with(Vec::new)
+            .push(api_access);
+        let launch = plan(&pod, &objects(), &host).unwrap();
+        let env: BTreeMap<_, _> = launch.env.into_iter().collect();
+        let path = "/run/pods/video/w-1/serviceaccount/kubeconfig";
+        assert_eq!(env["KUBECONFIG"], path);
+        let (_, kubeconfig) = launch
+            .files
+            .iter()
+            .find(|(p, _)| p == Path::new(path))
+            .unwrap();
+        let config: serde_json::Value = serde_json::from_str(kubeconfig).unwrap();
+        assert_eq!(
+            config["users"][0]["user"]["as"],
+            "system:serviceaccount:video:conveyor-gateway"
+        );
+        assert_eq!(config["contexts"][0]["context"]["namespace"], "video");
+
+        pod.spec.as_mut().unwrap().automount_service_account_token = Some(false);
+        let launch = plan(&pod, &objects(), &host).unwrap();
+        assert!(launch.env.iter().all(|(k, _)| k != "KUBECONFIG"));
     }
 
     #[test]

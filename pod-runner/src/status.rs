@@ -24,10 +24,16 @@ pub enum ContainerState {
     Running(SystemTime),
     /// Its process exited and waits for its back-off to end.
     BackingOff,
+    /// Its process exited with this code and is not started again (restartPolicy Never,
+    /// or OnFailure after a success): the pod Succeeded (0) or Failed.
+    Terminated(i32),
 }
 
 impl ContainerState {
     pub fn of(process: ProcessState) -> ContainerState {
+        if let Some(code) = process.terminated {
+            return ContainerState::Terminated(code);
+        }
         match process.running_since {
             Some(since) => ContainerState::Running(since),
             None if process.restarts > 0 => ContainerState::BackingOff,
@@ -78,6 +84,12 @@ impl Report {
             ContainerState::Refused(_) => waiting == Some("CreateContainerConfigError"),
             ContainerState::BackingOff => waiting == Some("CrashLoopBackOff"),
             ContainerState::Running(_) => state.is_some_and(|s| s.running.is_some()),
+            ContainerState::Terminated(code) => {
+                state
+                    .and_then(|s| s.terminated.as_ref())
+                    .is_some_and(|t| t.exit_code == *code)
+                    && status.phase.as_deref() == Some(phase_after(*code))
+            }
         };
         kind_shown && ready == self.ready && container.restart_count == self.restarts as i32
     }
@@ -176,13 +188,18 @@ pub fn patch(pod: &Pod, report: &Report) -> Value {
             "reason": "CrashLoopBackOff",
             "message": "back-off restarting failed container"
         }}),
+        ContainerState::Terminated(code) => json!({"terminated": {
+            "exitCode": code,
+            "reason": if *code == 0 { "Completed" } else { "Error" },
+            "finishedAt": now,
+        }}),
     };
     let (status, reason) = match report.ready {
         true => ("True", None),
         false => ("False", Some("ContainersNotReady")),
     };
     let condition = |kind: &str| json!({"type": kind, "status": status, "reason": reason, "lastTransitionTime": now});
-    json!({"status": {
+    let mut patch = json!({"status": {
         "conditions": [condition("Ready"), condition("ContainersReady")],
         "containerStatuses": [{
             "name": container.0,
@@ -193,7 +210,20 @@ pub fn patch(pod: &Pod, report: &Report) -> Value {
             "restartCount": report.restarts,
             "state": state,
         }],
-    }})
+    }});
+    if let ContainerState::Terminated(code) = report.state {
+        patch["status"]["phase"] = json!(phase_after(code));
+    }
+    patch
+}
+
+/// The phase of a pod whose one container exited for good with `code`.
+fn phase_after(code: i32) -> &'static str {
+    if code == 0 {
+        "Succeeded"
+    } else {
+        "Failed"
+    }
 }
 
 /// A Kubernetes timestamp (RFC 3339, whole seconds, UTC).
@@ -291,5 +321,28 @@ mod tests {
             !ready.shown_by(&unready),
             "the node controller's Ready=False is put back"
         );
+    }
+
+    #[test]
+    fn a_process_that_exited_for_good_ends_its_pod_succeeded_or_failed() {
+        let pod = pod(json!(null));
+        for (code, phase, reason) in [(0, "Succeeded", "Completed"), (3, "Failed", "Error")] {
+            let report = Report {
+                state: ContainerState::Terminated(code),
+                restarts: 0,
+                ready: false,
+            };
+            let patch = patch(&pod, &report);
+            assert_eq!(patch["status"]["phase"], phase);
+            let terminated = &patch["status"]["containerStatuses"][0]["state"]["terminated"];
+            assert_eq!(terminated["exitCode"], code);
+            assert_eq!(terminated["reason"], reason);
+            let mut shown = pod.clone();
+            shown.status = Some(serde_json::from_value(patch["status"].clone()).unwrap());
+            assert!(report.shown_by(&shown));
+        }
+        assert!(crate::plan::RestartPolicy::OnFailure.after(1));
+        assert!(!crate::plan::RestartPolicy::OnFailure.after(0));
+        assert!(!crate::plan::RestartPolicy::Never.after(1));
     }
 }

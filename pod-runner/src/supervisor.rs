@@ -1,6 +1,6 @@
-//! One pod's process, kept alive like a kubelet would (restartPolicy: Always, with back-off)
-//! until it is told to stop, then stopped like one: SIGTERM to its process group, SIGKILL
-//! after the grace period.
+//! One pod's process, kept alive like a kubelet would (restarted with back-off, as its
+//! restartPolicy says: always, only after a failure, or never) until it is told to stop,
+//! then stopped like one: SIGTERM to its process group, SIGKILL after the grace period.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -25,6 +25,8 @@ const HEALTHY_RUN: Duration = Duration::from_secs(60);
 pub struct ProcessState {
     pub running_since: Option<SystemTime>,
     pub restarts: u32,
+    /// Its exit code, once it exited for good (its restartPolicy says not to start it again).
+    pub terminated: Option<i32>,
 }
 
 /// A running pod's supervisor: stop it with `stop`, wait for it with `join`.
@@ -83,6 +85,20 @@ async fn supervise(
                 set(&|s| s.running_since = Some(SystemTime::now()));
                 tokio::select! {
                     status = child.wait() => {
+                        // Killed by a signal: 128 + its number, as a container runtime says.
+                        let code = status.as_ref().ok().and_then(|s| {
+                            use std::os::unix::process::ExitStatusExt;
+                            s.code().or_else(|| s.signal().map(|n| 128 + n))
+                        }).unwrap_or(-1);
+                        if !launch.restart.after(code) {
+                            tracing::info!(%pod, code, "process exited; not restarted (restartPolicy)");
+                            set(&|s| {
+                                s.running_since = None;
+                                s.terminated = Some(code);
+                            });
+                            stop.cancelled().await;
+                            return;
+                        }
                         tracing::warn!(%pod, ?status, "process exited; restarting it");
                         set(&|s| {
                             s.running_since = None;

@@ -16,7 +16,7 @@ mod error;
 mod queues;
 
 pub use error::ManagementError;
-pub use queues::{depths_in, rates_in, QueueInfo, Queues, Rates};
+pub use queues::{consumers_in, depths_in, rates_in, QueueInfo, Queues, Rates};
 
 /// Where the management API is and who talks to it: the same flags for the operator and
 /// `conveyorctl grant`.
@@ -305,7 +305,7 @@ impl ManagementApi {
     /// type per reconcile.
     pub async fn list_queues(&self) -> Result<Queues, ManagementError> {
         let url = format!(
-            "{}/api/queues/{}?columns=name,messages,messages_ready,messages_unacknowledged,\
+            "{}/api/queues/{}?columns=name,messages,messages_ready,messages_unacknowledged,consumers,\
              message_stats.ack_details.rate,message_stats.publish_details.rate",
             self.base,
             encode(&self.vhost)

@@ -16,6 +16,8 @@ pub struct QueueInfo {
     messages_unacknowledged: Option<u64>,
     pub(super) messages: Option<u64>,
     #[serde(default)]
+    consumers: Option<u64>,
+    #[serde(default)]
     pub(super) effective_policy_definition: Option<serde_json::Value>,
     #[serde(default)]
     message_stats: Option<MessageStats>,
@@ -98,6 +100,12 @@ pub fn depths_in(queues: &Queues, spec: &NamedTaskType) -> Result<QueueDepths, M
         retry,
         remediation: remediation.messages()?,
     })
+}
+
+/// Consumers of a task type's work queue in `queues` (workers of every pool that serves it).
+pub fn consumers_in(queues: &Queues, task_type: &str) -> Result<u64, ManagementError> {
+    let main = queue_in(queues, &QueueNames::of(task_type).main)?;
+    main.counter("consumers", main.consumers)
 }
 
 /// A task type's work-queue rates in `queues`.

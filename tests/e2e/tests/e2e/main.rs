@@ -3,7 +3,9 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod chart;
 mod nodes;
+mod observability;
 mod operator;
 mod scaling;
 mod tenancy;

@@ -1,0 +1,80 @@
+{{/* Name prefix of every object: the release name, or "conveyor" when they are equal. */}}
+{{- define "conveyor.fullname" -}}
+{{- if eq .Release.Name "conveyor" -}}conveyor{{- else -}}{{ printf "%s-conveyor" .Release.Name | trunc 55 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "conveyor.labels" -}}
+app.kubernetes.io/part-of: conveyor
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* Selector labels of a component: (dict "root" $ "component" "gateway") */}}
+{{- define "conveyor.selector" -}}
+app.kubernetes.io/name: conveyor-{{ .component }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- end -}}
+
+{{- define "conveyor.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{- define "conveyor.operatorSecret" -}}
+{{ .Values.operator.connections.existingSecret | default (printf "%s-operator-connections" (include "conveyor.fullname" .)) }}
+{{- end -}}
+{{- define "conveyor.gatewaySecret" -}}
+{{ .Values.gateway.connections.existingSecret | default (printf "%s-gateway-connections" (include "conveyor.fullname" .)) }}
+{{- end -}}
+{{- define "conveyor.tokensSecret" -}}
+{{ .Values.gateway.tokens.existingSecret | default (printf "%s-gateway-tokens" (include "conveyor.fullname" .)) }}
+{{- end -}}
+
+{{/* The CA: an env var, and the volume and mount when it comes from a Secret. */}}
+{{- define "conveyor.caEnv" -}}
+{{- if .Values.ca.secretName }}
+- name: CONVEYOR_CA_FILE
+  value: /etc/conveyor/ca/ca.crt
+{{- else if .Values.ca.file }}
+- name: CONVEYOR_CA_FILE
+  value: {{ .Values.ca.file | quote }}
+{{- end }}
+{{- end -}}
+{{- define "conveyor.caMount" -}}
+{{- if .Values.ca.secretName }}
+- name: ca
+  mountPath: /etc/conveyor/ca
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "conveyor.caVolume" -}}
+{{- if .Values.ca.secretName }}
+- name: ca
+  secret: {secretName: {{ .Values.ca.secretName }}, items: [{key: ca.crt, path: ca.crt}]}
+{{- end }}
+{{- end -}}
+
+{{/* Restricted pod security: what every Conveyor container runs with. */}}
+{{- define "conveyor.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: 65532
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+{{- define "conveyor.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities: {drop: [ALL]}
+{{- end -}}
+
+{{- define "conveyor.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
