@@ -171,6 +171,7 @@ mod tests {
             payload: serde_json::json!({}),
             submitted_at: chrono::DateTime::UNIX_EPOCH,
             suspect: false,
+            traceparent: None,
         }
     }
 

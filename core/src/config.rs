@@ -137,9 +137,21 @@ pub struct TelemetryArgs {
     /// Log filter, as RUST_LOG.
     #[arg(long = "log", env = "RUST_LOG", default_value = "info")]
     pub filter: String,
+    /// OTLP/HTTP collector for traces (`http://collector:4318`); none: traces are not
+    /// exported (their context still travels with each task).
+    #[arg(long = "otlp-endpoint", env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl TelemetryArgs {
+    /// Where this process's spans go (`crate::trace`), as `service`.
+    pub fn tracer(&self, service: &str) -> crate::trace::Tracer {
+        match &self.otlp_endpoint {
+            Some(endpoint) => crate::trace::Tracer::otlp(endpoint, service),
+            None => crate::trace::Tracer::disabled(),
+        }
+    }
+
     /// Installs the global subscriber (once per process, at start).
     pub fn init(&self) {
         let filter = tracing_subscriber::EnvFilter::try_new(&self.filter)

@@ -18,6 +18,7 @@ pub mod task_type;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod tls;
+pub mod trace;
 pub mod upkeep;
 pub mod urls;
 

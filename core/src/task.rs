@@ -21,6 +21,10 @@ pub struct TaskMessage {
     /// Reaped from a dead worker beside other tasks: the next try runs alone on its worker.
     #[serde(default)]
     pub suspect: bool,
+    /// The W3C trace context its processing continues (`crate::trace`); also sent as the
+    /// message's `traceparent` header. Absent on messages re-published from the database.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
 }
 
 /// A new task, as the gateway records it.
@@ -32,6 +36,8 @@ pub struct NewTask {
     pub idempotency_key: Uuid,
     pub task_type: String,
     pub payload: serde_json::Value,
+    /// The trace its submission opened, written in the INGESTED audit row's detail.
+    pub trace_id: Option<String>,
 }
 
 /// The current row of a task.
@@ -88,6 +94,7 @@ impl TaskRecord {
             payload: self.payload.clone(),
             submitted_at: self.created_at,
             suspect: self.suspect,
+            traceparent: None,
         }
     }
 }

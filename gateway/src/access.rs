@@ -1,7 +1,8 @@
 //! The outermost layer of the API: every request gets a request id (the client's
 //! `x-request-id` when it sent a usable one), which the answer carries back and every log
 //! line of the request names; its duration goes into
-//! `conveyor_http_request_duration_seconds`; and one access-log line says what was asked and
+//! `conveyor_http_request_duration_seconds`; its server span opens (or continues) the trace
+//! its tasks carry (`conveyor_core::trace`); and one access-log line says what was asked and
 //! answered.
 
 use std::time::Instant;
@@ -11,6 +12,7 @@ use axum::http::{HeaderName, HeaderValue};
 use axum::middleware::Next;
 use axum::response::Response;
 use conveyor_core::metrics::Metrics;
+use conveyor_core::trace::{SpanKind, TraceContext, Tracer};
 use tracing::Instrument;
 
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
@@ -34,14 +36,28 @@ pub fn request_id(request: &Request) -> HeaderValue {
         })
 }
 
-/// Times, logs and tags one request (`axum::middleware::from_fn_with_state`).
+/// What the layer records into.
+#[derive(Clone)]
+pub struct Observe {
+    pub metrics: Metrics,
+    pub tracer: Tracer,
+}
+
+/// Times, logs and tags one request (`axum::middleware::from_fn_with_state`); its server
+/// span continues the client's `traceparent`, and handlers find the span's context in the
+/// request's extensions.
 pub async fn observe(
-    axum::extract::State(metrics): axum::extract::State<Metrics>,
-    request: Request,
+    axum::extract::State(observe): axum::extract::State<Observe>,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let started = Instant::now();
     let id = request_id(&request);
+    let parent = request
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceContext::parse);
     let method = request.method().clone();
     // The route's pattern (`/v1/tasks/{id}`), not the path: one series per route, and no
     // task ids in the metric's labels.
@@ -51,11 +67,27 @@ pub async fn observe(
         .map_or("unmatched", |p| p.as_str())
         .to_owned();
     let path = request.uri().path().to_owned();
-    let span = tracing::info_span!("request", request_id = id.to_str().unwrap_or_default());
+    let mut server = observe.tracer.start(
+        format!("{method} {route}"),
+        SpanKind::Server,
+        parent.as_ref(),
+    );
+    server.set("http.request.method", &method);
+    server.set("http.route", &route);
+    server.set("conveyor.request_id", id.to_str().unwrap_or_default());
+    request.extensions_mut().insert(server.context);
+    let span = tracing::info_span!(
+        "request",
+        request_id = id.to_str().unwrap_or_default(),
+        trace_id = server.context.trace_id()
+    );
     let mut response = next.run(request).instrument(span.clone()).await;
     let elapsed = started.elapsed();
     let status = response.status();
-    metrics
+    server.set("http.response.status_code", status.as_u16());
+    server.end(status.is_server_error().then_some(status.as_str()));
+    observe
+        .metrics
         .http_request_seconds
         .with_label_values(&[route.as_str(), method.as_str(), status.as_str()])
         .observe(elapsed.as_secs_f64());

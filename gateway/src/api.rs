@@ -17,6 +17,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use conveyor_core::task::{TaskEvent, TaskRecord};
 use conveyor_core::task_type::local_name;
+use conveyor_core::trace::TraceContext;
 use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -72,7 +73,10 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         // Outermost, so that refusals (401, 429, 413) are timed and logged too.
         .layer(middleware::from_fn_with_state(
-            state.ingestor.metrics.clone(),
+            crate::access::Observe {
+                metrics: state.ingestor.metrics.clone(),
+                tracer: state.ingestor.tracer.clone(),
+            },
             crate::access::observe,
         ))
         .with_state(state)
@@ -210,11 +214,12 @@ async fn submit_detached(
     client: &Client,
     in_flight: InFlight,
     submissions: Vec<Submission>,
+    trace: Option<TraceContext>,
 ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
     let state = state.clone();
     let client = client.clone();
     tokio::spawn(async move {
-        let answers = state.ingestor.submit(&client, submissions).await;
+        let answers = state.ingestor.submit(&client, submissions, trace).await;
         drop(in_flight);
         answers
     })
@@ -243,6 +248,7 @@ async fn submit_one(
     Extension(client): Extension<Client>,
     Extension(in_flight): Extension<InFlight>,
     charged: Option<Extension<BodyCharged>>,
+    trace: Option<Extension<TraceContext>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
@@ -258,7 +264,8 @@ async fn submit_one(
         payload: request.payload,
         idempotency_key: key,
     };
-    let mut answers = submit_detached(&state, &client, in_flight, vec![submission]).await?;
+    let trace = trace.map(|t| t.0);
+    let mut answers = submit_detached(&state, &client, in_flight, vec![submission], trace).await?;
     let accepted = answers
         .pop()
         .unwrap_or_else(|| Err(ApiError::bad_request("empty", "no task")))?;
@@ -290,6 +297,7 @@ async fn submit_batch(
     Extension(client): Extension<Client>,
     Extension(in_flight): Extension<InFlight>,
     charged: Option<Extension<BodyCharged>>,
+    trace: Option<Extension<TraceContext>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let body = read_body(body)?;
@@ -303,7 +311,14 @@ async fn submit_batch(
             format!("a batch holds 1 to {} tasks", state.max_batch_tasks),
         ));
     }
-    let answers = submit_detached(&state, &client, in_flight, request.tasks).await?;
+    let answers = submit_detached(
+        &state,
+        &client,
+        in_flight,
+        request.tasks,
+        trace.map(|t| t.0),
+    )
+    .await?;
     let results: Vec<BatchAnswer> = answers
         .into_iter()
         .map(|answer| match answer {

@@ -8,7 +8,8 @@ use axum::http::StatusCode;
 use conveyor_core::amqp::{AmqpError, Outgoing, Publisher};
 use conveyor_core::db::{Db, DbError, IngestWrites, Recorded};
 use conveyor_core::metrics::Metrics;
-use conveyor_core::task::{NewTask, Requeue, TaskRecord};
+use conveyor_core::task::{NewTask, Requeue, TaskMessage, TaskRecord};
+use conveyor_core::trace::{SpanKind, TraceContext, Tracer};
 use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -62,15 +63,18 @@ pub struct Ingestor {
     pub client_limits: ClientLimits,
     pub depths: Arc<DepthMonitor>,
     pub metrics: Metrics,
+    pub tracer: Tracer,
 }
 
 impl Ingestor {
     /// Takes a request's tasks. `Err` refuses the whole request (client rate limit); otherwise
     /// each task has its own answer, in input order.
+    /// `trace` is the request's span: the tasks' publish span continues it.
     pub async fn submit(
         &self,
         client: &Client,
         submissions: Vec<Submission>,
+        trace: Option<TraceContext>,
     ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
         let limits = &self.client_limits;
         let name = &client.name;
@@ -94,7 +98,10 @@ impl Ingestor {
         for (index, submission) in submissions.into_iter().enumerate() {
             answers.push(None);
             match self.prepare(client, submission) {
-                Ok(task) => valid.push((index, task)),
+                Ok(mut task) => {
+                    task.trace_id = trace.map(|t| t.trace_id());
+                    valid.push((index, task))
+                }
                 Err(err) => answers[index] = Some(Err(err)),
             }
         }
@@ -111,7 +118,7 @@ impl Ingestor {
                 }
             }
             Ok(recorded) => {
-                let outcomes = self.enqueue(&new_tasks, recorded).await;
+                let outcomes = self.enqueue(&new_tasks, recorded, trace).await;
                 for ((index, _), outcome) in valid.iter().zip(outcomes) {
                     answers[*index] = Some(outcome);
                 }
@@ -150,6 +157,7 @@ impl Ingestor {
             idempotency_key: submission.idempotency_key.unwrap_or(id),
             task_type: known.spec.name.clone(),
             payload: submission.payload,
+            trace_id: None,
         })
     }
 
@@ -216,6 +224,7 @@ impl Ingestor {
         &self,
         submitted: &[NewTask],
         recorded: Vec<Recorded>,
+        trace: Option<TraceContext>,
     ) -> Vec<Result<Accepted, ApiError>> {
         // New tasks, and earlier ones whose publish was never confirmed (a client retrying
         // after a 503; not one whose confirm this gateway holds, its mark still waiting):
@@ -225,16 +234,31 @@ impl Ingestor {
             .map(Recorded::task)
             .filter(|t| t.state == TaskState::Ingested && !self.writes.queued.is_pending(t.id))
             .collect();
+        // The broker hop is a span of its own; the workers' spans continue it.
+        let mut publish = trace.filter(|_| !to_publish.is_empty()).map(|t| {
+            self.tracer
+                .start("conveyor.publish", SpanKind::Producer, Some(&t))
+        });
+        let traceparent = publish.as_ref().map(|s| s.context.header());
         let outgoing: Vec<Outgoing> = to_publish
             .iter()
             .map(|task| Outgoing {
-                message: task.message(),
+                message: TaskMessage {
+                    traceparent: traceparent.clone(),
+                    ..task.message()
+                },
                 route: Requeue::Main,
                 delay: None,
                 retry_tier: 0,
             })
             .collect();
         let results = self.publisher.publish(&outgoing).await;
+        if let Some(mut span) = publish.take() {
+            span.set("messaging.system", "rabbitmq");
+            span.set("messaging.batch.message_count", outgoing.len());
+            let failed = results.iter().filter(|r| r.is_err()).count();
+            span.end((failed > 0).then_some("some publishes were not confirmed"));
+        }
         let mut publish_errors: HashMap<Uuid, AmqpError> = HashMap::new();
         let mut confirmed = Vec::new();
         for (task, result) in to_publish.iter().zip(results) {

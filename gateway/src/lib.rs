@@ -78,6 +78,8 @@ pub struct GatewayConfig {
     /// Serve the API over TLS with this certificate; `None` serves plain HTTP (behind a
     /// TLS-terminating Ingress, or on loopback).
     pub tls: Option<tls::TlsFiles>,
+    /// Where request and publish spans go (`conveyor_core::trace`).
+    pub tracer: conveyor_core::trace::Tracer,
 }
 
 /// Where the gateway answers: the API, and apart from it `/metrics`, `/healthz` and
@@ -207,6 +209,7 @@ pub async fn run(
             client_limits: config.client_limits.clone(),
             depths,
             metrics: metrics.clone(),
+            tracer: config.tracer.clone(),
         },
         tokens,
         max_batch_tasks: config.max_batch_tasks,

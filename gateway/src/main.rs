@@ -198,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
         max_batch_tasks: args.max_batch_tasks,
         depth_interval: Duration::from_millis(args.depth_interval_ms.max(50)),
         migrate: !args.no_migrate,
+        tracer: args.telemetry.tracer("conveyor-gateway"),
         upkeep: (!args.no_upkeep).then(|| upkeep_config(&args)),
         tls: args
             .tls_cert_file

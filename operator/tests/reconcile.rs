@@ -674,6 +674,7 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
                 payload: json!({}),
                 submitted_at: chrono::Utc::now(),
                 suspect: false,
+                traceparent: None,
             },
             route: conveyor_core::task::Requeue::Main,
             delay: None,

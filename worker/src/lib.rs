@@ -60,6 +60,8 @@ pub struct WorkerConfig {
     /// operator declares them and deletes them with a `Delete` TaskType; there a worker
     /// consumes only the queues that exist, so that it never re-makes a deleted one.
     pub declare_queues: bool,
+    /// Where the spans of each task's processing go (`conveyor_core::trace`).
+    pub tracer: conveyor_core::trace::Tracer,
 }
 
 /// How often a worker that found some of its queues missing looks for them again.
@@ -212,6 +214,7 @@ pub async fn run(
         in_flight: in_flight.clone(),
         metrics,
         alone: Arc::default(),
+        tracer: config.tracer.clone(),
     });
     tracing::info!(worker = config.worker_id, types = ?processor.recorder.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");

@@ -100,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)?;
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     let config = WorkerConfig {
+        tracer: args.telemetry.tracer("conveyor-worker"),
         worker_id: format!("{}-{}", args.worker_name, &suffix[..8]),
         task_types,
         handler,

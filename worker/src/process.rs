@@ -10,6 +10,7 @@ use conveyor_core::metrics::Metrics;
 use conveyor_core::requeue;
 use conveyor_core::task::TaskMessage;
 use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::trace::{SpanKind, TraceContext, Tracer};
 use conveyor_core::TaskState::{self, *};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
@@ -33,6 +34,7 @@ pub struct Processor {
     /// Every task runs under the read side; a suspect takes the write side and so runs
     /// alone: if it crashes the worker, nothing healthy dies with it (decision 0008).
     pub alone: Arc<tokio::sync::RwLock<()>>,
+    pub tracer: Tracer,
 }
 
 /// What happened to the message once the task's fate is recorded.
@@ -73,9 +75,26 @@ impl Processor {
                 return;
             }
         };
+        // The trace the gateway opened, from the message's header (or its body).
+        let parent = amqp::traceparent(&delivery)
+            .or_else(|| task.traceparent.clone())
+            .and_then(|h| TraceContext::parse(&h));
+        let mut consumer = self.tracer.start(
+            format!("conveyor.process {}", task.task_type),
+            SpanKind::Consumer,
+            parent.as_ref(),
+        );
+        consumer.set("conveyor.task.id", task.id);
+        consumer.set("conveyor.task.attempt", task.attempt);
+        consumer.set("conveyor.worker.id", &self.worker_id);
         let span = tracing::info_span!("task", id = %task.id, task_type = task.task_type,
-            attempt = task.attempt, suspect = task.suspect);
-        let settle = self.process(&task).instrument(span).await;
+            attempt = task.attempt, suspect = task.suspect,
+            trace_id = consumer.context.trace_id());
+        let settle = self
+            .process(&task, &consumer.context)
+            .instrument(span)
+            .await;
+        consumer.end(matches!(settle, Settle::Requeue).then_some("returned to the queue"));
         let acked = match settle {
             Settle::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
             Settle::Requeue => {
@@ -94,7 +113,7 @@ impl Processor {
         }
     }
 
-    async fn process(&self, task: &TaskMessage) -> Settle {
+    async fn process(&self, task: &TaskMessage, trace: &TraceContext) -> Settle {
         let Some(spec) = self.recorder.types.get(&task.task_type) else {
             tracing::error!("message for a task type this worker does not consume");
             return Settle::Requeue;
@@ -131,7 +150,7 @@ impl Processor {
         let cancel = self.in_flight.insert(task.id, task.attempt);
         self.metrics.in_flight.set(self.in_flight.len() as i64);
         let outcome = tokio::select! {
-            outcome = self.run_handler(spec, task) => Some(outcome),
+            outcome = self.run_handler(spec, task, trace) => Some(outcome),
             _ = cancel.cancelled() => None,
         };
         let settle = match outcome {
@@ -153,6 +172,7 @@ impl Processor {
         &self,
         spec: &NamedTaskType,
         task: &TaskMessage,
+        trace: &TraceContext,
     ) -> Result<serde_json::Value, Failure> {
         let (_alone, _beside_others) = if task.suspect {
             (Some(self.alone.write().await), None)
@@ -160,9 +180,19 @@ impl Processor {
             (None, Some(self.alone.read().await))
         };
         let started = Instant::now();
-        let outcome = tokio::time::timeout(spec.timeout(), self.handler.run(task))
+        // The handler continues the trace from its own span (TRACEPARENT, a traceparent
+        // header).
+        let span = self
+            .tracer
+            .start("conveyor.handler", SpanKind::Internal, Some(trace));
+        let traced = TaskMessage {
+            traceparent: Some(span.context.header()),
+            ..task.clone()
+        };
+        let outcome = tokio::time::timeout(spec.timeout(), self.handler.run(&traced))
             .await
             .unwrap_or_else(|_| Err(format!("timed out after {:?}", spec.timeout())));
+        span.end(outcome.as_ref().err().map(String::as_str));
         self.metrics
             .processing_seconds
             .with_label_values(&[spec.name.as_str()])

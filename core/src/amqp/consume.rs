@@ -11,6 +11,18 @@ use super::error::{AmqpError, AmqpResult};
 pub const PROBE_KIND: &str = "conveyor.probe";
 
 /// The probe id, if `delivery` is a probe rather than a task.
+/// The `traceparent` header of a task message, if it carries one.
+pub fn traceparent(delivery: &lapin::message::Delivery) -> Option<String> {
+    let headers = delivery.properties.headers().as_ref()?;
+    match headers.inner().get(super::publisher::TRACEPARENT_HEADER)? {
+        lapin::types::AMQPValue::LongString(value) => {
+            Some(String::from_utf8_lossy(value.as_bytes()).into_owned())
+        }
+        lapin::types::AMQPValue::ShortString(value) => Some(value.as_str().to_owned()),
+        _ => None,
+    }
+}
+
 pub fn probe_id(delivery: &lapin::message::Delivery) -> Option<Uuid> {
     let kind = delivery.properties.kind().as_ref()?;
     if kind.as_str() != PROBE_KIND {

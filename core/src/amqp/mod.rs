@@ -22,7 +22,7 @@ mod topology;
 pub use connection::{
     close_bounded, connect, node_urls, with_heartbeat, CLOSE_TIMEOUT, CONNECT_TIMEOUT,
 };
-pub use consume::{consume, get_one, probe_id, PROBE_KIND};
+pub use consume::{consume, get_one, probe_id, traceparent, PROBE_KIND};
 pub use error::{AmqpError, AmqpResult};
 pub use names::QueueNames;
 pub use publisher::{Outgoing, Publisher, QueueObserver};

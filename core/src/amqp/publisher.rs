@@ -5,7 +5,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
-use lapin::types::ShortString;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::Mutex;
@@ -18,6 +18,9 @@ use super::names::QueueNames;
 use super::topology::{declare_task_type, ready_count};
 use crate::task::{Requeue, TaskMessage};
 use crate::task_type::NamedTaskType;
+
+/// The message header that carries a task's W3C trace context.
+pub const TRACEPARENT_HEADER: &str = "traceparent";
 
 /// A message to publish: the task, where it goes, and for a retry queue which one and how
 /// long it waits there.
@@ -196,6 +199,15 @@ impl Publisher {
             .with_delivery_mode(2)
             .with_content_type(ShortString::from("application/json"))
             .with_message_id(ShortString::from(out.message.id.to_string()));
+        if let Some(traceparent) = &out.message.traceparent {
+            // Where W3C trace context goes in a message, for any consumer that reads it.
+            let mut headers = FieldTable::default();
+            headers.insert(
+                ShortString::from(TRACEPARENT_HEADER),
+                AMQPValue::LongString(LongString::from(traceparent.as_str())),
+            );
+            properties = properties.with_headers(headers);
+        }
         if let Some(delay) = out.delay {
             // Per-message TTL: the retry queue dead-letters it to the work queue on expiry.
             properties =

@@ -49,12 +49,16 @@ impl Db {
         let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
         let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
         let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
+        let details: Vec<Option<String>> = tasks
+            .iter()
+            .map(|t| t.trace_id.as_ref().map(|id| format!("trace {id}")))
+            .collect();
         // Only what the database adds (the time) comes back: the rest is the input, and a
         // payload sent back and decoded again would cost both sides for nothing.
         let inserted = sqlx::query(
             "WITH input AS (
-                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[])
-                     AS i(id, tenant, idempotency_key, task_type, payload)
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[], $7::text[])
+                     AS i(id, tenant, idempotency_key, task_type, payload, detail)
              ), inserted AS (
                  INSERT INTO tasks (id, tenant, idempotency_key, task_type, state, payload)
                  SELECT id, tenant, idempotency_key, task_type, $6, payload FROM input
@@ -63,8 +67,9 @@ impl Db {
                  ON CONFLICT (tenant, idempotency_key) DO NOTHING
                  RETURNING id, task_type, created_at
              ), events AS (
-                 INSERT INTO task_events (task_id, task_type, to_state, attempt)
-                 SELECT id, task_type, $6, 0 FROM inserted
+                 INSERT INTO task_events (task_id, task_type, to_state, attempt, detail)
+                 SELECT inserted.id, inserted.task_type, $6, 0, input.detail
+                 FROM inserted JOIN input USING (id)
              )
              SELECT id, created_at FROM inserted",
         )
@@ -74,6 +79,7 @@ impl Db {
         .bind(&types)
         .bind(&payloads)
         .bind(Ingested.as_str())
+        .bind(&details)
         .fetch_all(&self.hot)
         .await?;
         let by_id: HashMap<Uuid, &NewTask> = tasks.iter().map(|t| (t.id, t)).collect();

@@ -87,6 +87,11 @@ pub async fn run(
         .env("CONVEYOR_NAMESPACE", namespace)
         .env("CONVEYOR_ATTEMPT", task.attempt.to_string())
         .env("CONVEYOR_IDEMPOTENCY_KEY", task.idempotency_key.to_string())
+        // W3C trace context: the handler's own spans, if it makes any, continue the trace.
+        .env(
+            "TRACEPARENT",
+            task.traceparent.as_deref().unwrap_or_default(),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -196,6 +201,7 @@ mod tests {
             payload,
             submitted_at: chrono::Utc::now(),
             suspect: false,
+            traceparent: None,
         }
     }
 

@@ -90,8 +90,11 @@ async fn run_http(
     url: &str,
     task: &TaskMessage,
 ) -> Result<serde_json::Value, Failure> {
-    let response = client
-        .post(url)
+    let mut request = client.post(url);
+    if let Some(traceparent) = &task.traceparent {
+        request = request.header("traceparent", traceparent);
+    }
+    let response = request
         .header("X-Conveyor-Task-Id", task.id.to_string())
         .header("X-Conveyor-Task-Type", &task.task_type)
         .header("X-Conveyor-Attempt", task.attempt.to_string())
@@ -139,6 +142,7 @@ mod tests {
             payload,
             submitted_at: Utc::now(),
             suspect: false,
+            traceparent: None,
         }
     }
 

@@ -352,6 +352,7 @@ async fn retries_waiting_out_their_backoff_count_against_max_queue_depth() {
                 payload: serde_json::json!({}),
                 submitted_at: chrono::Utc::now(),
                 suspect: false,
+                traceparent: None,
             },
             route: conveyor_core::task::Requeue::Retry,
             delay: Some(Duration::from_secs(60)),

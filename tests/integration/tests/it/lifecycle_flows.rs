@@ -202,6 +202,7 @@ async fn a_short_retry_is_not_held_behind_a_long_one() {
             payload: serde_json::json!({}),
             submitted_at: chrono::Utc::now(),
             suspect: false,
+            traceparent: None,
         },
         route: conveyor_core::task::Requeue::Retry,
         delay: Some(delay),

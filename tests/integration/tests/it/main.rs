@@ -15,4 +15,5 @@ mod outages;
 mod self_healing;
 mod tenancy;
 mod tls;
+mod tracing;
 mod worker_faults;

@@ -78,6 +78,8 @@ fn gateway_config(db_url: &str, types: &[NamedTaskType]) -> GatewayConfig {
         upkeep: None,
         // Plain HTTP on loopback; the gateway's TLS has tests of its own (tls.rs).
         tls: None,
+        // Traces are exported only by the test that collects them (tracing.rs).
+        tracer: conveyor_core::trace::Tracer::disabled(),
     }
 }
 
@@ -256,6 +258,7 @@ impl Harness {
             buffer_max_bytes: 1 << 20,
             declare_queues: true,
             db_call_timeout: Duration::from_secs(2),
+            tracer: conveyor_core::trace::Tracer::disabled(),
         }
     }
 
