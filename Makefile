@@ -14,11 +14,15 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all build services services-down cluster-services stack lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
+.PHONY: all toolchains build services services-down cluster-services stack lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
 
 all: build
 
-build:
+# The toolchains a newcomer installs by hand (the scripts install the rest), named in one line.
+toolchains:
+	@bash -c '. scripts/lib/tools.sh && need_toolchains $(CARGO) go gcc git'
+
+build: toolchains
 	$(CARGO) build --workspace --bins
 
 services:

@@ -16,11 +16,23 @@ need_packages() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 }
 
-# Fails, naming every missing toolchain command at once: need_toolchains cargo go ...
+# Fails, naming every missing toolchain command at once, with where each comes from:
+# need_toolchains cargo go ...
 need_toolchains() {
-  local missing=() cmd
-  for cmd in "$@"; do command -v "$cmd" >/dev/null 2>&1 || missing+=("$cmd"); done
+  local missing=() hints=() cmd
+  for cmd in "$@"; do
+    command -v "$cmd" >/dev/null 2>&1 && continue
+    missing+=("$cmd")
+    case "$cmd" in
+      cargo | rustc) hints+=("Rust from rustup (https://rustup.rs)") ;;
+      go) hints+=("Go 1.26 (https://go.dev/dl)") ;;
+      gcc | make) hints+=("apt-get install build-essential") ;;
+      *) hints+=("apt-get install $cmd") ;;
+    esac
+  done
   [ ${#missing[@]} -eq 0 ] && return 0
-  printf 'tools: missing %s: install Rust with rustup (https://rustup.rs) and Go 1.26 (https://go.dev/dl), then run this again; as a sudoer, run make without sudo (sudo drops ~/.cargo/bin and Go from PATH)\n' "${missing[*]}" >&2
+  local IFS=';'
+  printf 'tools: missing %s; install: %s; then run this again (as a sudoer, run make without sudo: sudo drops ~/.cargo/bin and Go from PATH)\n' \
+    "$(printf '%s' "${missing[*]}" | sed 's/;/, /g')" "$(printf '%s' "${hints[*]}" | sed 's/;/, /g')" >&2
   exit 1
 }

@@ -87,16 +87,15 @@ pub async fn run(
         .env("CONVEYOR_NAMESPACE", namespace)
         .env("CONVEYOR_ATTEMPT", task.attempt.to_string())
         .env("CONVEYOR_IDEMPOTENCY_KEY", task.idempotency_key.to_string())
-        // W3C trace context: the handler's own spans, if it makes any, continue the trace.
-        .env(
-            "TRACEPARENT",
-            task.traceparent.as_deref().unwrap_or_default(),
-        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
+    // W3C trace context: the handler's own spans, if it makes any, continue the trace.
+    if let Some(traceparent) = &task.traceparent {
+        cmd.env("TRACEPARENT", traceparent);
+    }
     if payload.len() <= MAX_ENV_PAYLOAD {
         cmd.env("CONVEYOR_PAYLOAD", &payload);
     } else {
@@ -231,6 +230,7 @@ mod tests {
             "CONVEYOR_ATTEMPT",
             "CONVEYOR_IDEMPOTENCY_KEY",
             "CONVEYOR_PAYLOAD",
+            "TRACEPARENT",
         ];
         // What sh sets for itself.
         let shell = ["PWD", "SHLVL", "_", "OLDPWD"];
