@@ -42,7 +42,7 @@ work=$(mktemp -d)
 # A cold build is quiet for most of its half hour: say what it needs, then how it is going.
 free_gb=$(df -Pk "$CACHE" | awk 'NR == 2 {print int($4 / 1048576)}')
 if ! [ -x "$BIN/kube-apiserver" ]; then
-  log "first run: building the control plane from Go modules into $BIN; about 30-40 minutes on"
+  log "first run: building the control plane from Go modules into $BIN; 10 to 40 minutes on"
   log "2 cores, 4 GB of disk for Go's caches (~/.cache/go-build, ~/go/pkg/mod; $free_gb GB free)"
   log "and up to 3 GB of memory. It is cached: later runs start at once."
 fi

@@ -67,8 +67,33 @@ follow_pods() {
   done
 }
 
+# Debian's package starts its own prometheus.service on *:9090 where systemd runs: all
+# interfaces, and the port every worker pod's metrics listen on. Installed with services
+# held back (policy-rc.d), and the packaged service kept stopped and disabled.
+install_prometheus() {
+  command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && return 0
+  local held=""
+  if ! as_root test -e /usr/sbin/policy-rc.d; then
+    printf '#!/bin/sh\nexit 101\n' | as_root tee /usr/sbin/policy-rc.d >/dev/null
+    as_root chmod 755 /usr/sbin/policy-rc.d
+    held=1
+  fi
+  need_packages prometheus=prometheus promtool=prometheus || { [ -z "$held" ] || as_root rm -f /usr/sbin/policy-rc.d; exit 1; }
+  [ -z "$held" ] || as_root rm -f /usr/sbin/policy-rc.d
+}
+
+packaged_service_off() {
+  command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ] || return 0
+  if systemctl is-enabled --quiet prometheus 2>/dev/null || systemctl is-active --quiet prometheus 2>/dev/null; then
+    log "stopping and disabling the packaged prometheus.service (it listens on *:9090)"
+    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+}
+
 up() {
-  need_packages prometheus=prometheus promtool=prometheus jq=jq
+  install_prometheus
+  packaged_service_off
+  need_packages jq=jq
   PATH=$(cluster/build.sh --path):$PATH
   export KUBECONFIG=$KUBECONFIG_FILE
   [ -s "$KUBECONFIG_FILE" ] || { log "no local cluster yet ($KUBECONFIG_FILE): scripts/stack.sh up first"; exit 1; }

@@ -21,6 +21,7 @@ use conveyor_core::trace::TraceContext;
 use conveyor_core::TaskState;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::auth::{Client, TokenSet};
@@ -218,11 +219,16 @@ async fn submit_detached(
 ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
     let state = state.clone();
     let client = client.clone();
-    tokio::spawn(async move {
-        let answers = state.ingestor.submit(&client, submissions, trace).await;
-        drop(in_flight);
-        answers
-    })
+    // The request's span (request and trace ids) goes along: the spawned submission's log
+    // lines (a failed publish, a database error) name them too.
+    tokio::spawn(
+        async move {
+            let answers = state.ingestor.submit(&client, submissions, trace).await;
+            drop(in_flight);
+            answers
+        }
+        .instrument(tracing::Span::current()),
+    )
     .await
     .unwrap_or_else(|join| {
         tracing::error!(error = %join, "submission task failed");

@@ -110,7 +110,7 @@ impl DepthMonitor {
                 match depths.await {
                     // Not exported: every gateway replica reads the same queues, so their
                     // sum would count each message once per replica. The operator exports
-                    // the depths (`conveyor_queue_messages`).
+                    // the depths (`conveyor_queue_depth`).
                     Ok((main, retry)) => self.record(task_type, u64::from(main) + u64::from(retry)),
                     Err(err) => {
                         metrics

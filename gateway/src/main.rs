@@ -169,6 +169,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(pairs) = &args.tokens {
         tokens = tokens.merge(Tokens::parse_pairs(pairs.expose()).map_err(anyhow::Error::msg)?);
     }
+    let tracer = args.telemetry.tracer("conveyor-gateway");
     let config = GatewayConfig {
         database: args.database.options(),
         amqp_url: args.amqp.connection_url(),
@@ -198,7 +199,7 @@ async fn main() -> anyhow::Result<()> {
         max_batch_tasks: args.max_batch_tasks,
         depth_interval: Duration::from_millis(args.depth_interval_ms.max(50)),
         migrate: !args.no_migrate,
-        tracer: args.telemetry.tracer("conveyor-gateway"),
+        tracer: tracer.clone(),
         upkeep: (!args.no_upkeep).then(|| upkeep_config(&args)),
         tls: args
             .tls_cert_file
@@ -218,7 +219,10 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
     let metrics = Metrics::new();
     conveyor_core::metrics::describe_process(&metrics.registry, "gateway");
-    conveyor_gateway::run(config, listeners, metrics, shutdown).await
+    let served = conveyor_gateway::run(config, listeners, metrics, shutdown).await;
+    // The last spans, before the process goes.
+    tracer.flush().await;
+    served
 }
 
 async fn bind(address: &str) -> anyhow::Result<tokio::net::TcpListener> {

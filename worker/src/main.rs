@@ -99,8 +99,9 @@ async fn main() -> anyhow::Result<()> {
     let handler = Handler::parse(&args.handler, &exec, args.http_url.as_deref())
         .map_err(anyhow::Error::msg)?;
     let suffix = uuid::Uuid::new_v4().simple().to_string();
+    let tracer = args.telemetry.tracer("conveyor-worker");
     let config = WorkerConfig {
-        tracer: args.telemetry.tracer("conveyor-worker"),
+        tracer: tracer.clone(),
         worker_id: format!("{}-{}", args.worker_name, &suffix[..8]),
         task_types,
         handler,
@@ -126,7 +127,10 @@ async fn main() -> anyhow::Result<()> {
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
     let metrics = Metrics::new();
     conveyor_core::metrics::describe_process(&metrics.registry, "worker");
-    conveyor_worker::run(config, admin, metrics, shutdown).await
+    let ran = conveyor_worker::run(config, admin, metrics, shutdown).await;
+    // The last spans, before the process goes.
+    tracer.flush().await;
+    ran
 }
 
 /// A duration from a command-line number of seconds (clamped to [0, one day]).

@@ -87,19 +87,51 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
     ];
     template.extend(REQUIRED);
     let rendered = run("helm", &template).unwrap();
-    kubectl_with(
-        &[
-            "apply",
-            "--dry-run=server",
-            "--server-side",
-            "--force-conflicts",
-            "--field-manager=e2e-chart",
-            "-f",
-            "-",
-        ],
-        Some(&rendered),
-    )
-    .unwrap_or_else(|err| panic!("the apiserver refused the rendered chart: {err}"));
+    // The other ways in: a RabbitmqCluster's default-user Secret, a private CA from a Secret,
+    // HTTPS at the gateway, a tenant with its CA, no NetworkPolicies.
+    let other = vec![
+        "template",
+        "conveyor",
+        "charts/conveyor",
+        "--namespace=conveyor-system",
+        "--set=operator.connections.rabbitmqDefaultUserSecret=rabbitmq-default-user",
+        "--set=operator.connections.amqpHost=rabbitmq.conveyor-system.svc",
+        "--set=operator.connections.managementUrl=https://rabbitmq.conveyor-system.svc:15671",
+        "--set=ca.secretName=conveyor-ca",
+        "--set=gateway.tlsSecretName=conveyor-gateway-tls",
+        "--set=gateway.connections.databaseUrl=postgres://x",
+        "--set=gateway.connections.amqpUrl=amqps://x",
+        "--set=gateway.tokens.list[0]=ci@video=sha256:00",
+        "--set=test.tokenSecret=token",
+        "--set=tenants[0].namespace=conveyor-system",
+        "--set=tenants[0].databaseUrl=postgres://x",
+        "--set=tenants[0].amqpUrl=amqps://x",
+        "--set=tenants[0].caCrt=PEM",
+        "--set=networkPolicies.enabled=false",
+    ];
+    let other_rendered = run("helm", &other).unwrap();
+    assert!(
+        other_rendered.contains("https://conveyor-gateway.conveyor-system.svc:80"),
+        "helm test must speak HTTPS to a gateway that serves it:\n{other_rendered}"
+    );
+    for (what, manifests) in [
+        ("chart", &rendered),
+        ("chart's other settings", &other_rendered),
+    ] {
+        kubectl_with(
+            &[
+                "apply",
+                "--dry-run=server",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=e2e-chart",
+                "-f",
+                "-",
+            ],
+            Some(manifests),
+        )
+        .unwrap_or_else(|err| panic!("the apiserver refused the rendered {what}: {err}"));
+    }
 
     let fresh = tempdir("render");
     run("scripts/render-manifests.sh", &[fresh.to_str().unwrap()]).unwrap();

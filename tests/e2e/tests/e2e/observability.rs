@@ -94,7 +94,9 @@ async fn query(http: &reqwest::Client, promql: &str) -> Result<Vec<Value>, Strin
         .unwrap_or_default())
 }
 
-/// Every (dashboard, panel title, query) of the chart's dashboards, rows' panels included.
+/// Every (dashboard, what, query) of the chart's dashboards: each panel's targets (rows'
+/// panels included), each template variable's `label_values` (as the series it lists), and
+/// each annotation's query.
 fn panel_queries() -> Vec<(String, String, String)> {
     let mut found = Vec::new();
     let mut files: Vec<_> = std::fs::read_dir(repo().join(DASHBOARDS))
@@ -106,6 +108,35 @@ fn panel_queries() -> Vec<(String, String, String)> {
         let dashboard: Value =
             serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
         let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        for variable in dashboard["templating"]["list"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let query = variable["query"]["query"]
+                .as_str()
+                .or_else(|| variable["query"].as_str());
+            if let Some(listed) = query.and_then(label_values_as_series) {
+                let what = format!("variable {}", variable["name"].as_str().unwrap_or_default());
+                found.push((name.clone(), what, listed));
+            }
+        }
+        for annotation in dashboard["annotations"]["list"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            if let Some(expr) = annotation["expr"].as_str() {
+                // An annotation marks changes, which need not have happened: its series must
+                // exist, not the change.
+                let series = expr.split(" > ").next().unwrap_or(expr);
+                let what = format!(
+                    "annotation {}",
+                    annotation["name"].as_str().unwrap_or_default()
+                );
+                found.push((name.clone(), what, series.to_owned()));
+            }
+        }
         let mut panels: Vec<Value> = dashboard["panels"].as_array().cloned().unwrap_or_default();
         while let Some(panel) = panels.pop() {
             panels.extend(panel["panels"].as_array().cloned().unwrap_or_default());
@@ -121,6 +152,41 @@ fn panel_queries() -> Vec<(String, String, String)> {
         }
     }
     found
+}
+
+/// `label_values(<selector>, <label>)` as a query of the series it lists values from.
+fn label_values_as_series(query: &str) -> Option<String> {
+    let inner = query
+        .trim()
+        .strip_prefix("label_values(")?
+        .strip_suffix(')')?;
+    let (selector, label) = inner.rsplit_once(',')?;
+    Some(format!("count by ({}) ({})", label.trim(), selector.trim()))
+}
+
+/// Metrics a dashboard shows that exist only once something happened (an operator error, a
+/// scaling decision); their panels add `or on() vector(0)`.
+const COUNTED_WHEN_IT_HAPPENS: &[&str] = &[
+    "conveyor_operator_errors_total",
+    "conveyor_operator_scaling_decisions_total",
+];
+
+/// The metric names a query reads (identifiers starting `conveyor_` or `process_`).
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find(|c: char| c.is_ascii_alphabetic() || c == '_') {
+        rest = &rest[at..];
+        let end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(rest.len());
+        let word = &rest[..end];
+        if word.starts_with("conveyor_") || word.starts_with("process_") {
+            names.push(word.to_owned());
+        }
+        rest = &rest[end..];
+    }
+    names
 }
 
 /// A dashboard query with Grafana's variables set to this test's namespace, type and pool.
@@ -167,8 +233,22 @@ async fn every_dashboard_panel_returns_data_from_the_running_stack() {
         );
     }
 
-    let (stack, task_type) = pool_stack("observe", "watched", "  concurrency: 4\n", 1).await;
+    let (mut stack, task_type) = pool_stack("observe", "watched", "  concurrency: 4\n", 1).await;
     let key = stack.key(&task_type);
+    // A type whose every attempt fails, so that retries and dead letters have series too.
+    let failing = stack.task_type("e2e-observe-failing");
+    stack.apply(&crate::task_type_yaml(
+        &failing,
+        "  backoff: {initialSeconds: 0.1, maxSeconds: 0.2, multiplier: 2}\n",
+    ));
+    stack.apply(
+        &crate::pool_yaml("failing", &failing, "")
+            .replace("handler: {type: sleep}", "handler: {type: fail}"),
+    );
+    stack.wait_for_workers(&failing, 1).await;
+    stack.submit_all(&failing, vec![json!({}); 3]).await;
+    // Grafana's multi-value variable: both types.
+    let types = format!("{key}|{}", stack.key(&failing));
     let queries = panel_queries();
     assert!(
         queries.len() >= 15,
@@ -186,11 +266,23 @@ async fn every_dashboard_panel_returns_data_from_the_running_stack() {
         submitted += 20;
         missing.clear();
         for (dashboard, title, expr) in &queries {
-            let promql = resolve(expr, &stack.namespace, &key, "watched");
+            let promql = resolve(expr, &stack.namespace, &types, "watched|failing");
             match query(&http, &promql).await {
                 Ok(result) if !result.is_empty() => {}
                 Ok(_) => missing.push(format!("{dashboard} / {title}: no data for {promql}")),
                 Err(err) => missing.push(format!("{dashboard} / {title}: {err} for {promql}")),
+            }
+        }
+        // Every metric a query names exists, also behind an `or on() vector(0)`.
+        for (dashboard, title, expr) in &queries {
+            for metric in metric_names(expr) {
+                if COUNTED_WHEN_IT_HAPPENS.contains(&metric.as_str()) {
+                    continue;
+                }
+                match query(&http, &format!("count({metric})")).await {
+                    Ok(result) if !result.is_empty() => {}
+                    _ => missing.push(format!("{dashboard} / {title}: no series of {metric}")),
+                }
             }
         }
         if missing.is_empty() {
