@@ -78,8 +78,10 @@ chaos-cluster: build cluster-services
 bench: services
 	$(CARGO) build --release -p conveyor-gateway -p conveyor-worker -p conveyor-bench
 	scripts/services.sh drop-test-databases
-	# The cluster-scale services would count as RabbitMQ's and PostgreSQL's CPU: stopped.
+	# The cluster-scale services would count as RabbitMQ's and PostgreSQL's CPU, and the local
+	# Prometheus (scrapes, its pod-list loop) takes CPU the load needs: stopped.
 	scripts/cluster-services.sh down
+	scripts/prometheus.sh down
 	target/release/conveyor-bench --report docs/benchmarks.md
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.

@@ -39,7 +39,7 @@ scrape_configs:
     static_configs: [{targets: ["$OPERATOR"]}]
   - job_name: conveyor-workers
     # Debian's build has no kubernetes_sd_configs: the worker pods come from a file that
-    # list_pods (below) rewrites from the apiserver every few seconds, with the labels a
+    # list_pods (below) rewrites from the apiserver every 5 s, with the labels a
     # PodMonitor gives them.
     file_sd_configs: [{files: ["$STATE/workers.json"], refresh_interval: 5s}]
 YAML
@@ -56,14 +56,14 @@ list_pods() {
                 pool: .pod.metadata.labels["conveyor.dev/pool"]}}]'
 }
 
-# Rewrites the targets file every 2 s until killed (atomically: Prometheus may read it at
+# Rewrites the targets file every 5 s until killed (atomically: Prometheus may read it at
 # any moment).
 follow_pods() {
   while true; do
     if list_pods >"$STATE/workers.json.new" 2>>"$STATE/targets.log"; then
       mv "$STATE/workers.json.new" "$STATE/workers.json"
     fi
-    sleep 2
+    sleep 5
   done
 }
 
