@@ -1,8 +1,9 @@
 //! The Helm chart (charts/conveyor): it lints, renders what the apiserver accepts (the
 //! Prometheus operator's CRDs applied, so the monitors are checked against their schemas),
 //! the kustomize manifests rendered from it have not drifted, and installed on the local
-//! cluster its operator and gateway run a task end to end: `helm test` passes and the task's
-//! row says COMPLETED.
+//! cluster its operator and gateway run tasks end to end: `helm test` passes and its task's
+//! row says COMPLETED, and a user's story (a pool applied, a batch submitted through the
+//! chart's gateway and completed, the pool scaled with kubectl) runs on the chart's install.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -236,12 +237,14 @@ async fn installed_with_helm_it_runs_a_task_end_to_end_and_passes_helm_test() {
             "upgrade",
             &[&format!("--set=test.gatewayUrl=http://{gateway_ip}:8080")],
         )?;
-        run(
+        let said = run(
             "helm",
             // No --logs: the local runner keeps container logs in .dev/pods, not behind a
             // kubelet API (pod_logs below reads them).
             &["test", release, "-n", &namespace, "--timeout=5m"],
-        )
+        )?;
+        story(&namespace, &format!("http://{gateway_ip}:8080"), &token).await?;
+        Ok::<_, String>(said)
     }
     .await;
     // Judged from the database too: the test's one task COMPLETED, with a valid history.
@@ -256,6 +259,7 @@ async fn installed_with_helm_it_runs_a_task_end_to_end_and_passes_helm_test() {
     let _ = run("helm", &["uninstall", release, "-n", &namespace, "--wait"]);
     let _ = kubectl_with(&["delete", "namespace", &namespace, "--wait=false"], None);
     testing::delete_queues(&key).await;
+    testing::delete_queues(&format!("{namespace}.story")).await;
     start_operator();
     let said = outcome.unwrap_or_else(|err| panic!("{err}\n{logs}"));
     assert!(
@@ -266,6 +270,90 @@ async fn installed_with_helm_it_runs_a_task_end_to_end_and_passes_helm_test() {
         completed, 1,
         "tasks of {key} COMPLETED in the database\n{logs}"
     );
+}
+
+/// A user's story through the chart's gateway and operator: a TaskType and a pool of two
+/// applied with kubectl, 40 tasks submitted in one batch (no more, no fewer rows than that),
+/// all COMPLETED, then the pool scaled to three with `kubectl scale`.
+async fn story(namespace: &str, gateway: &str, token: &str) -> Result<(), String> {
+    let apply =
+        |yaml: String| kubectl_with(&["-n", namespace, "apply", "-f", "-"], Some(&yaml)).map(drop);
+    apply(crate::task_type_yaml("story", ""))?;
+    apply(crate::pool_yaml("story", "story", "  replicas: 2\n"))?;
+    let tasks: Vec<serde_json::Value> = (0..40)
+        .map(|i| serde_json::json!({"taskType": "story", "payload": {"sleepMs": 50, "n": i}}))
+        .collect();
+    let http = reqwest::Client::new();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
+    // The gateway lists new TaskTypes every few seconds: retried with the same keys.
+    let keyed: Vec<serde_json::Value> = tasks
+        .into_iter()
+        .map(|mut t| {
+            t["idempotencyKey"] = serde_json::json!(uuid::Uuid::new_v4());
+            t
+        })
+        .collect();
+    loop {
+        let answer: serde_json::Value = http
+            .post(format!("{gateway}/v1/tasks:batch"))
+            .bearer_auth(token)
+            .json(&serde_json::json!({"tasks": keyed}))
+            .send()
+            .await
+            .map_err(|e| format!("the chart's gateway: {e}"))?
+            .json()
+            .await
+            .map_err(|e| format!("the chart's gateway answered: {e}"))?;
+        let accepted = answer["results"]
+            .as_array()
+            .map_or(0, |r| r.iter().filter(|t| t["id"].is_string()).count());
+        if accepted == keyed.len() {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("the chart's gateway kept refusing: {answer}"));
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+    let db = Db::connect(&DbOptions::new(DEV_DATABASE_URL)).expect("database URL");
+    let key = format!("{namespace}.story");
+    loop {
+        let counts = db.state_counts(&key).await.map_err(|e| e.to_string())?;
+        let completed = counts
+            .iter()
+            .find(|(state, _)| *state == TaskState::Completed)
+            .map_or(0, |(_, n)| *n);
+        let total: i64 = counts.iter().map(|(_, n)| n).sum();
+        if completed == 40 && total == 40 {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!("{key}: {counts:?} after two minutes"));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+    kubectl_with(
+        &["-n", namespace, "scale", "workerpool/story", "--replicas=3"],
+        None,
+    )?;
+    loop {
+        let ready = kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "deployment",
+            "story-worker",
+            "-o",
+            "jsonpath={.status.readyReplicas}",
+        ]);
+        if ready.trim() == "3" {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline + std::time::Duration::from_secs(60) {
+            return Err(format!("the pool has {ready:?} ready workers, not 3"));
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
