@@ -76,6 +76,37 @@ pub struct Apiserver {
     pub token: String,
 }
 
+/// `$(NAME)` replaced by an earlier variable's value, as a kubelet does: `$$` is a literal
+/// `$`, and a reference to a variable not defined before stays as written.
+fn expand(value: &str, defined: &[(String, String)]) -> String {
+    let mut out = String::with_capacity(value.len());
+    let mut rest = value;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        if let Some(after) = rest.strip_prefix("$$") {
+            out.push('$');
+            rest = after;
+        } else if let Some((name, after)) = rest.strip_prefix("$(").and_then(|r| r.split_once(')'))
+        {
+            match defined.iter().rev().find(|(n, _)| n == name) {
+                Some((_, v)) => out.push_str(v),
+                None => {
+                    out.push_str("$(");
+                    out.push_str(name);
+                    out.push(')');
+                }
+            }
+            rest = after;
+        } else {
+            out.push('$');
+            rest = &rest[1..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// The projected volume of a service account's token, its CA and namespace.
 fn is_api_access(volume: &k8s_openapi::api::core::v1::Volume) -> bool {
     volume.projected.as_ref().is_some_and(|p| {
@@ -251,12 +282,16 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
         format!("{}:{path}", display(&host.bin_dir)),
     ));
     dirs.push(host.pod_dir.join("tmp"));
+    // The container's own variables, for `$(VAR)` references in later ones (a kubelet's
+    // dependent environment variables).
+    let mut defined: Vec<(String, String)> = Vec::new();
     for var in container.env.iter().flatten() {
         let value = match (&var.value, &var.value_from) {
             (_, Some(from)) => env_from(pod, &var.name, from, objects, host)?,
-            (Some(value), None) => localize(value),
+            (Some(value), None) => localize(&expand(value, &defined)),
             (None, None) => String::new(),
         };
+        defined.push((var.name.clone(), value.clone()));
         env.push((var.name.clone(), value));
     }
 
@@ -581,5 +616,22 @@ mod tests {
             plan(&pod, &objects(), &host()).unwrap_err(),
             PlanError::UnsupportedVolume("tmp".to_owned())
         );
+    }
+
+    #[test]
+    fn dependent_variables_expand_as_a_kubelet_expands_them() {
+        let defined = vec![
+            ("USER".to_owned(), "ops".to_owned()),
+            ("PASS".to_owned(), "s3cret".to_owned()),
+        ];
+        assert_eq!(
+            expand("amqps://$(USER):$(PASS)@rabbitmq:5671/%2f", &defined),
+            "amqps://ops:s3cret@rabbitmq:5671/%2f"
+        );
+        assert_eq!(
+            expand("$(MISSING) and $$(USER) cost $5", &defined),
+            "$(MISSING) and $(USER) cost $5"
+        );
+        assert_eq!(expand("unclosed $(USER", &defined), "unclosed $(USER");
     }
 }
