@@ -72,21 +72,22 @@ follow_pods() {
 # held back (policy-rc.d), and the packaged service kept stopped and disabled.
 install_prometheus() {
   command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 && return 0
-  local held=""
   if ! as_root test -e /usr/sbin/policy-rc.d; then
+    # Removed however this ends (an interrupt included): left behind, it would keep every
+    # later package's service from starting.
+    trap 'as_root rm -f /usr/sbin/policy-rc.d' EXIT
     printf '#!/bin/sh\nexit 101\n' | as_root tee /usr/sbin/policy-rc.d >/dev/null
     as_root chmod 755 /usr/sbin/policy-rc.d
-    held=1
   fi
-  need_packages prometheus=prometheus promtool=prometheus || { [ -z "$held" ] || as_root rm -f /usr/sbin/policy-rc.d; exit 1; }
-  [ -z "$held" ] || as_root rm -f /usr/sbin/policy-rc.d
+  need_packages prometheus=prometheus promtool=prometheus
 }
 
 packaged_service_off() {
   command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ] || return 0
   if systemctl is-enabled --quiet prometheus 2>/dev/null || systemctl is-active --quiet prometheus 2>/dev/null; then
     log "stopping and disabling the packaged prometheus.service (it listens on *:9090)"
-    as_root systemctl disable --now prometheus >/dev/null 2>&1 || true
+    as_root systemctl disable --now prometheus >/dev/null 2>&1 ||
+      log "warning: cannot stop prometheus.service; worker pods cannot listen on :9090 while it runs"
   fi
 }
 
