@@ -154,6 +154,7 @@ mod tests {
             retries: 0,
             owner: None,
             payload: message.payload,
+            labels: Default::default(),
             result: None,
             error: None,
             created_at: message.submitted_at,

@@ -29,12 +29,14 @@ pub enum TaskState {
     RetryClaimed,
     /// Retries exhausted; parked in the remediation queue until redriven.
     DeadLetter,
+    /// Withdrawn by its client before a worker claimed it; terminal.
+    Cancelled,
 }
 
 use TaskState::*;
 
 impl TaskState {
-    pub const ALL: [TaskState; 8] = [
+    pub const ALL: [TaskState; 9] = [
         Ingested,
         Queued,
         Claimed,
@@ -43,6 +45,7 @@ impl TaskState {
         Failed,
         RetryClaimed,
         DeadLetter,
+        Cancelled,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -55,12 +58,13 @@ impl TaskState {
             Failed => "FAILED",
             RetryClaimed => "RETRY_CLAIMED",
             DeadLetter => "DEAD_LETTER",
+            Cancelled => "CANCELLED",
         }
     }
 
     /// States a task can rest in with nobody working on it.
     pub const fn is_settled(self) -> bool {
-        matches!(self, Completed | DeadLetter)
+        matches!(self, Completed | DeadLetter | Cancelled)
     }
 }
 
@@ -85,7 +89,7 @@ impl FromStr for TaskState {
 }
 
 /// Every allowed transition, and why it happens.
-pub const TRANSITIONS: [(TaskState, TaskState, &str); 13] = [
+pub const TRANSITIONS: [(TaskState, TaskState, &str); 15] = [
     (
         Ingested,
         Queued,
@@ -114,7 +118,21 @@ pub const TRANSITIONS: [(TaskState, TaskState, &str); 13] = [
     ),
     (RetryClaimed, Queued, "re-enqueued with attempt + 1"),
     (RetryClaimed, DeadLetter, "retries exhausted"),
-    (DeadLetter, Queued, "redriven by an operator"),
+    (
+        DeadLetter,
+        Queued,
+        "redriven by an operator, or retried through the API",
+    ),
+    (
+        Ingested,
+        Cancelled,
+        "cancelled through the API before the broker's confirm was recorded",
+    ),
+    (
+        Queued,
+        Cancelled,
+        "cancelled through the API before a worker claimed it (its message is then stale)",
+    ),
 ];
 
 /// Whether `from → to` is an edge of the lifecycle.
@@ -182,6 +200,8 @@ mod tests {
             (RetryClaimed, Queued),
             (RetryClaimed, DeadLetter),
             (DeadLetter, Queued),
+            (Ingested, Cancelled),
+            (Queued, Cancelled),
         ];
         let mut allowed = 0;
         for from in TaskState::ALL {
@@ -196,9 +216,10 @@ mod tests {
     }
 
     #[test]
-    fn completed_is_terminal_and_nothing_reenters_ingested() {
+    fn completed_and_cancelled_are_terminal_and_nothing_reenters_ingested() {
         for to in TaskState::ALL {
             assert!(!is_allowed(Completed, to));
+            assert!(!is_allowed(Cancelled, to));
             assert!(!is_allowed(to, Ingested));
         }
     }
@@ -228,5 +249,14 @@ mod tests {
         let gap = [(None, Ingested), (Some(Queued), Claimed)];
         assert!(check_chain(&gap).is_err());
         assert!(check_chain(&[(None, Queued)]).is_err());
+    }
+
+    #[test]
+    fn only_waiting_tasks_can_be_cancelled() {
+        for from in TaskState::ALL {
+            let waiting = matches!(from, Ingested | Queued);
+            assert_eq!(is_allowed(from, Cancelled), waiting, "{from}");
+        }
+        assert!(Cancelled.is_settled());
     }
 }

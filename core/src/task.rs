@@ -4,6 +4,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::labels::Labels;
 use crate::lifecycle::TaskState;
 
 /// The body of every task message. `attempt` is the fencing epoch: a delivery may claim the
@@ -36,6 +37,8 @@ pub struct NewTask {
     pub idempotency_key: Uuid,
     pub task_type: String,
     pub payload: serde_json::Value,
+    /// Checked by [`crate::labels::check`] before it gets here.
+    pub labels: Labels,
     /// The trace its submission opened, written in the INGESTED audit row's detail.
     pub trace_id: Option<String>,
 }
@@ -55,6 +58,8 @@ pub struct TaskRecord {
     pub retries: i32,
     pub owner: Option<String>,
     pub payload: serde_json::Value,
+    /// Given at submission, never changed.
+    pub labels: Labels,
     pub result: Option<serde_json::Value>,
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -76,6 +81,7 @@ impl TaskRecord {
             retries: 0,
             owner: None,
             payload: task.payload.clone(),
+            labels: task.labels.clone(),
             result: None,
             error: None,
             created_at,

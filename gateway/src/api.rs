@@ -63,13 +63,22 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
     Router::new()
         .route(
             "/v1/tasks",
-            post(submit_one).layer(DefaultBodyLimit::max(max_body_bytes)),
+            get(crate::find::list_tasks)
+                .post(submit_one)
+                .layer(DefaultBodyLimit::max(max_body_bytes)),
         )
         .route(
             "/v1/tasks:batch",
             post(submit_batch).layer(DefaultBodyLimit::max(max_batch_bytes)),
         )
-        .route("/v1/tasks/{id}", get(get_task))
+        .route(
+            "/v1/tasks:redrive",
+            post(crate::remedy::redrive).layer(DefaultBodyLimit::max(max_body_bytes)),
+        )
+        .route(
+            "/v1/tasks/{id}",
+            get(get_task).post(crate::remedy::task_action),
+        )
         .route("/v1/tasks/{id}/events", get(get_events))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         // Outermost, so that refusals (401, 429, 413) are timed and logged too.
@@ -178,7 +187,7 @@ impl ApiState {
     }
 }
 
-fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large("request body is larger than the gateway accepts")
@@ -188,7 +197,7 @@ fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     })
 }
 
-fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request("invalid_json", format!("request body: {e}")))
 }
@@ -247,6 +256,8 @@ struct SingleRequest {
     #[serde(default)]
     namespace: Option<String>,
     payload: serde_json::Value,
+    #[serde(default)]
+    labels: conveyor_core::labels::Labels,
 }
 
 async fn submit_one(
@@ -268,6 +279,7 @@ async fn submit_one(
         task_type: request.task_type,
         namespace: request.namespace,
         payload: request.payload,
+        labels: request.labels,
         idempotency_key: key,
     };
     let trace = trace.map(|t| t.0);
@@ -341,7 +353,7 @@ async fn submit_batch(
     Ok(Json(serde_json::json!({ "results": results })).into_response())
 }
 
-fn parse_id(id: &str) -> Result<Uuid, ApiError> {
+pub(crate) fn parse_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id).map_err(|_| ApiError::bad_request("invalid_id", "task ids are UUIDs"))
 }
 
@@ -373,7 +385,11 @@ async fn get_events(
 
 /// The task `id` if it is one of the client's tenants': any other answers 404, as a task
 /// that does not exist does, so that ids say nothing across tenants.
-async fn own_task(state: &ApiState, client: &Client, id: &str) -> Result<TaskRecord, ApiError> {
+pub(crate) async fn own_task(
+    state: &ApiState,
+    client: &Client,
+    id: &str,
+) -> Result<TaskRecord, ApiError> {
     let id = parse_id(id)?;
     let ingestor = &state.ingestor;
     let read = || async {
@@ -398,7 +414,7 @@ async fn own_task(state: &ApiState, client: &Client, id: &str) -> Result<TaskRec
 
 /// A task as its client sees it: its type by the name the client submitted with, and its
 /// tenant as `namespace`.
-fn task_view(task: &TaskRecord) -> serde_json::Value {
+pub(crate) fn task_view(task: &TaskRecord) -> serde_json::Value {
     let mut view = serde_json::to_value(task).unwrap_or_default();
     if let Some(fields) = view.as_object_mut() {
         fields.remove("tenant");
@@ -407,6 +423,17 @@ fn task_view(task: &TaskRecord) -> serde_json::Value {
             local_name(&task.task_type, &task.tenant).into(),
         );
         fields.insert("namespace".into(), task.tenant.clone().into());
+    }
+    view
+}
+
+/// A task in a list: its view without the payload and result, which can be large; the
+/// task's own page has them.
+pub(crate) fn list_view(task: &TaskRecord) -> serde_json::Value {
+    let mut view = task_view(task);
+    if let Some(fields) = view.as_object_mut() {
+        fields.remove("payload");
+        fields.remove("result");
     }
     view
 }
@@ -422,7 +449,7 @@ fn event_view(event: &TaskEvent, task: &TaskRecord) -> serde_json::Value {
     view
 }
 
-fn not_found(id: Uuid) -> ApiError {
+pub(crate) fn not_found(id: Uuid) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
         "task_not_found",

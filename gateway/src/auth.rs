@@ -33,6 +33,11 @@ impl Client {
         self.tenants.iter().any(|t| t == tenant || t == ALL_TENANTS)
     }
 
+    /// The tenants this client may see, or `None` for an administrator's token (every one).
+    pub fn tenants(&self) -> Option<&[String]> {
+        (!self.tenants.iter().any(|t| t == ALL_TENANTS)).then_some(self.tenants.as_slice())
+    }
+
     /// The tenant a request means when it names none: the client's only one, or else
     /// `default` if the client may use it.
     pub fn implied_tenant(&self) -> Option<&str> {

@@ -7,6 +7,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use conveyor_core::amqp::{AmqpError, Outgoing, Publisher};
 use conveyor_core::db::{Db, DbError, IngestWrites, Recorded};
+use conveyor_core::labels::{self, Labels};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::{NewTask, Requeue, TaskMessage, TaskRecord};
 use conveyor_core::trace::{SpanKind, TraceContext, Tracer};
@@ -30,6 +31,9 @@ pub struct Submission {
     #[serde(default)]
     pub namespace: Option<String>,
     pub payload: serde_json::Value,
+    /// A small string map to find the task by later (`GET /v1/tasks?labelSelector=`).
+    #[serde(default)]
+    pub labels: Labels,
     /// Batch entries carry their key here; single submissions use the header.
     #[serde(default)]
     pub idempotency_key: Option<Uuid>,
@@ -131,7 +135,12 @@ impl Ingestor {
     /// Checks one submission against its task type; bad input never reaches the database.
     fn prepare(&self, client: &Client, submission: Submission) -> Result<NewTask, ApiError> {
         let types = self.types.snapshot();
-        let resolved = resolve(&types, client, &submission);
+        let resolved = resolve(
+            &types,
+            client,
+            &submission.task_type,
+            submission.namespace.as_deref(),
+        );
         let outcome = resolved
             .as_ref()
             .map_err(Clone::clone)
@@ -157,6 +166,7 @@ impl Ingestor {
             idempotency_key: submission.idempotency_key.unwrap_or(id),
             task_type: known.spec.name.clone(),
             payload: submission.payload,
+            labels: submission.labels,
             trace_id: None,
         })
     }
@@ -169,6 +179,8 @@ impl Ingestor {
     ) -> Result<(), ApiError> {
         let spec = &known.spec;
         let shown = spec.local_name();
+        labels::check(&submission.labels)
+            .map_err(|e| ApiError::bad_request("invalid_labels", e.to_string()))?;
         let size = serde_json::to_vec(&submission.payload)
             .map(|v| v.len())
             .unwrap_or(usize::MAX);
@@ -349,13 +361,14 @@ impl Ingestor {
 
 /// The type a submission names, in the tenant it names (or the one its client implies). A type
 /// of a tenant the client does not belong to is as unknown as one that does not exist.
-fn resolve<'a>(
+pub fn resolve<'a>(
     types: &'a crate::registry::Known,
     client: &Client,
-    submission: &Submission,
+    task_type: &str,
+    namespace: Option<&str>,
 ) -> Result<&'a KnownType, ApiError> {
-    let tenant = match (&submission.namespace, client.implied_tenant()) {
-        (Some(namespace), _) => namespace.as_str(),
+    let tenant = match (namespace, client.implied_tenant()) {
+        (Some(namespace), _) => namespace,
         (None, Some(only)) => only,
         (None, None) => {
             return Err(ApiError::bad_request(
@@ -364,7 +377,7 @@ fn resolve<'a>(
             ))
         }
     };
-    let entry = (tenant.to_owned(), submission.task_type.clone());
+    let entry = (tenant.to_owned(), task_type.to_owned());
     types
         .get(&entry)
         .filter(|_| client.may_use(tenant))
@@ -372,7 +385,7 @@ fn resolve<'a>(
             ApiError::new(
                 StatusCode::NOT_FOUND,
                 "unknown_task_type",
-                format!("task type {:?} is not defined", submission.task_type),
+                format!("task type {task_type:?} is not defined"),
             )
         })
 }

@@ -8,9 +8,11 @@ pub mod auth;
 pub mod backpressure;
 pub mod cluster;
 pub mod error;
+pub mod find;
 pub mod ingest;
 pub mod rate_limit;
 pub mod registry;
+pub mod remedy;
 pub mod tls;
 pub mod upkeep;
 

@@ -49,6 +49,11 @@ impl Db {
         let keys: Vec<Uuid> = tasks.iter().map(|t| t.idempotency_key).collect();
         let types: Vec<&str> = tasks.iter().map(|t| t.task_type.as_str()).collect();
         let payloads: Vec<serde_json::Value> = tasks.iter().map(|t| t.payload.clone()).collect();
+        // Most tasks carry none: NULL keeps the column's default without building `{}`.
+        let labels: Vec<Option<serde_json::Value>> = tasks
+            .iter()
+            .map(|t| (!t.labels.is_empty()).then(|| serde_json::json!(t.labels)))
+            .collect();
         let details: Vec<Option<String>> = tasks
             .iter()
             .map(|t| t.trace_id.as_ref().map(|id| format!("trace {id}")))
@@ -57,11 +62,11 @@ impl Db {
         // payload sent back and decoded again would cost both sides for nothing.
         let inserted = sqlx::query(
             "WITH input AS (
-                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[], $7::text[])
-                     AS i(id, tenant, idempotency_key, task_type, payload, detail)
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::text[], $5::jsonb[], $7::text[], $8::jsonb[])
+                     AS i(id, tenant, idempotency_key, task_type, payload, detail, labels)
              ), inserted AS (
-                 INSERT INTO tasks (id, tenant, idempotency_key, task_type, state, payload)
-                 SELECT id, tenant, idempotency_key, task_type, $6, payload FROM input
+                 INSERT INTO tasks (id, tenant, idempotency_key, task_type, state, payload, labels)
+                 SELECT id, tenant, idempotency_key, task_type, $6, payload, coalesce(labels, '{}') FROM input
                  -- Key order: two statements inserting the same keys never wait on each other crosswise.
                  ORDER BY tenant, idempotency_key
                  ON CONFLICT (tenant, idempotency_key) DO NOTHING
@@ -80,6 +85,7 @@ impl Db {
         .bind(&payloads)
         .bind(Ingested.as_str())
         .bind(&details)
+        .bind(&labels)
         .fetch_all(&self.hot)
         .await?;
         let by_id: HashMap<Uuid, &NewTask> = tasks.iter().map(|t| (t.id, t)).collect();

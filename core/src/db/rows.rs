@@ -4,12 +4,13 @@ use sqlx::postgres::PgRow;
 use sqlx::Row;
 
 use super::{DbError, DbResult};
+use crate::labels::Labels;
 use crate::lifecycle::{self, TaskState};
 use crate::task::{TaskEvent, TaskRecord};
 
 pub(super) const TASK_COLUMNS: &str =
     "id, tenant, idempotency_key, task_type, state, attempt, retries, \
-                            owner, payload, result, error, created_at, updated_at, suspect";
+                            owner, payload, labels, result, error, created_at, updated_at, suspect";
 
 pub(super) fn parse_state(name: String) -> DbResult<TaskState> {
     name.parse()
@@ -27,12 +28,20 @@ pub(super) fn task_from_row(row: &PgRow) -> DbResult<TaskRecord> {
         retries: row.try_get("retries")?,
         owner: row.try_get("owner")?,
         payload: row.try_get("payload")?,
+        labels: labels_from(row.try_get("labels")?)?,
         result: row.try_get("result")?,
         error: row.try_get("error")?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
         suspect: row.try_get("suspect")?,
     })
+}
+
+/// Labels as stored: a JSON object of strings (only [`crate::labels::check`]ed maps are
+/// ever written).
+fn labels_from(value: serde_json::Value) -> DbResult<Labels> {
+    serde_json::from_value(value)
+        .map_err(|e| DbError::Corrupt(format!("task labels are not a map of strings: {e}")))
 }
 
 pub(super) fn event_from_row(row: &PgRow) -> DbResult<TaskEvent> {

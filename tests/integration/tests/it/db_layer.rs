@@ -16,6 +16,7 @@ fn new_task(task_type: &str) -> NewTask {
         idempotency_key: id,
         task_type: task_type.to_owned(),
         payload: serde_json::json!({"n": 1}),
+        labels: Default::default(),
         trace_id: None,
     }
 }

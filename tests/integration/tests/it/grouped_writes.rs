@@ -21,6 +21,7 @@ fn new_tasks(task_type: &str, n: usize) -> Vec<NewTask> {
                 idempotency_key: id,
                 task_type: task_type.to_owned(),
                 payload: serde_json::json!({ "n": i }),
+                labels: Default::default(),
                 trace_id: None,
             }
         })

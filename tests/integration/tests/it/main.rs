@@ -7,6 +7,7 @@ mod cluster_task_types;
 mod db_layer;
 mod degraded_mode;
 mod example_handlers;
+mod find_and_fix;
 mod gateway_api;
 mod grouped_writes;
 mod least_privilege;

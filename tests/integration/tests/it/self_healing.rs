@@ -254,6 +254,7 @@ async fn a_task_recorded_by_a_gateway_that_died_before_publishing_runs_by_itself
             idempotency_key: id,
             task_type: name.clone(),
             payload: serde_json::json!({}),
+            labels: Default::default(),
             trace_id: None,
         }])
         .await

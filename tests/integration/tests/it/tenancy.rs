@@ -490,3 +490,124 @@ async fn adopt_moves_a_type_from_before_tenancy_into_its_namespace() {
     }
     harness.shutdown().await;
 }
+
+async fn post_as(h: &Harness, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
+    let response = h
+        .http
+        .post(format!("{}{path}", h.gateway_url))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test]
+async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
+    let (harness, name) = two_tenants(|_| {}).await;
+    let labels = json!({"team": "shared"});
+    let mut alphas = Vec::new();
+    for _ in 0..3 {
+        let (status, body) = submit(
+            &harness,
+            ALPHA,
+            json!({"taskType": name, "payload": {}, "labels": labels}),
+            Uuid::new_v4(),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+        alphas.push(body["id"].as_str().unwrap().to_owned());
+    }
+    let (_, beta) = submit(
+        &harness,
+        BETA,
+        json!({"taskType": name, "payload": {}, "labels": labels}),
+        Uuid::new_v4(),
+    )
+    .await;
+    let beta_id = beta["id"].as_str().unwrap();
+
+    // Lists: every filter a client can write yields its own tenant's tasks only.
+    for query in [
+        String::new(),
+        format!("type={name}"),
+        "labelSelector=team%3Dshared".to_owned(),
+        // Just answered: its QUEUED mark may still be on its way (decision 0020).
+        "state=INGESTED,QUEUED".to_owned(),
+    ] {
+        let (status, body) = get(&harness, BETA, &format!("/v1/tasks?{query}")).await;
+        assert_eq!(status, StatusCode::OK, "{query}: {body}");
+        let page: Value = serde_json::from_str(&body).unwrap();
+        let listed: Vec<&str> = page["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(listed, vec![beta_id], "{query}");
+    }
+    let (status, body) = get(
+        &harness,
+        BETA,
+        &format!("/v1/tasks?type={name}&namespace=alpha"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    let (_, body) = get(&harness, BETA, "/v1/tasks?namespace=alpha").await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["tasks"],
+        json!([])
+    );
+    // A cursor taken from another tenant's ids shows nothing of theirs either.
+    let (_, body) = get(
+        &harness,
+        BETA,
+        &format!("/v1/tasks?cursor={}", Uuid::now_v7()),
+    )
+    .await;
+    assert!(
+        !alphas.iter().any(|id| body.contains(id.as_str())),
+        "{body}"
+    );
+
+    // Cancel and retry of alpha's tasks by beta: 404 as for ids that do not exist, and
+    // nothing changes; redrive of alpha's type by beta: an unknown type.
+    for action in ["cancel", "retry"] {
+        let (status, body) = post_as(
+            &harness,
+            BETA,
+            &format!("/v1/tasks/{}:{action}", alphas[0]),
+            json!({}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{action}: {body}");
+        assert_eq!(body["error"]["code"], json!("task_not_found"));
+    }
+    let (status, body) = post_as(
+        &harness,
+        BETA,
+        "/v1/tasks:redrive",
+        json!({"taskType": name, "namespace": "alpha"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    for id in &alphas {
+        let task = harness.db.task(id.parse().unwrap()).await.unwrap().unwrap();
+        assert!(matches!(
+            task.state,
+            TaskState::Queued | TaskState::Ingested
+        ));
+    }
+    // Alpha can cancel its own.
+    let (status, body) = post_as(
+        &harness,
+        ALPHA,
+        &format!("/v1/tasks/{}:cancel", alphas[0]),
+        json!({}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    harness.shutdown().await;
+}

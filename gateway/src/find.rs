@@ -1,0 +1,135 @@
+//! `GET /v1/tasks`: a client's tasks, filtered by type, state, labels and time, newest
+//! first, a page at a time. A client sees its own tenants' tasks only.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{Extension, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use chrono::{DateTime, Utc};
+use conveyor_core::db::{TaskFilter, TaskPage};
+use conveyor_core::labels::Selector;
+use conveyor_core::TaskState;
+use serde::Deserialize;
+use uuid::Uuid;
+
+use crate::api::{list_view, ApiState};
+use crate::auth::Client;
+use crate::error::ApiError;
+use crate::ingest::{db_error, resolve};
+
+/// The page size when a client names none, and the most it may name.
+pub const DEFAULT_PAGE: u32 = 50;
+pub const MAX_PAGE: u32 = 500;
+
+/// The query string of `GET /v1/tasks`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ListQuery {
+    /// A task type's name; every type the client may see when absent.
+    #[serde(rename = "type")]
+    pub task_type: Option<String>,
+    pub namespace: Option<String>,
+    /// States, comma-separated (`DEAD_LETTER,CANCELLED`).
+    pub state: Option<String>,
+    /// A Kubernetes label selector (`pipeline=vod,tier in (gold,silver),!canary`).
+    pub label_selector: Option<String>,
+    pub created_after: Option<DateTime<Utc>>,
+    pub created_before: Option<DateTime<Utc>>,
+    pub updated_after: Option<DateTime<Utc>>,
+    pub updated_before: Option<DateTime<Utc>>,
+    pub limit: Option<u32>,
+    /// `nextCursor` of the page before.
+    pub cursor: Option<String>,
+}
+
+pub async fn list_tasks(
+    State(state): State<Arc<ApiState>>,
+    Extension(client): Extension<Client>,
+    query: Result<Query<ListQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|e| ApiError::bad_request("invalid_query", e.body_text()))?;
+    let limit = query.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "invalid_query",
+            format!("limit is 1 to {MAX_PAGE}"),
+        ));
+    }
+    let filter = filter(&state, &client, &query)?;
+    let ingestor = &state.ingestor;
+    let TaskPage { tasks, next } = ingestor
+        .db
+        .list_tasks(&filter, limit)
+        .await
+        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+    let tasks: Vec<serde_json::Value> = tasks.iter().map(list_view).collect();
+    Ok(Json(serde_json::json!({
+        "tasks": tasks,
+        "nextCursor": next.map(|id| id.to_string()),
+    }))
+    .into_response())
+}
+
+/// The database filter a client's query means, limited to what the client may see.
+pub fn filter(
+    state: &ApiState,
+    client: &Client,
+    query: &ListQuery,
+) -> Result<TaskFilter, ApiError> {
+    let types = state.ingestor.types.snapshot();
+    let keys: Vec<String> = match &query.task_type {
+        Some(name) => vec![resolve(&types, client, name, query.namespace.as_deref())?
+            .spec
+            .name
+            .clone()],
+        None => types
+            .values()
+            .map(|known| &known.spec)
+            .filter(|spec| client.may_use(&spec.tenant))
+            .filter(|spec| query.namespace.as_ref().is_none_or(|ns| *ns == spec.tenant))
+            .map(|spec| spec.name.clone())
+            .collect(),
+    };
+    let states = match &query.state {
+        None => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|name| {
+                name.trim().parse::<TaskState>().map_err(|e| {
+                    ApiError::bad_request(
+                        "invalid_query",
+                        format!("state: {e}; states are {}", state_names()),
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let selector = Selector::parse(query.label_selector.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::bad_request("invalid_label_selector", e.to_string()))?;
+    let before_id = query
+        .cursor
+        .as_deref()
+        .map(|cursor| {
+            Uuid::parse_str(cursor).map_err(|_| {
+                ApiError::bad_request("invalid_cursor", "cursor is a page's nextCursor")
+            })
+        })
+        .transpose()?;
+    Ok(TaskFilter {
+        types: keys,
+        tenants: client.tenants().map(<[String]>::to_vec),
+        states,
+        selector,
+        created_after: query.created_after,
+        created_before: query.created_before,
+        updated_after: query.updated_after,
+        updated_before: query.updated_before,
+        before_id,
+    })
+}
+
+fn state_names() -> String {
+    TaskState::ALL.map(|s| s.as_str()).join(", ")
+}

@@ -1,0 +1,217 @@
+//! Fixing tasks over the API, so that nobody needs database or broker credentials:
+//! `POST /v1/tasks/{id}:cancel` (a task still waiting), `POST /v1/tasks/{id}:retry` (a
+//! dead letter) and `POST /v1/tasks:redrive` (a type's dead letters, chosen by labels).
+//! Each is audited with the client's name.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use conveyor_core::db::{CancelOutcome, TaskFilter};
+use conveyor_core::requeue::publish_and_commit;
+use conveyor_core::task::TaskRecord;
+use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::TaskState;
+use serde::Deserialize;
+
+use crate::api::{not_found, own_task, parse_json, read_body, task_view, ApiState};
+use crate::auth::Client;
+use crate::error::ApiError;
+use crate::find::{self, ListQuery};
+use crate::ingest::db_error;
+
+/// Most dead letters one redrive request sends back; a client repeats it for more.
+pub const MAX_REDRIVE: u32 = 1000;
+
+/// `POST /v1/tasks/{id}:cancel` and `:retry`: axum matches whole segments, so the action
+/// is split off here.
+pub async fn task_action(
+    State(state): State<Arc<ApiState>>,
+    Extension(client): Extension<Client>,
+    Path(segment): Path<String>,
+) -> Result<Response, ApiError> {
+    let (id, action) = segment.split_once(':').ok_or_else(|| {
+        ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            "POST a task's `:cancel` or `:retry`",
+        )
+    })?;
+    let task = own_task(&state, &client, id).await?;
+    let by = format!("client {}", client.name);
+    let task = match action {
+        "cancel" => cancel(&state, task, &by).await?,
+        "retry" => retry(&state, task, &by).await?,
+        other => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "unknown_action",
+                format!("a task has no action {other:?}: `:cancel` or `:retry`"),
+            ))
+        }
+    };
+    Ok(Json(task_view(&task)).into_response())
+}
+
+async fn cancel(state: &ApiState, task: TaskRecord, by: &str) -> Result<TaskRecord, ApiError> {
+    let ingestor = &state.ingestor;
+    let outcome = ingestor
+        .db
+        .cancel(task.id, by)
+        .await
+        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+    match outcome {
+        CancelOutcome::Now => reread(state, task).await,
+        CancelOutcome::NotFound => Err(not_found(task.id)),
+        CancelOutcome::TooLate(now) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "not_cancellable",
+            format!(
+                "task {} is {now}: only a task still waiting (INGESTED or QUEUED) can be \
+                 cancelled",
+                task.id
+            ),
+        )),
+    }
+}
+
+async fn retry(state: &ApiState, task: TaskRecord, by: &str) -> Result<TaskRecord, ApiError> {
+    if task.state != TaskState::DeadLetter {
+        return Err(not_dead_lettered(&task));
+    }
+    if !send_back(state, &task, by).await? {
+        // It moved on between the read and the lock (another retry, a redrive).
+        let now = reread(state, task).await?;
+        return Err(not_dead_lettered(&now));
+    }
+    reread(state, task).await
+}
+
+fn not_dead_lettered(task: &TaskRecord) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "not_dead_lettered",
+        format!(
+            "task {} is {}: only a DEAD_LETTER task can be retried",
+            task.id, task.state
+        ),
+    )
+}
+
+/// DEAD_LETTER → QUEUED with a fresh retry budget, published before it commits (decision
+/// 0002). `false` when the task was no longer dead-lettered at its attempt.
+async fn send_back(state: &ApiState, task: &TaskRecord, by: &str) -> Result<bool, ApiError> {
+    let ingestor = &state.ingestor;
+    let pending = ingestor
+        .db
+        .begin_retry(task.id, task.attempt, by)
+        .await
+        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+    let Some(pending) = pending else {
+        return Ok(false);
+    };
+    // The main queue only: neither backoff nor retry tiers apply.
+    let spec = NamedTaskType::named(&task.task_type);
+    publish_and_commit(&ingestor.publisher, pending, &spec)
+        .await
+        .map_err(|err| {
+            tracing::warn!(task = %task.id, error = %conveyor_core::with_causes(&err), "retry not sent");
+            ApiError::unavailable(
+                "broker_unavailable",
+                format!("task {} could not be sent back to work; nothing changed", task.id),
+            )
+        })?;
+    Ok(true)
+}
+
+async fn reread(state: &ApiState, task: TaskRecord) -> Result<TaskRecord, ApiError> {
+    let ingestor = &state.ingestor;
+    match ingestor.db.task(task.id).await {
+        Ok(Some(now)) => Ok(now),
+        Ok(None) => Err(not_found(task.id)),
+        Err(err) => Err(db_error(&ingestor.metrics, &err)),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RedriveRequest {
+    task_type: String,
+    #[serde(default)]
+    namespace: Option<String>,
+    #[serde(default)]
+    label_selector: Option<String>,
+    #[serde(default)]
+    limit: Option<u32>,
+}
+
+/// `POST /v1/tasks:redrive`: up to `limit` of a type's dead letters (those matching the
+/// selector) back to work, newest first, each as `:retry` does it.
+pub async fn redrive(
+    State(state): State<Arc<ApiState>>,
+    Extension(client): Extension<Client>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let request: RedriveRequest = parse_json(&read_body(body)?)?;
+    let limit = request.limit.unwrap_or(MAX_REDRIVE);
+    if !(1..=MAX_REDRIVE).contains(&limit) {
+        return Err(ApiError::bad_request(
+            "invalid_redrive",
+            format!("limit is 1 to {MAX_REDRIVE}"),
+        ));
+    }
+    let query = ListQuery {
+        task_type: Some(request.task_type),
+        namespace: request.namespace,
+        label_selector: request.label_selector,
+        ..ListQuery::default()
+    };
+    let mut filter = TaskFilter {
+        states: vec![TaskState::DeadLetter],
+        ..find::filter(&state, &client, &query)?
+    };
+    let by = format!("client {}", client.name);
+    let (mut redriven, mut skipped) = (0u32, 0u32);
+    let more = loop {
+        let want = (limit - redriven).min(100);
+        let page = state
+            .ingestor
+            .db
+            .list_tasks(&filter, want)
+            .await
+            .map_err(|err| db_error(&state.ingestor.metrics, &err))?;
+        for task in &page.tasks {
+            match send_back(&state, task, &by).await {
+                Ok(true) => redriven += 1,
+                Ok(false) => skipped += 1,
+                // What was sent back stays sent back; the answer says how far it got.
+                Err(err) if redriven > 0 => {
+                    tracing::warn!(redriven, error = %err.message, "redrive stopped early");
+                    return Ok(redrive_answer(redriven, skipped, true, Some(err)));
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        match page.next {
+            Some(next) if redriven < limit => filter.before_id = Some(next),
+            next => break next.is_some(),
+        }
+    };
+    Ok(redrive_answer(redriven, skipped, more, None))
+}
+
+fn redrive_answer(redriven: u32, skipped: u32, more: bool, error: Option<ApiError>) -> Response {
+    let mut body = serde_json::json!({
+        "redriven": redriven,
+        "skipped": skipped,
+        "more": more,
+    });
+    if let Some(error) = error {
+        body["error"] = serde_json::json!(error);
+    }
+    Json(body).into_response()
+}

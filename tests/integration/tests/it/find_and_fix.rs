@@ -1,0 +1,404 @@
+//! Finding and fixing tasks over the API (issue 16), on the real services: labels and lists
+//! with selectors and cursors, cancel, retry and redrive. Side effects are judged from
+//! outside: an exec handler appends each task id it runs to a file.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use conveyor_core::testing::{assert_valid_chain, states, wait_until};
+use conveyor_core::TaskState::{self, *};
+use conveyor_worker::handler::Handler;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::support::{test_type, Harness, TOKEN};
+
+async fn call(
+    h: &Harness,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> (StatusCode, Value) {
+    let mut request = h
+        .http
+        .request(method, format!("{}{path}", h.gateway_url))
+        .bearer_auth(TOKEN);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("gateway answers");
+    let status = response.status();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn get(h: &Harness, path: &str) -> (StatusCode, Value) {
+    call(h, reqwest::Method::GET, path, None).await
+}
+
+async fn post(h: &Harness, path: &str, body: Value) -> (StatusCode, Value) {
+    call(h, reqwest::Method::POST, path, Some(body)).await
+}
+
+async fn submit_labelled(h: &Harness, task_type: &str, labels: Value) -> Uuid {
+    let (status, body) = post(
+        h,
+        "/v1/tasks",
+        json!({"taskType": task_type, "payload": {}, "labels": labels}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    body["id"].as_str().unwrap().parse().unwrap()
+}
+
+fn ids(page: &Value) -> Vec<Uuid> {
+    page["tasks"]
+        .as_array()
+        .expect("tasks")
+        .iter()
+        .map(|t| t["id"].as_str().unwrap().parse().unwrap())
+        .collect()
+}
+
+/// Every id a list walks to, page by page, following `nextCursor`.
+async fn walk(h: &Harness, query: &str) -> Vec<Uuid> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/v1/tasks?{query}&cursor={c}"),
+            None => format!("/v1/tasks?{query}"),
+        };
+        let (status, page) = get(h, &path).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {page}");
+        all.extend(ids(&page));
+        match page["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => return all,
+        }
+    }
+}
+
+/// An exec handler that records the id of every task it runs in `file`.
+fn recording_handler(file: &PathBuf) -> Handler {
+    Handler::Exec {
+        command: "sh".into(),
+        args: vec![
+            "-c".into(),
+            format!("echo \"$CONVEYOR_TASK_ID\" >> {}", file.display()),
+        ],
+    }
+}
+
+fn ran(file: &PathBuf) -> Vec<Uuid> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect()
+}
+
+fn scratch_file() -> PathBuf {
+    std::env::temp_dir().join(format!("conveyor-ran-{}", Uuid::new_v4()))
+}
+
+#[tokio::test]
+async fn labelled_tasks_are_listed_by_selector_state_and_time_a_page_at_a_time() {
+    let spec = test_type("listed");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    let before = chrono::Utc::now() - chrono::Duration::seconds(1);
+    let mut gold = Vec::new();
+    let mut plain = Vec::new();
+    for i in 0..7 {
+        gold.push(
+            submit_labelled(
+                &harness,
+                &name,
+                json!({"tier": "gold", "example.com/asset": format!("a{i}")}),
+            )
+            .await,
+        );
+        plain.push(submit_labelled(&harness, &name, json!({"tier": "silver"})).await);
+    }
+    plain.push(harness.submit_ok(&name, json!({})).await);
+
+    // Newest first, in pages of 3, each task once.
+    let everything = walk(&harness, &format!("type={name}&limit=3")).await;
+    let mut expected: Vec<Uuid> = gold.iter().chain(&plain).copied().collect();
+    expected.sort();
+    expected.reverse();
+    assert_eq!(everything, expected);
+
+    let gold_listed = walk(&harness, "labelSelector=tier%3Dgold&limit=2").await;
+    assert_eq!(gold_listed.iter().rev().copied().collect::<Vec<_>>(), gold);
+    let (_, page) = get(
+        &harness,
+        &format!("/v1/tasks?type={name}&labelSelector=example.com%2Fasset%20in%20(a1,a3)"),
+    )
+    .await;
+    assert_eq!(ids(&page), vec![gold[3], gold[1]]);
+    let (_, page) = get(
+        &harness,
+        &format!("/v1/tasks?type={name}&labelSelector=!tier"),
+    )
+    .await;
+    assert_eq!(ids(&page), vec![*plain.last().unwrap()]);
+    let listed = &page["tasks"][0];
+    assert_eq!(listed["taskType"], json!(name));
+    assert!(listed.get("payload").is_none(), "lists leave payloads out");
+
+    let (_, page) = get(
+        &harness,
+        &format!("/v1/tasks?type={name}&state=QUEUED&limit=500"),
+    )
+    .await;
+    assert_eq!(ids(&page).len(), 15);
+    let (_, page) = get(
+        &harness,
+        &format!("/v1/tasks?type={name}&state=DEAD_LETTER"),
+    )
+    .await;
+    assert_eq!(ids(&page), Vec::<Uuid>::new());
+    assert_eq!(page["nextCursor"], Value::Null);
+    let after = (chrono::Utc::now() + chrono::Duration::seconds(1)).to_rfc3339();
+    let since = before.to_rfc3339();
+    let encode = |s: &str| s.replace('+', "%2B");
+    let (_, page) = get(
+        &harness,
+        &format!("/v1/tasks?type={name}&createdAfter={}", encode(&after)),
+    )
+    .await;
+    assert_eq!(ids(&page).len(), 0);
+    let (_, page) = get(
+        &harness,
+        &format!(
+            "/v1/tasks?type={name}&createdAfter={}&createdBefore={}&limit=500",
+            encode(&since),
+            encode(&after)
+        ),
+    )
+    .await;
+    assert_eq!(ids(&page).len(), 15);
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn bad_labels_and_bad_queries_are_refused_and_record_nothing() {
+    let spec = test_type("badlabels");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    for labels in [
+        json!({"bad key": "x"}),
+        json!({"ok": "no spaces"}),
+        json!({"ok": 3}),
+        json!(["not", "a", "map"]),
+        Value::Object((0..17).map(|i| (format!("k{i}"), json!("v"))).collect()),
+    ] {
+        let (status, body) = post(
+            &harness,
+            "/v1/tasks",
+            json!({"taskType": name, "payload": {}, "labels": labels}),
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{labels}: {body}");
+        let code = body["error"]["code"].as_str().unwrap();
+        assert!(
+            ["invalid_labels", "invalid_json"].contains(&code),
+            "{labels}: {body}"
+        );
+    }
+    assert_eq!(harness.total_tasks(&name).await, 0);
+
+    for (query, code) in [
+        ("labelSelector=a%20in%20(x", "invalid_label_selector"),
+        ("state=DONE", "invalid_query"),
+        ("limit=0", "invalid_query"),
+        ("limit=501", "invalid_query"),
+        ("cursor=nope", "invalid_cursor"),
+        ("createdAfter=yesterday", "invalid_query"),
+        ("colour=red", "invalid_query"),
+    ] {
+        let (status, body) = get(&harness, &format!("/v1/tasks?{query}")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {body}");
+        assert_eq!(body["error"]["code"], json!(code), "{query}: {body}");
+    }
+    let (status, body) = get(&harness, "/v1/tasks?type=nosuchtype").await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_waiting_task_can_be_cancelled_and_never_runs() {
+    let spec = test_type("cancel");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let file = scratch_file();
+    // No worker yet: both tasks wait in the queue.
+    let doomed = harness.submit_ok(&name, json!({})).await;
+    let kept = harness.submit_ok(&name, json!({})).await;
+    let (status, task) = post(&harness, &format!("/v1/tasks/{doomed}:cancel"), json!({})).await;
+    assert_eq!(status, StatusCode::OK, "{task}");
+    assert_eq!(task["state"], json!("CANCELLED"));
+    let (status, body) = post(&harness, &format!("/v1/tasks/{doomed}:cancel"), json!({})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], json!("not_cancellable"));
+
+    harness.start_worker(&[&name], recording_handler(&file), 4);
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(30))
+        .await;
+    // The cancelled task's message was delivered too (it was in the queue first) and
+    // dropped: once the queue is empty it can no longer run.
+    wait_until("the queue drained", Duration::from_secs(20), || async {
+        harness
+            .ready_count(&crate::support::queue(&name).main)
+            .await
+            == 0
+    })
+    .await;
+    assert_eq!(ran(&file), vec![kept]);
+    assert_eq!(
+        harness.db.task(doomed).await.unwrap().unwrap().state,
+        Cancelled
+    );
+    let events = harness.events(doomed).await;
+    assert_valid_chain(&events);
+    assert_eq!(states(&events), vec![Ingested, Queued, Cancelled]);
+    assert_eq!(
+        events.last().unwrap().detail.as_deref(),
+        Some("cancelled by client tests")
+    );
+    // A completed task cannot be cancelled; a malformed action is refused.
+    let (status, body) = post(&harness, &format!("/v1/tasks/{kept}:cancel"), json!({})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    let (status, body) = post(&harness, &format!("/v1/tasks/{kept}:explode"), json!({})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    assert_eq!(body["error"]["code"], json!("unknown_action"));
+    let (status, _) = post(&harness, &format!("/v1/tasks/{kept}"), json!({})).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    let _ = std::fs::remove_file(&file);
+    harness.shutdown().await;
+}
+
+/// Dead letters of a type with `max_retries` 0, made by a failing worker that then stops.
+async fn dead_letters(harness: &mut Harness, name: &str, labels: &[Value]) -> Vec<Uuid> {
+    let failing = harness.start_worker(&[name], Handler::Fail, 4);
+    let mut ids = Vec::new();
+    for labels in labels {
+        ids.push(submit_labelled(harness, name, labels.clone()).await);
+    }
+    harness
+        .wait_for_state(
+            name,
+            DeadLetter,
+            labels.len() as i64,
+            Duration::from_secs(30),
+        )
+        .await;
+    harness.take_worker(&failing).stop().await;
+    ids
+}
+
+#[tokio::test]
+async fn a_dead_letter_is_retried_and_a_selected_set_redriven_over_the_api() {
+    let mut spec = test_type("retried");
+    spec.max_retries = 0;
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let file = scratch_file();
+    let batches = [
+        json!({"batch": "a"}),
+        json!({"batch": "a"}),
+        json!({"batch": "b"}),
+    ];
+    let failed = dead_letters(&mut harness, &name, &batches).await;
+    let mut unhappy = walk(&harness, &format!("type={name}&state=DEAD_LETTER&limit=1")).await;
+    unhappy.sort();
+    let mut expected = failed.clone();
+    expected.sort();
+    assert_eq!(unhappy, expected, "dead letters are listed");
+
+    // A task that is not dead-lettered cannot be retried.
+    let waiting = harness.submit_ok(&name, json!({})).await;
+    let (status, body) = post(&harness, &format!("/v1/tasks/{waiting}:retry"), json!({})).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert_eq!(body["error"]["code"], json!("not_dead_lettered"));
+
+    // One retried by id, the `batch=a` one left over redriven by selector; `b` stays.
+    let (status, task) = post(
+        &harness,
+        &format!("/v1/tasks/{}:retry", failed[0]),
+        json!({}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{task}");
+    assert_eq!(
+        (task["state"].clone(), task["retries"].clone()),
+        (json!("QUEUED"), json!(0))
+    );
+    let (status, answer) = post(
+        &harness,
+        "/v1/tasks:redrive",
+        json!({"taskType": name, "labelSelector": "batch=a"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    assert_eq!(answer["redriven"], json!(1), "{answer}");
+    assert_eq!(answer["more"], json!(false), "{answer}");
+
+    harness.start_worker(&[&name], recording_handler(&file), 4);
+    harness
+        .wait_for_state(&name, Completed, 3, Duration::from_secs(30))
+        .await;
+    let done: BTreeSet<Uuid> = ran(&file).into_iter().collect();
+    assert_eq!(done, BTreeSet::from([failed[0], failed[1], waiting]));
+    let record = harness.db.task(failed[2]).await.unwrap().unwrap();
+    assert_eq!(record.state, DeadLetter, "batch b was not selected");
+    for id in &failed[..2] {
+        let events = harness.events(*id).await;
+        assert_valid_chain(&events);
+        let back = events
+            .iter()
+            .find(|e| e.from_state == Some(DeadLetter))
+            .expect("sent back");
+        assert_eq!(back.to_state, Queued);
+        assert_eq!(back.detail.as_deref(), Some("retried by client tests"));
+        assert_eq!(events.last().unwrap().to_state, Completed);
+    }
+    let (status, body) = post(
+        &harness,
+        "/v1/tasks:redrive",
+        json!({"taskType": name, "limit": 0}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let _ = std::fs::remove_file(&file);
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_lists_state_filter_follows_the_database() {
+    // A state filter agrees with the rows themselves for every state the tasks are in.
+    let spec = test_type("bystate");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    for _ in 0..3 {
+        harness.submit_ok(&name, json!({})).await;
+    }
+    harness.start_worker(&[&name], Handler::Noop, 4);
+    harness
+        .wait_for_state(&name, Completed, 3, Duration::from_secs(30))
+        .await;
+    for state in TaskState::ALL {
+        let (status, page) = get(&harness, &format!("/v1/tasks?type={name}&state={state}")).await;
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(
+            ids(&page).len() as i64,
+            harness.count(&name, state).await,
+            "{state}"
+        );
+    }
+    harness.shutdown().await;
+}
