@@ -149,12 +149,16 @@ async fn labelled_tasks_are_listed_by_selector_state_and_time_a_page_at_a_time()
     assert_eq!(listed["taskType"], json!(name));
     assert!(listed.get("payload").is_none(), "lists leave payloads out");
 
-    let (_, page) = get(
-        &harness,
-        &format!("/v1/tasks?type={name}&state=QUEUED&limit=500"),
+    // The last QUEUED marks follow the answers within moments (decision 0020).
+    wait_until(
+        "all 15 listed as QUEUED",
+        Duration::from_secs(10),
+        || async {
+            let query = format!("/v1/tasks?type={name}&state=QUEUED&limit=500");
+            ids(&get(&harness, &query).await.1).len() == 15
+        },
     )
     .await;
-    assert_eq!(ids(&page).len(), 15);
     let (_, page) = get(
         &harness,
         &format!("/v1/tasks?type={name}&state=DEAD_LETTER"),
