@@ -15,18 +15,18 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use conveyor_core::task::{TaskEvent, TaskRecord};
-use conveyor_core::task_type::local_name;
+use conveyor_core::task::TaskRecord;
 use conveyor_core::trace::TraceContext;
 use conveyor_core::TaskState;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::auth::{Client, TokenSet};
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::ingest::{db_error, Accepted, Ingestor, Submission};
+use crate::views::{BatchAnswer, BatchResults, EventList, EventView, TaskView};
 
 /// Limits on each client's requests besides its task rate.
 #[derive(Debug, Clone)]
@@ -81,6 +81,8 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
         )
         .route("/v1/tasks/{id}/events", get(get_events))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
+        // After the layer: the API's description needs no token.
+        .route("/openapi.json", get(openapi_json))
         // Outermost, so that refusals (401, 429, 413) are timed and logged too.
         .layer(middleware::from_fn_with_state(
             crate::access::Observe {
@@ -90,6 +92,14 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
             crate::access::observe,
         ))
         .with_state(state)
+}
+
+async fn openapi_json() -> Response {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        crate::openapi::json(),
+    )
+        .into_response()
 }
 
 /// Runs before any extractor reads the body: an unauthenticated request is refused with
@@ -145,12 +155,12 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
 
 /// The request's body was charged against its client's byte rate on admission.
 #[derive(Clone, Copy)]
-struct BodyCharged;
+pub(crate) struct BodyCharged;
 
 /// The client's in-flight permit for this request, released when the request and any
 /// submission it started are both done.
 #[derive(Clone)]
-struct InFlight {
+pub(crate) struct InFlight {
     _permit: Arc<OwnedSemaphorePermit>,
 }
 
@@ -249,18 +259,35 @@ async fn submit_detached(
     })
 }
 
-#[derive(Deserialize)]
+/// A task to run. The idempotency key is the `Idempotency-Key` header.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct SingleRequest {
+pub struct SingleRequest {
+    /// The TaskType's name in its namespace.
     task_type: String,
+    /// The TaskType's namespace; may be left out by a client of one namespace.
     #[serde(default)]
     namespace: Option<String>,
+    /// Checked against the type's schema and size limit.
     payload: serde_json::Value,
+    /// Up to 16 Kubernetes-style labels, to find the task by later.
     #[serde(default)]
     labels: conveyor_core::labels::Labels,
 }
 
-async fn submit_one(
+/// Submits one task. 201 for a new task, 200 with the earlier task for a known key: retry
+/// with the same `Idempotency-Key` after any error or no answer, and nothing runs twice
+/// for it.
+#[utoipa::path(post, path = "/v1/tasks", tag = "tasks",
+    request_body = SingleRequest,
+    params(("Idempotency-Key" = Option<Uuid>, Header, description = "A UUID; the task id when absent")),
+    responses(
+        (status = 201, description = "Recorded and queued", body = Accepted),
+        (status = 200, description = "The key was used before: the task it made", body = Accepted),
+        (status = "4XX", description = "Refused; nothing recorded", body = ErrorBody),
+        (status = "5XX", description = "Not recorded, or not known to be: retry with the same key", body = ErrorBody),
+    ))]
+pub(crate) async fn submit_one(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
     Extension(in_flight): Extension<InFlight>,
@@ -290,27 +317,21 @@ async fn submit_one(
     Ok((accepted.status, Json(accepted)).into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
-struct BatchRequest {
+pub struct BatchRequest {
     tasks: Vec<Submission>,
 }
 
-#[derive(Serialize)]
-#[serde(untagged)]
-enum BatchAnswer {
-    Accepted {
-        status: u16,
-        #[serde(flatten)]
-        task: Accepted,
-    },
-    Refused {
-        status: u16,
-        error: ApiError,
-    },
-}
-
-async fn submit_batch(
+/// Submits up to `maxBatchTasks` tasks in one request; each gets its own answer, in order.
+#[utoipa::path(post, path = "/v1/tasks:batch", tag = "tasks",
+    request_body = BatchRequest,
+    responses(
+        (status = 200, description = "One answer per task", body = BatchResults),
+        (status = "4XX", description = "The whole request refused", body = ErrorBody),
+        (status = "5XX", description = "The gateway failed", body = ErrorBody),
+    ))]
+pub(crate) async fn submit_batch(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
     Extension(in_flight): Extension<InFlight>,
@@ -342,7 +363,9 @@ async fn submit_batch(
         .map(|answer| match answer {
             Ok(task) => BatchAnswer::Accepted {
                 status: task.status.as_u16(),
-                task,
+                id: task.id,
+                state: task.state,
+                idempotency_key: task.idempotency_key,
             },
             Err(error) => BatchAnswer::Refused {
                 status: error.status.as_u16(),
@@ -350,23 +373,39 @@ async fn submit_batch(
             },
         })
         .collect();
-    Ok(Json(serde_json::json!({ "results": results })).into_response())
+    Ok(Json(BatchResults { results }).into_response())
 }
 
 pub(crate) fn parse_id(id: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(id).map_err(|_| ApiError::bad_request("invalid_id", "task ids are UUIDs"))
 }
 
-async fn get_task(
+/// A task, with its payload and result.
+#[utoipa::path(get, path = "/v1/tasks/{id}", tag = "tasks",
+    params(("id" = Uuid, Path, description = "The task's id")),
+    responses(
+        (status = 200, description = "The task", body = TaskView),
+        (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+    ))]
+pub(crate) async fn get_task(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let task = own_task(&state, &client, &id).await?;
-    Ok(Json(task_view(&task)).into_response())
+    Ok(Json(TaskView::from(&task)).into_response())
 }
 
-async fn get_events(
+/// A task's audit timeline: every state it passed through, oldest first.
+#[utoipa::path(get, path = "/v1/tasks/{id}/events", tag = "tasks",
+    params(("id" = Uuid, Path, description = "The task's id")),
+    responses(
+        (status = 200, description = "The timeline", body = EventList),
+        (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+    ))]
+pub(crate) async fn get_events(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
     Path(id): Path<String>,
@@ -375,9 +414,11 @@ async fn get_events(
     let ingestor = &state.ingestor;
     match ingestor.db.events(task.id).await {
         Ok(events) => {
-            let shown: Vec<serde_json::Value> =
-                events.iter().map(|e| event_view(e, &task)).collect();
-            Ok(Json(serde_json::json!({ "events": shown })).into_response())
+            let events = events
+                .iter()
+                .map(|e| EventView::of(e, &task.tenant))
+                .collect();
+            Ok(Json(EventList { events }).into_response())
         }
         Err(err) => Err(db_error(&ingestor.metrics, &err)),
     }
@@ -410,43 +451,6 @@ pub(crate) async fn own_task(
         Ok(true) => read().await,
         Err(err) => Err(db_error(&ingestor.metrics, &err)),
     }
-}
-
-/// A task as its client sees it: its type by the name the client submitted with, and its
-/// tenant as `namespace`.
-pub(crate) fn task_view(task: &TaskRecord) -> serde_json::Value {
-    let mut view = serde_json::to_value(task).unwrap_or_default();
-    if let Some(fields) = view.as_object_mut() {
-        fields.remove("tenant");
-        fields.insert(
-            "taskType".into(),
-            local_name(&task.task_type, &task.tenant).into(),
-        );
-        fields.insert("namespace".into(), task.tenant.clone().into());
-    }
-    view
-}
-
-/// A task in a list: its view without the payload and result, which can be large; the
-/// task's own page has them.
-pub(crate) fn list_view(task: &TaskRecord) -> serde_json::Value {
-    let mut view = task_view(task);
-    if let Some(fields) = view.as_object_mut() {
-        fields.remove("payload");
-        fields.remove("result");
-    }
-    view
-}
-
-fn event_view(event: &TaskEvent, task: &TaskRecord) -> serde_json::Value {
-    let mut view = serde_json::to_value(event).unwrap_or_default();
-    if let Some(fields) = view.as_object_mut() {
-        fields.insert(
-            "taskType".into(),
-            local_name(&event.task_type, &task.tenant).into(),
-        );
-    }
-    view
 }
 
 pub(crate) fn not_found(id: Uuid) -> ApiError {

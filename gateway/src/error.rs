@@ -7,10 +7,151 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// Every error code the gateway answers with: its status and when. The OpenAPI document
+/// lists them; a test checks that no code is used that is not here.
+pub const CODES: &[(&str, u16, &str)] = &[
+    (
+        "unauthorized",
+        401,
+        "no bearer token, or one the gateway does not know",
+    ),
+    (
+        "invalid_json",
+        400,
+        "the body is not the JSON the route takes (the message says where)",
+    ),
+    ("invalid_body", 400, "the body could not be read"),
+    ("invalid_id", 400, "a task id that is not a UUID"),
+    (
+        "invalid_idempotency_key",
+        400,
+        "an Idempotency-Key header that is not a UUID",
+    ),
+    (
+        "invalid_payload",
+        400,
+        "the payload does not match the task type's schema (`path` says where)",
+    ),
+    (
+        "invalid_labels",
+        400,
+        "labels that are not Kubernetes-style names and values, or more than 16",
+    ),
+    (
+        "invalid_batch",
+        400,
+        "a batch with no tasks or more than the gateway takes",
+    ),
+    (
+        "invalid_query",
+        400,
+        "a list query with an unknown parameter, state, time or limit",
+    ),
+    (
+        "invalid_label_selector",
+        400,
+        "a label selector that does not parse",
+    ),
+    (
+        "invalid_cursor",
+        400,
+        "a cursor that is not a page's nextCursor",
+    ),
+    ("invalid_redrive", 400, "a redrive limit outside 1 to 1000"),
+    (
+        "namespace_required",
+        400,
+        "a client of several namespaces named none",
+    ),
+    ("empty", 400, "a request that carried no task"),
+    (
+        "unknown_task_type",
+        404,
+        "no such task type in the client's namespaces",
+    ),
+    (
+        "task_not_found",
+        404,
+        "no such task in the client's namespaces (another tenant's ids answer this too)",
+    ),
+    (
+        "unknown_action",
+        404,
+        "a task action other than `:cancel` and `:retry`",
+    ),
+    (
+        "method_not_allowed",
+        405,
+        "POST to a task without an action",
+    ),
+    (
+        "idempotency_key_reused",
+        409,
+        "an Idempotency-Key used before for a different task type",
+    ),
+    (
+        "not_cancellable",
+        409,
+        "cancel of a task that is no longer waiting",
+    ),
+    (
+        "not_dead_lettered",
+        409,
+        "retry of a task that is not DEAD_LETTER",
+    ),
+    ("payload_too_large", 413, "a body or payload over its limit"),
+    (
+        "rate_limited",
+        429,
+        "the client is over its task, type or byte rate; see Retry-After",
+    ),
+    (
+        "too_many_requests",
+        429,
+        "the client has too many requests in flight",
+    ),
+    (
+        "queue_full",
+        429,
+        "the type's queue is over its maxQueueDepth; see Retry-After",
+    ),
+    (
+        "internal",
+        500,
+        "the gateway failed; retry with the same Idempotency-Key",
+    ),
+    (
+        "broker_unavailable",
+        503,
+        "RabbitMQ did not confirm; nothing is lost, retry with the same key",
+    ),
+    (
+        "database_unavailable",
+        503,
+        "PostgreSQL cannot be reached; retry later",
+    ),
+    (
+        "request_timeout",
+        503,
+        "the request took too long; retry with the same Idempotency-Key",
+    ),
+];
+
+fn code_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::Schema>> {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::Type::String)
+        .enum_values(Some(CODES.iter().map(|(code, _, _)| *code)))
+        .description(Some(
+            "Stable, for programs; the API description's table says when each is given.",
+        ))
+}
+
+/// An error: `code` is stable and meant for programs (see [`CODES`]), `message` for people.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
 pub struct ApiError {
     #[serde(skip)]
     pub status: StatusCode,
+    #[schema(schema_with = code_schema)]
     pub code: &'static str,
     pub message: String,
     /// For schema errors: the JSON pointer of the first offending value in the payload.
@@ -69,9 +210,10 @@ impl ApiError {
     }
 }
 
-#[derive(Serialize)]
-struct ErrorBody<'a> {
-    error: &'a ApiError,
+/// Every error answer's body.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct ErrorBody<'a> {
+    pub error: &'a ApiError,
 }
 
 impl IntoResponse for ApiError {
@@ -88,5 +230,46 @@ impl IntoResponse for ApiError {
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CODES;
+
+    /// Every `"code"` the gateway's sources pass to an error constructor is in [`CODES`].
+    #[test]
+    fn every_code_used_is_documented() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut used = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            for call in ["bad_request(", "too_many(", "unavailable(", "::new("] {
+                for (at, _) in text.match_indices(call) {
+                    let rest = text[at + call.len()..].trim_start();
+                    // `new(StatusCode::X, "code", ...)`: the code is the second argument.
+                    let rest = match rest.strip_prefix("StatusCode::") {
+                        Some(after) => after.split_once(',').map_or("", |(_, r)| r).trim_start(),
+                        None => rest,
+                    };
+                    if let Some(quoted) = rest.strip_prefix('"') {
+                        let code = quoted.split('"').next().unwrap_or("");
+                        // (This test's own list of calls is not a code.)
+                        if !code.is_empty()
+                            && code.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                        {
+                            used.push(code.to_owned());
+                        }
+                    }
+                }
+            }
+        }
+        assert!(used.len() > 20, "the scan found {} codes", used.len());
+        for code in &used {
+            assert!(
+                CODES.iter().any(|(known, _, _)| known == code),
+                "{code:?} is answered but not in CODES"
+            );
+        }
     }
 }

@@ -8,27 +8,30 @@ use axum::extract::{Extension, Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use chrono::{DateTime, Utc};
-use conveyor_core::db::{TaskFilter, TaskPage};
+use conveyor_core::db::TaskFilter;
 use conveyor_core::labels::Selector;
 use conveyor_core::TaskState;
 use serde::Deserialize;
 use uuid::Uuid;
 
-use crate::api::{list_view, ApiState};
+use crate::api::ApiState;
 use crate::auth::Client;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::ingest::{db_error, resolve};
+use crate::views::{TaskPage, TaskSummary};
 
 /// The page size when a client names none, and the most it may name.
 pub const DEFAULT_PAGE: u32 = 50;
 pub const MAX_PAGE: u32 = 500;
 
 /// The query string of `GET /v1/tasks`.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[into_params(parameter_in = Query, rename_all = "camelCase")]
 pub struct ListQuery {
     /// A task type's name; every type the client may see when absent.
     #[serde(rename = "type")]
+    #[param(rename = "type")]
     pub task_type: Option<String>,
     pub namespace: Option<String>,
     /// States, comma-separated (`DEAD_LETTER,CANCELLED`).
@@ -44,6 +47,16 @@ pub struct ListQuery {
     pub cursor: Option<String>,
 }
 
+/// The client's tasks, newest first, a page at a time. Every filter narrows the list; a
+/// client sees its own namespaces' tasks only.
+#[utoipa::path(get, path = "/v1/tasks", tag = "tasks",
+    params(ListQuery),
+    responses(
+        (status = 200, description = "A page of tasks", body = TaskPage),
+        (status = 400, description = "A malformed filter", body = ErrorBody),
+        (status = 404, description = "`type` names no type of the client's", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+    ))]
 pub async fn list_tasks(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
@@ -59,16 +72,15 @@ pub async fn list_tasks(
     }
     let filter = filter(&state, &client, &query)?;
     let ingestor = &state.ingestor;
-    let TaskPage { tasks, next } = ingestor
+    let page = ingestor
         .db
         .list_tasks(&filter, limit)
         .await
         .map_err(|err| db_error(&ingestor.metrics, &err))?;
-    let tasks: Vec<serde_json::Value> = tasks.iter().map(list_view).collect();
-    Ok(Json(serde_json::json!({
-        "tasks": tasks,
-        "nextCursor": next.map(|id| id.to_string()),
-    }))
+    Ok(Json(TaskPage {
+        tasks: page.tasks.iter().map(TaskSummary::from).collect(),
+        next_cursor: page.next.map(|id| id.to_string()),
+    })
     .into_response())
 }
 

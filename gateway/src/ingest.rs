@@ -21,8 +21,8 @@ use crate::error::ApiError;
 use crate::rate_limit::RateLimiter;
 use crate::registry::{KnownType, Registry};
 
-/// One task as a client submits it.
-#[derive(Debug, Clone, Deserialize)]
+/// One task as a client submits it in a batch.
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Submission {
     /// The TaskType's name in its namespace.
@@ -40,12 +40,13 @@ pub struct Submission {
 }
 
 /// The answer for an accepted task.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Accepted {
     #[serde(skip)]
     pub status: StatusCode,
     pub id: Uuid,
+    #[schema(schema_with = crate::views::task_state_schema)]
     pub state: TaskState,
     pub idempotency_key: Uuid,
 }

@@ -10,11 +10,13 @@ pub mod cluster;
 pub mod error;
 pub mod find;
 pub mod ingest;
+pub mod openapi;
 pub mod rate_limit;
 pub mod registry;
 pub mod remedy;
 pub mod tls;
 pub mod upkeep;
+pub mod views;
 
 use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};

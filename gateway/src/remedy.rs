@@ -18,11 +18,12 @@ use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState;
 use serde::Deserialize;
 
-use crate::api::{not_found, own_task, parse_json, read_body, task_view, ApiState};
+use crate::api::{not_found, own_task, parse_json, read_body, ApiState};
 use crate::auth::Client;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::find::{self, ListQuery};
 use crate::ingest::db_error;
+use crate::views::{RedriveAnswer, TaskView};
 
 /// Most dead letters one redrive request sends back; a client repeats it for more.
 pub const MAX_REDRIVE: u32 = 1000;
@@ -41,20 +42,56 @@ pub async fn task_action(
             "POST a task's `:cancel` or `:retry`",
         )
     })?;
-    let task = own_task(&state, &client, id).await?;
-    let by = format!("client {}", client.name);
-    let task = match action {
-        "cancel" => cancel(&state, task, &by).await?,
-        "retry" => retry(&state, task, &by).await?,
-        other => {
-            return Err(ApiError::new(
-                StatusCode::NOT_FOUND,
-                "unknown_action",
-                format!("a task has no action {other:?}: `:cancel` or `:retry`"),
-            ))
-        }
-    };
-    Ok(Json(task_view(&task)).into_response())
+    match action {
+        "cancel" => cancel_task(&state, &client, id).await,
+        "retry" => retry_task(&state, &client, id).await,
+        other => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "unknown_action",
+            format!("a task has no action {other:?}: `:cancel` or `:retry`"),
+        )),
+    }
+}
+
+/// Cancels a task that is still waiting (INGESTED or QUEUED): it becomes CANCELLED and
+/// never runs. A task a worker has claimed can no longer be cancelled.
+#[utoipa::path(post, path = "/v1/tasks/{id}:cancel", tag = "remedies",
+    params(("id" = Uuid, Path, description = "The task's id")),
+    responses(
+        (status = 200, description = "Cancelled", body = TaskView),
+        (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
+        (status = 409, description = "No longer waiting (`not_cancellable`)", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+    ))]
+pub async fn cancel_task(
+    state: &ApiState,
+    client: &Client,
+    id: &str,
+) -> Result<Response, ApiError> {
+    let task = own_task(state, client, id).await?;
+    let task = cancel(state, task, &by(client)).await?;
+    Ok(Json(TaskView::from(&task)).into_response())
+}
+
+/// Sends a DEAD_LETTER task back to work with a fresh retry budget (DEAD_LETTER → QUEUED).
+#[utoipa::path(post, path = "/v1/tasks/{id}:retry", tag = "remedies",
+    params(("id" = Uuid, Path, description = "The task's id")),
+    responses(
+        (status = 200, description = "Queued again", body = TaskView),
+        (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
+        (status = 409, description = "Not dead-lettered (`not_dead_lettered`)", body = ErrorBody),
+        (status = 503, description = "The broker did not confirm; nothing changed", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+    ))]
+pub async fn retry_task(state: &ApiState, client: &Client, id: &str) -> Result<Response, ApiError> {
+    let task = own_task(state, client, id).await?;
+    let task = retry(state, task, &by(client)).await?;
+    Ok(Json(TaskView::from(&task)).into_response())
+}
+
+/// Who asked, as the audit log's detail names them.
+fn by(client: &Client) -> String {
+    format!("client {}", client.name)
 }
 
 async fn cancel(state: &ApiState, task: TaskRecord, by: &str) -> Result<TaskRecord, ApiError> {
@@ -137,20 +174,31 @@ async fn reread(state: &ApiState, task: TaskRecord) -> Result<TaskRecord, ApiErr
     }
 }
 
-#[derive(Deserialize)]
+/// Which dead letters to send back to work.
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-struct RedriveRequest {
+pub struct RedriveRequest {
     task_type: String,
     #[serde(default)]
     namespace: Option<String>,
+    /// Only the dead letters whose labels match (Kubernetes syntax).
     #[serde(default)]
     label_selector: Option<String>,
+    /// At most this many (1 to 1000, the default); `more` in the answer says if any remain.
     #[serde(default)]
     limit: Option<u32>,
 }
 
 /// `POST /v1/tasks:redrive`: up to `limit` of a type's dead letters (those matching the
 /// selector) back to work, newest first, each as `:retry` does it.
+#[utoipa::path(post, path = "/v1/tasks:redrive", tag = "remedies",
+    request_body = RedriveRequest,
+    responses(
+        (status = 200, description = "What was sent back", body = RedriveAnswer),
+        (status = 404, description = "No such type in the client's namespaces", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "Nothing was sent back", body = ErrorBody),
+    ))]
 pub async fn redrive(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
@@ -174,7 +222,7 @@ pub async fn redrive(
         states: vec![TaskState::DeadLetter],
         ..find::filter(&state, &client, &query)?
     };
-    let by = format!("client {}", client.name);
+    let by = by(&client);
     let (mut redriven, mut skipped) = (0u32, 0u32);
     let more = loop {
         let want = (limit - redriven).min(100);
@@ -205,13 +253,11 @@ pub async fn redrive(
 }
 
 fn redrive_answer(redriven: u32, skipped: u32, more: bool, error: Option<ApiError>) -> Response {
-    let mut body = serde_json::json!({
-        "redriven": redriven,
-        "skipped": skipped,
-        "more": more,
-    });
-    if let Some(error) = error {
-        body["error"] = serde_json::json!(error);
-    }
-    Json(body).into_response()
+    Json(RedriveAnswer {
+        redriven,
+        skipped,
+        more,
+        error,
+    })
+    .into_response()
 }

@@ -3,7 +3,7 @@
 //! outside: an exec handler appends each task id it runs to a file.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use conveyor_core::testing::{assert_valid_chain, states, wait_until};
@@ -81,7 +81,7 @@ async fn walk(h: &Harness, query: &str) -> Vec<Uuid> {
 }
 
 /// An exec handler that records the id of every task it runs in `file`.
-fn recording_handler(file: &PathBuf) -> Handler {
+fn recording_handler(file: &Path) -> Handler {
     Handler::Exec {
         command: "sh".into(),
         args: vec![
@@ -91,7 +91,7 @@ fn recording_handler(file: &PathBuf) -> Handler {
     }
 }
 
-fn ran(file: &PathBuf) -> Vec<Uuid> {
+fn ran(file: &Path) -> Vec<Uuid> {
     std::fs::read_to_string(file)
         .unwrap_or_default()
         .lines()
@@ -404,5 +404,24 @@ async fn the_lists_state_filter_follows_the_database() {
             "{state}"
         );
     }
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_api_description_is_served_without_a_token_and_matches_docs() {
+    let harness = Harness::start(vec![test_type("described")]).await;
+    let response = harness
+        .http
+        .get(format!("{}/openapi.json", harness.gateway_url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let served = response.text().await.unwrap();
+    let committed = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/openapi.json"),
+    )
+    .unwrap();
+    assert_eq!(served, committed);
     harness.shutdown().await;
 }
