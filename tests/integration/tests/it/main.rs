@@ -13,6 +13,7 @@ mod grouped_writes;
 mod least_privilege;
 mod lifecycle_flows;
 mod outages;
+mod python_client;
 mod self_healing;
 mod tenancy;
 mod tls;
