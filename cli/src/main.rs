@@ -1,9 +1,13 @@
-//! `conveyorctl`: submit and inspect tasks through the gateway; redrive and audit queries
+//! `conveyorctl`: submit, find, follow and fix tasks through the gateway's API; the
+//! administrator's commands (grants, migrations, audit queries, the remediation queue)
 //! against the broker and the database directly.
 
 mod adopt;
+mod gateway;
 mod grant;
+mod output;
 mod redrive;
+mod tasks;
 
 use anyhow::{bail, Context};
 use chrono::{DateTime, Utc};
@@ -11,9 +15,9 @@ use clap::{Parser, Subcommand};
 use conveyor_core::amqp::Publisher;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret};
 use conveyor_core::db::Db;
-use conveyor_core::task::TaskEvent;
 use conveyor_core::tls::CaArgs;
 use conveyor_operator::rabbitmq::ManagementArgs;
+use output::Format;
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
@@ -39,6 +43,9 @@ struct Cli {
     /// it out for task types from a file (tenant `default`).
     #[arg(long, short = 'n', global = true, env = "CONVEYOR_NAMESPACE")]
     namespace: Option<String>,
+    /// How read commands print: table, wide (nothing shortened), json or yaml.
+    #[arg(long, short = 'o', global = true, value_enum, default_value = "table")]
+    output: Format,
     #[command(flatten)]
     ca: CaArgs,
     #[command(subcommand)]
@@ -85,6 +92,14 @@ impl Cli {
         Ok((direct, api))
     }
 
+    /// The gateway's API with this invocation's token and CA.
+    fn gateway(&self) -> anyhow::Result<gateway::Gateway> {
+        Ok(gateway::Gateway {
+            http: http(self)?,
+            base: self.gateway.trim_end_matches('/').to_owned(),
+        })
+    }
+
     /// What the type's queues and rows are keyed by (`NamedTaskType::name`).
     fn type_key(&self, task_type: &str) -> String {
         match &self.namespace {
@@ -108,15 +123,55 @@ enum Command {
         #[arg(long)]
         idempotency_key: Option<Uuid>,
     },
+    /// List your tasks, newest first: by type, state, labels and age.
+    List(tasks::ListArgs),
     /// Show a task's current record.
     Get { id: Uuid },
-    /// Show a task's audit timeline as a table.
+    /// Show a task's audit timeline.
     Events { id: Uuid },
-    /// Move dead-lettered tasks from the remediation queue back to the work queue.
+    /// Wait until tasks settle; fails unless every one COMPLETED.
+    Wait {
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+        /// Longest to wait: `30s`, `10m`, `2h`.
+        #[arg(long, default_value = "10m", value_parser = parse_timeout)]
+        timeout: std::time::Duration,
+    },
+    /// Print a task's transitions as they happen, until it settles.
+    Watch { id: Uuid },
+    /// Send DEAD_LETTER tasks back to work with a fresh retry budget.
+    Retry {
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+    },
+    /// Cancel tasks that are still waiting (INGESTED or QUEUED): they never run.
+    Cancel {
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+    },
+    /// Send a type's dead letters back to work, those the selector picks, over the API.
     Redrive {
         #[arg(long = "type")]
         task_type: String,
+        /// Label selector: only these dead letters.
+        #[arg(long, short = 'l')]
+        selector: Option<String>,
         /// Most tasks to redrive.
+        #[arg(long, default_value_t = 10_000)]
+        limit: u64,
+    },
+    /// Print shell completions: `conveyorctl completions bash > /etc/bash_completion.d/conveyorctl`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Administrators: move a type's remediation queue back to its work queue, straight on
+    /// the broker and database. Also drops the stale copies that API retries and redrives
+    /// leave parked there.
+    RedriveQueue {
+        #[arg(long = "type")]
+        task_type: String,
+        /// Most messages to move.
         #[arg(long, default_value_t = 1000)]
         limit: usize,
         /// Who redrives, for the audit log.
@@ -244,22 +299,48 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(key) = idempotency_key {
                 request = request.header("Idempotency-Key", key.to_string());
             }
-            print_json(request.send().await?).await?;
+            let body = checked(request.send().await?).await?;
+            if cli.output.is_table() {
+                println!(
+                    "{}  {}",
+                    output::text(&body, "id"),
+                    output::text(&body, "state")
+                );
+            } else {
+                output::print_data(cli.output, &body)?;
+            }
         }
-        Command::Get { id } => {
-            let request = http(cli)?.get(format!("{}/v1/tasks/{id}", cli.gateway));
-            print_json(request.send().await?).await?;
+        Command::List(args) => {
+            tasks::list(&cli.gateway()?, cli.namespace.as_deref(), args, cli.output).await?
         }
-        Command::Events { id } => {
-            let response = http(cli)?
-                .get(format!("{}/v1/tasks/{id}/events", cli.gateway))
-                .send()
-                .await?;
-            let body = checked(response).await?;
-            let events: Vec<TaskEvent> = serde_json::from_value(body["events"].clone())?;
-            print!("{}", events_table(&events));
+        Command::Get { id } => tasks::get(&cli.gateway()?, *id, cli.output).await?,
+        Command::Events { id } => tasks::events(&cli.gateway()?, *id, cli.output).await?,
+        Command::Wait { ids, timeout } => {
+            tasks::wait(&cli.gateway()?, ids, *timeout, cli.output).await?
         }
+        Command::Watch { id } => tasks::watch(&cli.gateway()?, *id, cli.output).await?,
+        Command::Retry { ids } => tasks::act(&cli.gateway()?, "retry", ids).await?,
+        Command::Cancel { ids } => tasks::act(&cli.gateway()?, "cancel", ids).await?,
         Command::Redrive {
+            task_type,
+            selector,
+            limit,
+        } => {
+            let namespace = cli.namespace.as_deref();
+            tasks::redrive(
+                &cli.gateway()?,
+                namespace,
+                task_type,
+                selector.as_deref(),
+                *limit,
+            )
+            .await?
+        }
+        Command::Completions { shell } => {
+            let mut command = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(*shell, &mut command, "conveyorctl", &mut std::io::stdout());
+        }
+        Command::RedriveQueue {
             task_type,
             limit,
             by,
@@ -434,28 +515,17 @@ async fn checked(response: reqwest::Response) -> anyhow::Result<serde_json::Valu
     Ok(body)
 }
 
-async fn print_json(response: reqwest::Response) -> anyhow::Result<()> {
-    let body = checked(response).await?;
-    println!("{}", serde_json::to_string_pretty(&body)?);
-    Ok(())
-}
-
-/// The audit timeline, one transition per line.
-fn events_table(events: &[TaskEvent]) -> String {
-    let mut out = format!(
-        "{:<30} {:<14} {:<14} {:>7}  {:<24} {}\n",
-        "TIME", "FROM", "TO", "ATTEMPT", "WORKER", "DETAIL"
-    );
-    for e in events {
-        out.push_str(&format!(
-            "{:<30} {:<14} {:<14} {:>7}  {:<24} {}\n",
-            e.at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            e.from_state.map(|s| s.as_str()).unwrap_or("-"),
-            e.to_state.as_str(),
-            e.attempt,
-            e.worker_id.as_deref().unwrap_or("-"),
-            e.detail.as_deref().unwrap_or(""),
-        ));
-    }
-    out
+/// `30s`, `10m`, `2h`: how long `wait` waits.
+fn parse_timeout(text: &str) -> Result<std::time::Duration, String> {
+    let (number, unit) = text.split_at(text.len().saturating_sub(1));
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("{text:?}: a number and a unit (s, m, h), e.g. 10m"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60,
+        "h" => n * 3600,
+        _ => return Err(format!("{text:?}: the unit is s, m or h")),
+    };
+    Ok(std::time::Duration::from_secs(secs))
 }

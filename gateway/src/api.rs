@@ -80,9 +80,11 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
             get(get_task).post(crate::remedy::task_action),
         )
         .route("/v1/tasks/{id}/events", get(get_events))
+        .route("/v1/task-types", get(crate::overview::task_types))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         // After the layer: the API's description needs no token.
         .route("/openapi.json", get(openapi_json))
+        .merge(crate::console::router())
         // Outermost, so that refusals (401, 429, 413) are timed and logged too.
         .layer(middleware::from_fn_with_state(
             crate::access::Observe {

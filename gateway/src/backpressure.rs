@@ -78,6 +78,13 @@ impl DepthMonitor {
         Some(Duration::from_secs_f64(secs.clamp(1.0, 60.0)))
     }
 
+    /// The last reading of `task_type`'s queues: messages waiting, and how many leave per
+    /// second (smoothed); `None` before the first reading.
+    pub fn backlog(&self, task_type: &str) -> Option<(u64, f64)> {
+        let readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        readings.get(task_type).map(|r| (r.depth, r.drain_rate))
+    }
+
     /// Polls every task type's work queue until `shutdown`.
     pub async fn run(
         self: Arc<Self>,

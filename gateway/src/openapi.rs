@@ -26,6 +26,7 @@ use crate::error::CODES;
         crate::remedy::cancel_task,
         crate::remedy::retry_task,
         crate::remedy::redrive,
+        crate::overview::task_types,
     ),
     components(schemas(crate::error::ApiError)),
     modifiers(&Conventions),
@@ -100,6 +101,7 @@ mod tests {
             "/v1/tasks/{id}:cancel",
             "/v1/tasks/{id}:retry",
             "/v1/tasks:redrive",
+            "/v1/task-types",
         ] {
             assert!(paths.contains_key(path), "{path} is not described");
         }

@@ -181,3 +181,26 @@ pub struct RedriveAnswer {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<ApiError>,
 }
+
+/// One task type at a glance, for dashboards and the console.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TypeOverview {
+    pub name: String,
+    pub namespace: String,
+    /// Messages waiting in its work and retry queues at the gateway's last reading (every
+    /// few hundred milliseconds); absent before the first.
+    pub backlog: Option<u64>,
+    /// Messages taken from its queues per second, smoothed over the last readings.
+    pub taken_per_second: Option<f64>,
+    /// Tasks waiting in DEAD_LETTER for a retry or redrive.
+    pub dead_letters: i64,
+    pub max_queue_depth: u64,
+    pub max_retries: u32,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TypeOverviews {
+    pub task_types: Vec<TypeOverview>,
+}

@@ -60,6 +60,25 @@ impl Db {
             .collect()
     }
 
+    /// How many tasks of each of `types` are dead-lettered (served by the partial index
+    /// `tasks_listed_unhappy`, which holds only such rows).
+    pub async fn dead_letter_counts(
+        &self,
+        types: &[String],
+    ) -> DbResult<std::collections::HashMap<String, i64>> {
+        let rows = sqlx::query(
+            "SELECT task_type, count(*) AS n FROM tasks
+             WHERE task_type = ANY($1) AND state = 'DEAD_LETTER'
+             GROUP BY task_type",
+        )
+        .bind(types)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|row| Ok((row.try_get("task_type")?, row.try_get("n")?)))
+            .collect()
+    }
+
     /// How many tasks of a type are in each state now.
     pub async fn state_counts(&self, task_type: &str) -> DbResult<Vec<(TaskState, i64)>> {
         let rows = sqlx::query(

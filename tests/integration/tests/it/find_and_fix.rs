@@ -425,3 +425,124 @@ async fn the_api_description_is_served_without_a_token_and_matches_docs() {
     assert_eq!(served, committed);
     harness.shutdown().await;
 }
+
+/// Runs `conveyorctl` against the harness's gateway with the token only: no database or
+/// broker credentials in its environment. Returns whether it succeeded and what it printed.
+async fn ctl(h: &Harness, args: &[&str]) -> (bool, String, String) {
+    let output = tokio::process::Command::new(conveyor_core::testing::binary("conveyorctl"))
+        .args(args)
+        .env("CONVEYOR_GATEWAY_URL", &h.gateway_url)
+        .env("CONVEYOR_TOKEN", TOKEN)
+        .env_remove("CONVEYOR_DATABASE_URL")
+        .env_remove("CONVEYOR_AMQP_URL")
+        .output()
+        .await
+        .expect("run conveyorctl");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn conveyorctl_lists_waits_retries_cancels_and_redrives_over_the_api() {
+    let mut spec = test_type("ctl");
+    spec.max_retries = 0;
+    let idle = test_type("ctl-idle");
+    let (name, idle_name) = (spec.name.clone(), idle.name.clone());
+    let mut harness = Harness::start(vec![spec, idle]).await;
+    let labels = [
+        json!({"batch": "x"}),
+        json!({"batch": "x"}),
+        json!({"batch": "y"}),
+    ];
+    let failed = dead_letters(&mut harness, &name, &labels).await;
+
+    let (ok, out, err) = ctl(
+        &harness,
+        &[
+            "list",
+            "--type",
+            &name,
+            "--state",
+            "DEAD_LETTER",
+            "-o",
+            "json",
+        ],
+    )
+    .await;
+    assert!(ok, "{err}");
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    let mut json_ids = ids(&listed);
+    json_ids.sort();
+    let mut expected = failed.clone();
+    expected.sort();
+    assert_eq!(json_ids, expected);
+    let (ok, out, _) = ctl(
+        &harness,
+        &[
+            "list", "--type", &name, "-o", "yaml", "--limit", "1", "--all",
+        ],
+    )
+    .await;
+    assert!(ok);
+    let listed: Value = serde_yaml::from_str(&out).unwrap();
+    assert_eq!(ids(&listed).len(), 3, "{out}");
+    let (ok, out, _) = ctl(&harness, &["list", "--type", &name, "-l", "batch=x"]).await;
+    assert!(ok);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("ID ") && lines[0].contains("STATE"),
+        "{out}"
+    );
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(
+        lines[1..].iter().all(|l| l.contains("DEAD_LETTER")),
+        "{out}"
+    );
+    let (ok, _, err) = ctl(&harness, &["list", "-l", "batch in (x"]).await;
+    assert!(!ok && err.contains("invalid_label_selector"), "{err}");
+
+    let (ok, out, err) = ctl(&harness, &["retry", &failed[2].to_string()]).await;
+    assert!(ok && out.contains("QUEUED"), "{out} {err}");
+    let (ok, out, err) = ctl(&harness, &["redrive", "--type", &name, "-l", "batch=x"]).await;
+    assert!(ok && out.contains("redriven: 2"), "{out} {err}");
+    harness.start_worker(&[&name], Handler::Noop, 4);
+    let mut wait_args = vec![
+        "wait".to_owned(),
+        "--timeout".into(),
+        "60s".into(),
+        "-o".into(),
+        "json".into(),
+    ];
+    wait_args.extend(failed.iter().map(Uuid::to_string));
+    let wait_args: Vec<&str> = wait_args.iter().map(String::as_str).collect();
+    let (ok, out, err) = ctl(&harness, &wait_args).await;
+    assert!(ok, "{out} {err}");
+    let waited: Value = serde_json::from_str(&out).unwrap();
+    assert!(waited["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|t| t["state"] == "COMPLETED"));
+    for id in &failed {
+        let task = harness.db.task(*id).await.unwrap().unwrap();
+        assert_eq!(task.state, Completed, "judged from the database too");
+    }
+    let (ok, _, err) = ctl(&harness, &["retry", &failed[0].to_string()]).await;
+    assert!(!ok && err.contains("1 of 1"), "{err}");
+    let (ok, out, _) = ctl(&harness, &["watch", &failed[0].to_string()]).await;
+    assert!(
+        ok && out.lines().last().unwrap().contains("COMPLETED"),
+        "{out}"
+    );
+
+    // Nobody consumes the idle type: its task waits, is cancelled, and `wait` says so.
+    let waiting = harness.submit_ok(&idle_name, json!({})).await.to_string();
+    let (ok, out, _) = ctl(&harness, &["cancel", &waiting]).await;
+    assert!(ok && out.contains("CANCELLED"), "{out}");
+    let (ok, _, err) = ctl(&harness, &["wait", &waiting, "--timeout", "10s"]).await;
+    assert!(!ok && err.contains("did not complete"), "{err}");
+    harness.shutdown().await;
+}

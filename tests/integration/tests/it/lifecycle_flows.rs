@@ -124,7 +124,7 @@ async fn failures_retry_with_growing_delays_then_dead_letter_and_redrive_brings_
     })
     .await;
 
-    let stdout = harness.conveyorctl(&["redrive", "--type", &name, "--by", "ops-test"]);
+    let stdout = harness.conveyorctl(&["redrive-queue", "--type", &name, "--by", "ops-test"]);
     assert!(stdout.contains("redriven: 1"), "{stdout}");
     assert_eq!(harness.ready_count(&queue(&name).remediation).await, 0);
     assert_eq!(harness.ready_count(&queue(&name).main).await, 1);

@@ -4,6 +4,7 @@
 mod support;
 
 mod cluster_task_types;
+mod console;
 mod db_layer;
 mod degraded_mode;
 mod example_handlers;

@@ -391,7 +391,7 @@ async fn redrive_sends_a_waiting_tasks_parked_message_back_instead_of_dropping_i
         .unwrap();
     conn.close(200, "done").await.unwrap();
 
-    let stdout = harness.conveyorctl(&["redrive", "--type", &name, "--by", "ops-test"]);
+    let stdout = harness.conveyorctl(&["redrive-queue", "--type", &name, "--by", "ops-test"]);
     assert!(stdout.contains("returned (still waiting): 1"), "{stdout}");
     assert_eq!(harness.ready_count(&names.remediation).await, 0);
     assert_eq!(harness.ready_count(&names.main).await, 1);
