@@ -80,6 +80,7 @@ pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usiz
             get(get_task).post(crate::remedy::task_action),
         )
         .route("/v1/tasks/{id}/events", get(get_events))
+        .route("/v1/tasks/{id}/stream", get(crate::follow::stream_task))
         .route("/v1/task-types", get(crate::overview::task_types))
         .route_layer(middleware::from_fn_with_state(state.clone(), admit))
         // After the layer: the API's description needs no token.

@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod console;
 pub mod error;
 pub mod find;
+pub mod follow;
 pub mod ingest;
 pub mod openapi;
 pub mod overview;

@@ -23,6 +23,7 @@ use crate::error::CODES;
         crate::find::list_tasks,
         crate::api::get_task,
         crate::api::get_events,
+        crate::follow::stream_task,
         crate::remedy::cancel_task,
         crate::remedy::retry_task,
         crate::remedy::redrive,
@@ -102,6 +103,7 @@ mod tests {
             "/v1/tasks/{id}:retry",
             "/v1/tasks:redrive",
             "/v1/task-types",
+            "/v1/tasks/{id}/stream",
         ] {
             assert!(paths.contains_key(path), "{path} is not described");
         }

@@ -546,3 +546,70 @@ async fn conveyorctl_lists_waits_retries_cancels_and_redrives_over_the_api() {
     assert!(!ok && err.contains("did not complete"), "{err}");
     harness.shutdown().await;
 }
+
+/// The `data:` of every `event: task` in a server-sent event stream, in order.
+fn task_events(stream: &str) -> Vec<Value> {
+    stream
+        .split("\n\n")
+        .filter(|block| block.lines().any(|l| l == "event: task"))
+        .filter_map(|block| block.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_followed_task_streams_each_change_and_the_stream_ends_when_it_settles() {
+    let spec = test_type("followed");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let id = harness.submit_ok(&name, json!({"sleepMs": 2500})).await;
+    let mut response = harness
+        .http
+        .get(format!("{}/v1/tasks/{id}/stream", harness.gateway_url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    // The task as it is now comes first, before any worker exists.
+    let mut seen = String::new();
+    while task_events(&seen).is_empty() {
+        let chunk = response
+            .chunk()
+            .await
+            .unwrap()
+            .expect("the stream stays open");
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(["INGESTED", "QUEUED"].contains(&task_events(&seen)[0]["state"].as_str().unwrap()));
+    harness.start_worker(&[&name], Handler::Sleep, 1);
+    // Then each change, to COMPLETED, after which the gateway ends the stream.
+    let rest = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(chunk) = response.chunk().await.unwrap() {
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+    })
+    .await;
+    assert!(rest.is_ok(), "the stream did not end: {seen}");
+    let states: Vec<String> = task_events(&seen)
+        .iter()
+        .map(|t| t["state"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        states.last().map(String::as_str),
+        Some("COMPLETED"),
+        "{seen}"
+    );
+    assert!(
+        states.contains(&"PROCESSING".to_owned()),
+        "a 2.5 s task is seen running (reads are at most 1 s apart): {states:?}"
+    );
+    assert_eq!(harness.db.task(id).await.unwrap().unwrap().state, Completed);
+    let (status, _) = get(&harness, &format!("/v1/tasks/{}/stream", Uuid::now_v7())).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    harness.shutdown().await;
+}

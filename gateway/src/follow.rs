@@ -1,0 +1,109 @@
+//! `GET /v1/tasks/{id}/stream`: a task followed as server-sent events, so that clients stop
+//! polling. An `event: task` carries the task (as in a list) at once and again each time
+//! it changes; the stream ends after the task settles, or after an hour (reconnect then).
+//!
+//! The gateway reads the row for the client, backing off from 100 ms to a second while
+//! nothing changes: one indexed read per stream per second at most. Each stream holds one
+//! of its client's in-flight requests, so one client cannot open thousands.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{Extension, Path, State};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+use conveyor_core::TaskState;
+use futures_util::stream;
+
+use crate::api::{own_task, ApiState, InFlight};
+use crate::auth::Client;
+use crate::error::{ApiError, ErrorBody};
+use crate::ingest::db_error;
+use crate::views::TaskSummary;
+
+/// Longest a stream stays open; a client that still wants to follow reconnects.
+const MAX_STREAM: Duration = Duration::from_secs(3600);
+const FIRST_PAUSE: Duration = Duration::from_millis(100);
+const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+
+/// What a stream remembers between reads.
+struct Follow {
+    state: Arc<ApiState>,
+    id: uuid::Uuid,
+    /// The last version sent: state, attempt and update time.
+    sent: Option<(TaskState, i32, DateTime<Utc>)>,
+    done: bool,
+    pause: Duration,
+    until: Instant,
+    _in_flight: InFlight,
+}
+
+#[utoipa::path(get, path = "/v1/tasks/{id}/stream", tag = "tasks",
+    params(("id" = Uuid, Path, description = "The task's id")),
+    responses(
+        (status = 200, content_type = "text/event-stream",
+         description = "`event: task` with a TaskSummary now and at each change, until it \
+            settles; `event: error` with an ApiError if reading fails (the stream ends)",
+         body = TaskSummary),
+        (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
+        (status = "4XX", description = "Refused", body = ErrorBody),
+    ))]
+/// Follows a task as server-sent events until it settles.
+pub(crate) async fn stream_task(
+    State(state): State<Arc<ApiState>>,
+    Extension(client): Extension<Client>,
+    Extension(in_flight): Extension<InFlight>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    // Checked before the stream starts: another tenant's id answers 404, not a stream.
+    let task = own_task(&state, &client, &id).await?;
+    let follow = Follow {
+        state,
+        id: task.id,
+        sent: None,
+        done: false,
+        pause: FIRST_PAUSE,
+        until: Instant::now() + MAX_STREAM,
+        _in_flight: in_flight,
+    };
+    let events = stream::unfold(follow, |mut follow| async move {
+        let event = follow.next().await?;
+        Some((Ok::<Event, Infallible>(event), follow))
+    });
+    Ok(Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response())
+}
+
+impl Follow {
+    /// The next event to send, once there is one; `None` ends the stream.
+    async fn next(&mut self) -> Option<Event> {
+        while !self.done && Instant::now() < self.until {
+            let ingestor = &self.state.ingestor;
+            let task = match ingestor.db.task(self.id).await {
+                Ok(Some(task)) => task,
+                Ok(None) => return None,
+                Err(err) => {
+                    self.done = true;
+                    let error = db_error(&ingestor.metrics, &err);
+                    return Event::default().event("error").json_data(&error).ok();
+                }
+            };
+            let version = (task.state, task.attempt, task.updated_at);
+            if self.sent != Some(version) {
+                self.sent = Some(version);
+                self.pause = FIRST_PAUSE;
+                self.done = task.state.is_settled();
+                return Event::default()
+                    .event("task")
+                    .json_data(TaskSummary::from(&task))
+                    .ok();
+            }
+            tokio::time::sleep(self.pause).await;
+            self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+        }
+        None
+    }
+}
