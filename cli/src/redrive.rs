@@ -155,6 +155,7 @@ mod tests {
             owner: None,
             payload: message.payload,
             labels: Default::default(),
+            progress: None,
             result: None,
             error: None,
             created_at: message.submitted_at,

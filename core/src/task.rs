@@ -60,6 +60,8 @@ pub struct TaskRecord {
     pub payload: serde_json::Value,
     /// Given at submission, never changed.
     pub labels: Labels,
+    /// The handler's latest progress report, if it made any.
+    pub progress: Option<serde_json::Value>,
     pub result: Option<serde_json::Value>,
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -82,6 +84,7 @@ impl TaskRecord {
             owner: None,
             payload: task.payload.clone(),
             labels: task.labels.clone(),
+            progress: None,
             result: None,
             error: None,
             created_at,

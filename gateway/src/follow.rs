@@ -32,8 +32,8 @@ const LONGEST_PAUSE: Duration = Duration::from_secs(1);
 struct Follow {
     state: Arc<ApiState>,
     id: uuid::Uuid,
-    /// The last version sent: state, attempt and update time.
-    sent: Option<(TaskState, i32, DateTime<Utc>)>,
+    /// The last version sent: state, attempt, update time and progress.
+    sent: Option<(TaskState, i32, DateTime<Utc>, Option<serde_json::Value>)>,
     done: bool,
     pause: Duration,
     until: Instant,
@@ -91,8 +91,13 @@ impl Follow {
                     return Event::default().event("error").json_data(&error).ok();
                 }
             };
-            let version = (task.state, task.attempt, task.updated_at);
-            if self.sent != Some(version) {
+            let version = (
+                task.state,
+                task.attempt,
+                task.updated_at,
+                task.progress.clone(),
+            );
+            if self.sent.as_ref() != Some(&version) {
                 self.sent = Some(version);
                 self.pause = FIRST_PAUSE;
                 self.done = task.state.is_settled();

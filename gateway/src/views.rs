@@ -45,6 +45,9 @@ pub struct TaskSummary {
     /// The worker that holds it, while one does.
     pub owner: Option<String>,
     pub labels: Labels,
+    /// The handler's latest progress report (exec: a line written to
+    /// `$CONVEYOR_PROGRESS_FILE`; http: a POST to `X-Conveyor-Progress-Url`).
+    pub progress: Option<serde_json::Value>,
     /// The last failure's message.
     pub error: Option<String>,
     pub created_at: DateTime<Utc>,
@@ -76,6 +79,7 @@ impl From<&TaskRecord> for TaskSummary {
             retries: task.retries,
             owner: task.owner.clone(),
             labels: task.labels.clone(),
+            progress: task.progress.clone(),
             error: task.error.clone(),
             created_at: task.created_at,
             updated_at: task.updated_at,

@@ -9,6 +9,7 @@ pub mod inflight;
 pub mod intake;
 pub mod outcome;
 pub mod process;
+pub mod progress;
 pub mod reaper;
 pub mod recovery;
 
@@ -143,6 +144,19 @@ pub async fn run(
     };
     let in_flight = InFlight::default();
     let intake = Intake::new(metrics.draining.clone());
+    // http handlers report progress to the admin port, from beside the worker (a sidecar).
+    let callback_base = admin_listener
+        .as_ref()
+        .and_then(|l| l.local_addr().ok())
+        .map(|addr| {
+            let host = if addr.ip().is_unspecified() {
+                "127.0.0.1".to_owned()
+            } else {
+                addr.ip().to_string()
+            };
+            format!("http://{host}:{}", addr.port())
+        });
+    let progress = progress::ProgressBoard::new(callback_base);
     // Background loops outlive the consumer: they stop after the drain.
     let background = CancellationToken::new();
 
@@ -172,8 +186,9 @@ pub async fn run(
                     .map_err(|e| format!("database: {e}"))
             })
         });
-        let app =
-            admin::router(metrics.registry.clone(), ready).merge(intake::router(intake.clone()));
+        let app = admin::router(metrics.registry.clone(), ready)
+            .merge(intake::router(intake.clone()))
+            .merge(progress::router(progress.clone(), in_flight.clone()));
         let stop = background.clone();
         tokio::spawn(async move {
             let served = axum::serve(listener, app)
@@ -186,6 +201,12 @@ pub async fn run(
     }
     tokio::spawn(recovery::recovery_loop(
         recorder.clone(),
+        background.clone(),
+    ));
+    tokio::spawn(progress::flush_loop(
+        recorder.clone(),
+        config.worker_id.clone(),
+        progress.clone(),
         background.clone(),
     ));
     tokio::spawn(inflight::heartbeat_loop(
@@ -215,6 +236,7 @@ pub async fn run(
         metrics,
         alone: Arc::default(),
         tracer: config.tracer.clone(),
+        progress,
     });
     tracing::info!(worker = config.worker_id, types = ?processor.recorder.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");

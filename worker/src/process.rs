@@ -35,6 +35,8 @@ pub struct Processor {
     /// alone: if it crashes the worker, nothing healthy dies with it (decision 0008).
     pub alone: Arc<tokio::sync::RwLock<()>>,
     pub tracer: Tracer,
+    /// Where handlers' progress reports wait to be written.
+    pub progress: crate::progress::ProgressBoard,
 }
 
 /// What happened to the message once the task's fate is recorded.
@@ -189,7 +191,8 @@ impl Processor {
             traceparent: Some(span.context.header()),
             ..task.clone()
         };
-        let outcome = tokio::time::timeout(spec.timeout(), self.handler.run(&traced))
+        let progress = self.progress.sink(task.id, task.attempt);
+        let outcome = tokio::time::timeout(spec.timeout(), self.handler.run(&traced, &progress))
             .await
             .unwrap_or_else(|_| Err(format!("timed out after {:?}", spec.timeout())));
         span.end(outcome.as_ref().err().map(String::as_str));

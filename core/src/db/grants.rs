@@ -139,7 +139,7 @@ impl Db {
             // Only the columns a worker moves; never tenant, task_type, payload or key.
             format!(
                 "GRANT SELECT, UPDATE (state, attempt, retries, owner, heartbeat_at, result, \
-                 error, updated_at, suspect) ON tasks TO \"{name}\""
+                 error, updated_at, suspect, progress) ON tasks TO \"{name}\""
             ),
             format!("GRANT SELECT, INSERT ON task_events TO \"{name}\""),
             format!("GRANT USAGE ON SEQUENCE task_events_seq_seq TO \"{name}\""),

@@ -25,6 +25,7 @@ mod grouped;
 mod ingest;
 mod listing;
 mod partitions;
+mod progress;
 mod queued_marks;
 mod reads;
 mod remedies;

@@ -10,7 +10,7 @@ use crate::task::{TaskEvent, TaskRecord};
 
 pub(super) const TASK_COLUMNS: &str =
     "id, tenant, idempotency_key, task_type, state, attempt, retries, \
-                            owner, payload, labels, result, error, created_at, updated_at, suspect";
+                            owner, payload, labels, progress, result, error, created_at, updated_at, suspect";
 
 pub(super) fn parse_state(name: String) -> DbResult<TaskState> {
     name.parse()
@@ -29,6 +29,7 @@ pub(super) fn task_from_row(row: &PgRow) -> DbResult<TaskRecord> {
         owner: row.try_get("owner")?,
         payload: row.try_get("payload")?,
         labels: labels_from(row.try_get("labels")?)?,
+        progress: row.try_get("progress")?,
         result: row.try_get("result")?,
         error: row.try_get("error")?,
         created_at: row.try_get("created_at")?,

@@ -24,7 +24,10 @@ use nix::unistd::Pid;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
+use super::progress_file::ProgressFile;
 use super::{tail, Failure};
+use crate::progress::ProgressSink;
+use tokio_util::sync::CancellationToken;
 
 /// Variables of the worker's environment every handler process gets.
 pub const PASSED_ENV: &[&str] = &[
@@ -74,10 +77,13 @@ pub async fn run(
     command: &str,
     args: &[String],
     task: &TaskMessage,
+    progress: &ProgressSink,
 ) -> Result<serde_json::Value, Failure> {
     let payload = task.payload.to_string();
     // The handler sees the TaskType's own name and its namespace, not the type's key.
     let (namespace, local) = split_key(&task.task_type);
+    let progress_file = ProgressFile::create(task.id, task.attempt)
+        .map_err(|e| format!("cannot make the progress file in the temporary directory: {e}"))?;
     let mut cmd = Command::new(command);
     cmd.args(args)
         .env_clear()
@@ -87,6 +93,7 @@ pub async fn run(
         .env("CONVEYOR_NAMESPACE", namespace)
         .env("CONVEYOR_ATTEMPT", task.attempt.to_string())
         .env("CONVEYOR_IDEMPOTENCY_KEY", task.idempotency_key.to_string())
+        .env("CONVEYOR_PROGRESS_FILE", progress_file.path())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -118,16 +125,19 @@ pub async fn run(
     };
     // Once the command itself exits, whatever it left running in its group (a helper that
     // inherited stdout, say) goes too: the pipes then close and the reads end.
+    let ended = CancellationToken::new();
     let exited = async {
         let status = child.wait().await;
         drop(Group(group));
+        ended.cancel();
         status
     };
-    let (_, out, err, status) = tokio::join!(
+    let (_, out, err, status, ()) = tokio::join!(
         feed,
         read_bounded(stdout, MAX_STDOUT, Keep::Head),
         read_bounded(stderr, MAX_STDERR, Keep::Tail),
-        exited
+        exited,
+        progress_file.follow(progress, &ended)
     );
     let status = status.map_err(|e| format!("waiting for {command}: {e}"))?;
     let (stdout, stdout_cut) = out.map_err(|e| format!("reading {command}'s stdout: {e}"))?;
@@ -205,7 +215,14 @@ mod tests {
     }
 
     async fn sh(script: &str, payload: serde_json::Value) -> Result<serde_json::Value, Failure> {
-        run("sh", &["-c".to_owned(), script.to_owned()], &task(payload)).await
+        let progress = ProgressSink::detached();
+        run(
+            "sh",
+            &["-c".to_owned(), script.to_owned()],
+            &task(payload),
+            &progress,
+        )
+        .await
     }
 
     fn alive(pid: i32) -> bool {
@@ -230,6 +247,7 @@ mod tests {
             "CONVEYOR_ATTEMPT",
             "CONVEYOR_IDEMPOTENCY_KEY",
             "CONVEYOR_PAYLOAD",
+            "CONVEYOR_PROGRESS_FILE",
             "TRACEPARENT",
         ];
         // What sh sets for itself.

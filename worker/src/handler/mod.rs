@@ -1,10 +1,13 @@
 //! Task handlers: what a worker runs for each task.
 
 mod exec;
+mod progress_file;
 
 use std::time::Duration;
 
 use conveyor_core::task::TaskMessage;
+
+use crate::progress::ProgressSink;
 
 /// How a worker pool processes its tasks.
 #[derive(Debug, Clone)]
@@ -62,7 +65,11 @@ impl Handler {
     }
 
     /// Runs one attempt. Dropping the future stops it (an exec child is killed).
-    pub async fn run(&self, task: &TaskMessage) -> Result<serde_json::Value, Failure> {
+    pub async fn run(
+        &self,
+        task: &TaskMessage,
+        progress: &ProgressSink,
+    ) -> Result<serde_json::Value, Failure> {
         match self {
             Handler::Noop => Ok(serde_json::json!({})),
             Handler::Sleep => {
@@ -79,8 +86,8 @@ impl Handler {
                 tracing::error!(task = %task.id, "crash handler: aborting the worker");
                 std::process::abort()
             }
-            Handler::Exec { command, args } => exec::run(command, args, task).await,
-            Handler::Http { url, client } => run_http(client, url, task).await,
+            Handler::Exec { command, args } => exec::run(command, args, task, progress).await,
+            Handler::Http { url, client } => run_http(client, url, task, progress).await,
         }
     }
 }
@@ -89,8 +96,12 @@ async fn run_http(
     client: &reqwest::Client,
     url: &str,
     task: &TaskMessage,
+    progress: &ProgressSink,
 ) -> Result<serde_json::Value, Failure> {
     let mut request = client.post(url);
+    if let Some(callback) = progress.callback_url() {
+        request = request.header("X-Conveyor-Progress-Url", callback);
+    }
     if let Some(traceparent) = &task.traceparent {
         request = request.header("traceparent", traceparent);
     }
@@ -153,22 +164,33 @@ mod tests {
     #[tokio::test]
     async fn exec_success_failure_and_environment() {
         let echo = Handler::parse("exec", &words("sh -c cat"), None).unwrap();
-        let result = echo.run(&task(serde_json::json!({"a": 1}))).await.unwrap();
+        let result = echo
+            .run(
+                &task(serde_json::json!({"a": 1})),
+                &ProgressSink::detached(),
+            )
+            .await
+            .unwrap();
         assert_eq!(result, serde_json::json!({"a": 1}));
 
         let env = Handler::parse("exec", &words("sh -c echo$IFS$CONVEYOR_ATTEMPT"), None).unwrap();
         assert_eq!(
-            env.run(&task(serde_json::json!({}))).await.unwrap(),
+            env.run(&task(serde_json::json!({})), &ProgressSink::detached())
+                .await
+                .unwrap(),
             serde_json::json!(0)
         );
 
         let fail = Handler::parse("exec", &words("false"), None).unwrap();
-        let err = fail.run(&task(serde_json::json!({}))).await.unwrap_err();
+        let err = fail
+            .run(&task(serde_json::json!({})), &ProgressSink::detached())
+            .await
+            .unwrap_err();
         assert!(err.contains("exit status: 1"), "{err}");
 
         let missing = Handler::parse("exec", &words("/nonexistent/tool"), None).unwrap();
         assert!(missing
-            .run(&task(serde_json::json!({})))
+            .run(&task(serde_json::json!({})), &ProgressSink::detached())
             .await
             .unwrap_err()
             .contains("cannot start"));

@@ -14,6 +14,7 @@ mod grouped_writes;
 mod least_privilege;
 mod lifecycle_flows;
 mod outages;
+mod progress;
 mod python_client;
 mod self_healing;
 mod tenancy;

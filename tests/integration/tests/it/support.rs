@@ -263,12 +263,21 @@ impl Harness {
     }
 
     pub fn start_configured(&mut self, config: WorkerConfig) -> String {
+        self.start_serving(config, None)
+    }
+
+    /// A worker with its admin server (metrics, drain, progress callbacks) on `admin`.
+    pub fn start_serving(
+        &mut self,
+        config: WorkerConfig,
+        admin: Option<tokio::net::TcpListener>,
+    ) -> String {
         let id = config.worker_id.clone();
         let metrics = Metrics::new();
         let stop = CancellationToken::new();
         let handle = tokio::spawn(conveyor_worker::run(
             config,
-            None,
+            admin,
             metrics.clone(),
             stop.clone(),
         ));

@@ -1,0 +1,161 @@
+//! Handlers report progress (issue 16): an exec handler by appending lines to
+//! `$CONVEYOR_PROGRESS_FILE`, an http handler by POSTing to `X-Conveyor-Progress-Url`. Each
+//! report is judged where a client sees it: the gateway's answer for the task. The handler
+//! moves on only when the test opens a gate, so no step depends on timing.
+
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use conveyor_core::testing::wait_until;
+use conveyor_core::TaskState::Completed;
+use conveyor_worker::handler::Handler;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::support::{test_type, Harness, TOKEN};
+
+async fn progress_of(h: &Harness, id: Uuid) -> Value {
+    let task: Value = h
+        .http
+        .get(format!("{}/v1/tasks/{id}", h.gateway_url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    task["progress"].clone()
+}
+
+async fn wait_for_progress(h: &Harness, id: Uuid, want: Value) {
+    wait_until(
+        &format!("progress {want}"),
+        Duration::from_secs(30),
+        || async { progress_of(h, id).await == want },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_exec_handlers_progress_lines_reach_the_api_while_it_runs() {
+    let spec = test_type("progress-exec");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let gates = std::env::temp_dir().join(format!("conveyor-gates-{}", Uuid::new_v4()));
+    std::fs::create_dir_all(&gates).unwrap();
+    let g = gates.display();
+    let script = format!(
+        "p=\"$CONVEYOR_PROGRESS_FILE\"; \
+         echo 10 >> \"$p\"; while [ ! -e {g}/1 ]; do sleep 0.05; done; \
+         printf '{{\"frame\": 50, \"of\": 100}}\\n' >> \"$p\"; while [ ! -e {g}/2 ]; do sleep 0.05; done; \
+         echo muxing >> \"$p\"; printf 'half a line' >> \"$p\"; while [ ! -e {g}/3 ]; do sleep 0.05; done; \
+         echo '{{\"done\": true}}'"
+    );
+    let handler = Handler::Exec {
+        command: "sh".into(),
+        args: vec!["-c".into(), script],
+    };
+    harness.start_worker(&[&name], handler, 1);
+    let id = harness.submit_ok(&name, json!({})).await;
+    wait_for_progress(&harness, id, json!({"percent": 10})).await;
+    std::fs::write(gates.join("1"), "").unwrap();
+    wait_for_progress(&harness, id, json!({"frame": 50, "of": 100})).await;
+    std::fs::write(gates.join("2"), "").unwrap();
+    // A line still being written is not a report yet.
+    wait_for_progress(&harness, id, json!({"message": "muxing"})).await;
+    std::fs::write(gates.join("3"), "").unwrap();
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(30))
+        .await;
+    let task = harness.db.task(id).await.unwrap().unwrap();
+    assert_eq!(task.result, Some(json!({"done": true})));
+    assert_eq!(
+        task.progress,
+        Some(json!({"message": "muxing"})),
+        "the last report stays"
+    );
+    let _ = std::fs::remove_dir_all(&gates);
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_http_handler_reports_through_its_callback_and_bad_reports_are_refused() {
+    let spec = test_type("progress-http");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let gateway = harness.gateway_url.clone();
+    let http = harness.http.clone();
+    // The sidecar: reports 70 %, waits until a client can see it, then answers.
+    let sidecar = axum::Router::new().route(
+        "/",
+        axum::routing::post(move |headers: HeaderMap| {
+            let (gateway, http) = (gateway.clone(), http.clone());
+            async move {
+                let callback = headers["x-conveyor-progress-url"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned();
+                let id = headers["x-conveyor-task-id"].to_str().unwrap().to_owned();
+                let post = |body: Value| http.post(&callback).json(&body).send();
+                let too_big = json!({"message": "x".repeat(2000)});
+                assert_eq!(post(too_big).await.unwrap().status().as_u16(), 413);
+                assert_eq!(
+                    post(json!({"percent": 70}))
+                        .await
+                        .unwrap()
+                        .status()
+                        .as_u16(),
+                    204
+                );
+                let stale = callback.rsplit_once('/').unwrap().0.to_owned() + "/99";
+                let status = http
+                    .post(stale)
+                    .json(&json!({}))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status();
+                assert_eq!(status.as_u16(), 404, "another attempt is not running here");
+                for _ in 0..300 {
+                    let task: Value = http
+                        .get(format!("{gateway}/v1/tasks/{id}"))
+                        .bearer_auth(TOKEN)
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    if task["progress"] == json!({"percent": 70}) {
+                        return axum::Json(json!({"seen": true}));
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                axum::Json(json!({"seen": false}))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, sidecar).await });
+    let handler = Handler::Http {
+        url,
+        client: reqwest::Client::new(),
+    };
+    let config = harness.worker_config(&[&name], handler, 1);
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    harness.start_serving(config, Some(admin));
+    let id = harness.submit_ok(&name, json!({})).await;
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(60))
+        .await;
+    let task = harness.db.task(id).await.unwrap().unwrap();
+    assert_eq!(
+        task.result,
+        Some(json!({"seen": true})),
+        "the sidecar saw its report"
+    );
+    assert_eq!(task.progress, Some(json!({"percent": 70})));
+    harness.shutdown().await;
+}

@@ -1,0 +1,99 @@
+//! The exec handler's progress channel: a file the command appends lines to
+//! (`$CONVEYOR_PROGRESS_FILE`), read by the worker while the command runs.
+//!
+//! A file, not an inherited descriptor: mapping a pipe onto a fixed descriptor in the child
+//! needs `unsafe` code between fork and exec, and `sh` (dash) can only name descriptors 0-9.
+//! Any command can append to a path: `echo 40 >> "$CONVEYOR_PROGRESS_FILE"`.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::progress::{parse_line, ProgressSink};
+
+/// Bytes of progress read from one attempt at most; a runaway writer is ignored beyond it.
+const MAX_FILE: u64 = 1024 * 1024;
+const READ_EVERY: Duration = Duration::from_millis(250);
+
+/// The attempt's progress file, removed when dropped.
+pub struct ProgressFile {
+    path: PathBuf,
+}
+
+impl ProgressFile {
+    /// An empty file of the worker's own (mode 0600) in the temporary directory.
+    pub fn create(id: Uuid, attempt: i32) -> std::io::Result<ProgressFile> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = std::env::temp_dir().join(format!(
+            "conveyor-progress-{id}-{attempt}-{}",
+            Uuid::new_v4().simple()
+        ));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)?;
+        Ok(ProgressFile { path })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reports the last complete line written since the previous read, every
+    /// [`READ_EVERY`], until `done` (then reads once more).
+    pub async fn follow(&self, sink: &ProgressSink, done: &CancellationToken) {
+        let Ok(mut file) = tokio::fs::File::open(&self.path).await else {
+            return;
+        };
+        let mut offset = 0u64;
+        let mut partial = String::new();
+        loop {
+            let finished = done.is_cancelled();
+            if offset < MAX_FILE {
+                let mut chunk = Vec::new();
+                let readable = (&mut file).take(MAX_FILE - offset);
+                if file_read(readable, offset, &mut chunk).await.is_ok() && !chunk.is_empty() {
+                    offset += chunk.len() as u64;
+                    partial.push_str(&String::from_utf8_lossy(&chunk));
+                    if let Some(end) = partial.rfind('\n') {
+                        let complete: String = partial.drain(..=end).collect();
+                        if let Some(last) = complete.lines().rev().find(|l| !l.trim().is_empty()) {
+                            if let Err(too_large) = sink.report(parse_line(last)) {
+                                tracing::debug!(bytes = too_large.0, "progress report too large");
+                            }
+                        }
+                    }
+                }
+            }
+            if finished {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(READ_EVERY) => {}
+                _ = done.cancelled() => {}
+            }
+        }
+    }
+}
+
+async fn file_read(
+    mut from: tokio::io::Take<&mut tokio::fs::File>,
+    offset: u64,
+    into: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    from.get_mut()
+        .seek(std::io::SeekFrom::Start(offset))
+        .await?;
+    from.read_to_end(into).await?;
+    Ok(())
+}
+
+impl Drop for ProgressFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
