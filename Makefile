@@ -14,7 +14,7 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all toolchains build services services-down cluster-services stack lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
+.PHONY: all toolchains build browser-tools services services-down cluster-services stack lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
 
 all: build
 
@@ -37,6 +37,9 @@ services-down:
 cluster-services:
 	scripts/cluster-services.sh up
 
+browser-tools:
+	scripts/browser.sh
+
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -47,7 +50,8 @@ stack: build
 # Unit tests need nothing; integration tests need the services and the built binaries
 # (they start real conveyor-worker processes and signal them); the e2e suite needs the
 # whole stack. The stack stays up afterwards (a rerun reuses it); `make down` stops it.
-test: stack
+# The console's browser test needs Chromium, ChromeDriver and Selenium (scripts/browser.sh).
+test: stack browser-tools
 	$(CARGO) test --workspace --exclude conveyor-e2e-tests -- --test-threads=4
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 	# make bench's short variant, on the debug build: proves the command works, asserts no time.
@@ -56,7 +60,7 @@ test: stack
 unit:
 	$(CARGO) test --workspace --lib --bins
 
-integration: services build
+integration: services build browser-tools
 	$(CARGO) test -p conveyor-integration-tests -- --test-threads=4
 
 e2e: stack

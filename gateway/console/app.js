@@ -72,8 +72,10 @@
     return el('time', { datetime: iso, title: iso, text: timeText(iso, precise) });
   }
 
+  // Ids are UUIDv7: those made in the same minute share their first characters, so the
+  // short form is the random tail.
   function shortId(id) {
-    return String(id).slice(0, 8);
+    return `…${String(id).slice(-8)}`;
   }
 
   function show(view) {
@@ -222,7 +224,13 @@
     }
     const hash = location.hash.slice(1);
     if (hash.startsWith('task/')) {
-      openTask(decodeURIComponent(hash.slice(5)));
+      let id = hash.slice(5);
+      try {
+        id = decodeURIComponent(id);
+      } catch (_) {
+        // a hand-made URL: use it as it is, and let the API say it is no task
+      }
+      openTask(id);
     } else {
       const query = hash.includes('?') ? hash.slice(hash.indexOf('?') + 1) : '';
       openList(parseFilters(query));
@@ -255,6 +263,11 @@
     maxRetries = new Map(types.map((t) => [typeKey(t.namespace, t.name), t.maxRetries]));
     renderTypes(types);
     fillTypeSelect(types);
+    const f = list && list.filters;
+    const dead = f && types.find((t) => t.name === f.type && (!f.ns || t.namespace === f.ns));
+    $('#dead-count').textContent = dead
+      ? `${dead.deadLetters} waiting in all${dead.deadLetters > 1000 ? '; a redrive takes up to 1000 at a time' : ''}`
+      : '';
     $('#types-updated').textContent = `updated ${timeText(new Date().toISOString())}, every ${TYPES_EVERY / 1000} s`;
   }
 
@@ -331,6 +344,7 @@
     $('#dead-letters').hidden = !dead;
     if (dead) {
       $('#dead-type').textContent = filters.type;
+      $('#dead-count').textContent = '';
       $('#redrive-labels').value = filters.labels;
       outcome($('#redrive-result'), '');
     }
@@ -372,19 +386,23 @@
     if (older && list.cursor) q.set('cursor', list.cursor);
     const status = $('#list-status');
     const olderButton = $('#older');
+    const table = $('#tasks');
     olderButton.disabled = true;
     status.textContent = 'Loading…';
+    table.setAttribute('aria-busy', 'true');
     let page;
     try {
       page = await api('GET', `tasks?${q}`);
     } catch (err) {
       if (gen !== generation) return;
+      loaded(table);
       status.textContent = 'The tasks could not be listed.';
       olderButton.disabled = false;
       if (err.status !== 401) showError(err.message);
       return;
     }
     if (gen !== generation) return;
+    loaded(table);
     const body = $('#tasks tbody');
     for (const task of page.tasks || []) body.append(taskRow(task));
     list.shown += (page.tasks || []).length;
@@ -400,16 +418,23 @@
     }
   }
 
+  // Marks a finished load (answer or error) for whoever waits on the list: a counter, so
+  // that a reload of the same rows is told apart from the rows before it.
+  function loaded(table) {
+    table.setAttribute('aria-busy', 'false');
+    table.dataset.loads = String(Number(table.dataset.loads || 0) + 1);
+  }
+
   function taskRow(t) {
     const budget = maxRetries.get(typeKey(t.namespace, t.taskType));
-    const retries = budget === undefined ? String(t.retries) : `${t.retries}/${budget}`;
+    const used = budget === undefined ? `${t.retries} retries used` : `${t.retries} of ${budget} retries used`;
     const labels = labelText(t.labels);
     return el('tr', { class: 'clickable', dataset: { id: t.id, state: t.state } },
       el('td', { class: 'trunc mono' }, el('a', { href: `#task/${encodeURIComponent(t.id)}`, title: t.id, text: shortId(t.id) })),
       el('td', {}, badge(t.state), t.suspect ? el('span', { class: 'flag', title: 'suspect: runs alone next time', text: '!' }) : null),
       el('td', { class: 'trunc', title: `${t.taskType} (${t.namespace})`, text: t.taskType }),
       el('td', { class: 'trunc', title: labels }, labelChips(t.labels)),
-      el('td', { class: 'trunc', title: `attempt ${t.attempt}, ${retries} retries used`, text: `${t.attempt} / ${retries}` }),
+      el('td', { class: 'trunc', title: `attempt ${t.attempt}, ${used}`, text: `${t.attempt} / ${t.retries}` }),
       el('td', { class: 'trunc err', title: t.error || '', text: t.error || '' }),
       el('td', { class: 'trunc' }, timeCell(t.updatedAt)));
   }
@@ -534,7 +559,9 @@
 
     const payload = json(t.payload);
     renderOnce('payload', payload, () => { $('#task-payload').textContent = payload; });
-    const result = json(t.result);
+    const result = t.result === undefined || t.result === null
+      ? (t.state === 'COMPLETED' ? 'null' : 'none yet')
+      : json(t.result);
     renderOnce('result', result, () => { $('#task-result').textContent = result; });
 
     const fields = JSON.stringify([t.state, t.attempt, t.retries, t.owner, t.error, t.updatedAt, t.suspect, t.labels]);
@@ -552,7 +579,10 @@
         ['Idempotency key', el('span', { class: 'mono', text: t.idempotencyKey })],
       ];
       if (t.suspect) rows.push(['Suspect', 'yes: it was taken back from a worker that died, and runs alone next time']);
-      if (t.error) rows.push(['Last error', el('span', { class: 'err wrap', id: 'task-error', text: t.error })]);
+      if (t.error) {
+        const name = t.state === 'COMPLETED' ? 'Earlier error' : 'Last error';
+        rows.push([name, el('span', { class: 'err wrap', id: 'task-error', text: t.error })]);
+      }
       $('#task-fields').replaceChildren(...rows.flatMap(([name, value]) => [
         el('dt', { text: name }),
         el('dd', {}, value),
@@ -629,6 +659,14 @@
     $('#retry').addEventListener('click', () => act('retry'));
     $('#cancel').addEventListener('click', () => act('cancel'));
     window.addEventListener('hashchange', route);
+    // A link to the view already shown reloads it (no hashchange would).
+    document.addEventListener('click', (event) => {
+      const link = event.target.closest('a[href^="#"]');
+      if (link && link.hash === location.hash && !event.defaultPrevented) {
+        event.preventDefault();
+        route();
+      }
+    });
     document.addEventListener('visibilitychange', () => {
       if (!document.hidden && typesTimer) refreshTypes();
     });
