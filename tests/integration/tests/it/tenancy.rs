@@ -572,6 +572,20 @@ async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
         "{body}"
     );
 
+    // Types at a glance: beta's own only. A stream of alpha's task: 404.
+    let (status, body) = get(&harness, BETA, "/v1/task-types").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let overview: Value = serde_json::from_str(&body).unwrap();
+    let namespaces: Vec<&str> = overview["taskTypes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["namespace"].as_str().unwrap())
+        .collect();
+    assert_eq!(namespaces, vec!["beta"], "{body}");
+    let (status, _) = get(&harness, BETA, &format!("/v1/tasks/{}/stream", alphas[0])).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
     // Cancel and retry of alpha's tasks by beta: 404 as for ids that do not exist, and
     // nothing changes; redrive of alpha's type by beta: an unknown type.
     for action in ["cancel", "retry"] {
