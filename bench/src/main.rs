@@ -7,6 +7,7 @@
 //! were told (a task accepted and not completed once with its full audit chain).
 
 mod floor;
+mod listing;
 mod load;
 mod report;
 mod system;
@@ -185,6 +186,9 @@ async fn phases(
     let mut result = phase.end(system, admin, pool, &accepted, &timeline).await?;
     result.refused = refused.into_inner();
     run.push(result, floor);
+
+    eprintln!("bench: listing and search");
+    run.listing = Some(listing::measure(system, pool).await?);
     Ok(())
 }
 

@@ -32,6 +32,9 @@ pub struct Run {
     /// Where the database's time went, over the whole run.
     #[serde(default)]
     pub statements: Vec<StatementCost>,
+    /// Pages of `GET /v1/tasks` over everything the run submitted.
+    #[serde(default)]
+    pub listing: Option<crate::listing::Listing>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -256,6 +259,18 @@ impl Run {
                 p.latency_ms["max"]
             ));
         }
+        if let Some(listing) = &self.listing {
+            let worst = listing
+                .timings
+                .iter()
+                .map(|t| t.ms["p99"])
+                .fold(0.0, f64::max);
+            lines.push(format!(
+                "list and search over {} tasks: {} queries, worst p99 {worst:.1} ms per page",
+                listing.tasks,
+                listing.timings.len()
+            ));
+        }
         lines.join("\n")
     }
 
@@ -345,6 +360,23 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
             md.push_str(&format!(" {:.3} |", p.cpu_ms_per_task[*g]));
         }
         md.push('\n');
+    }
+    if let Some(listing) = &run.listing {
+        md.push_str(&format!(
+            "\nList and search (`GET /v1/tasks`, timed by the client, {} times each) over {} \
+             tasks:\n\n| query | tasks on the page | p50 ms | p99 ms | max ms |\n|---|---|---|---|---|\n",
+            30, listing.tasks
+        ));
+        for t in &listing.timings {
+            md.push_str(&format!(
+                "| `{}` | {} | {:.1} | {:.1} | {:.1} |\n",
+                t.query.replace('|', "\\|"),
+                t.page,
+                t.ms["p50"],
+                t.ms["p99"],
+                t.ms["max"]
+            ));
+        }
     }
     md.push_str("\nPeak resident memory (VmHWM), MiB:\n\n");
     for (process, mib) in &run.peak_rss_mib {
