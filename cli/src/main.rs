@@ -166,8 +166,8 @@ enum Command {
         shell: clap_complete::Shell,
     },
     /// Administrators: move a type's remediation queue back to its work queue, straight on
-    /// the broker and database. Also drops the stale copies that API retries and redrives
-    /// leave parked there.
+    /// the broker and database (the API's `redrive` works from the rows instead). Drops
+    /// copies already superseded.
     RedriveQueue {
         #[arg(long = "type")]
         task_type: String,

@@ -2,11 +2,11 @@
 
 use anyhow::Context;
 use conveyor_core::amqp::{self, QueueNames};
+use conveyor_core::remediation::{return_kept, verdict, Verdict};
 use conveyor_core::requeue::publish_and_commit;
-use conveyor_core::task::{TaskMessage, TaskRecord};
+use conveyor_core::task::TaskMessage;
 use conveyor_core::task_type::NamedTaskType;
-use conveyor_core::TaskState;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::BasicAckOptions;
 
 use crate::Direct;
 
@@ -25,26 +25,6 @@ pub struct RedriveReport {
     /// Messages of tasks that are owned right now, or unknown to this database: left
     /// parked, never dropped.
     pub kept: usize,
-}
-
-/// What to do with one remediation message, from the task's row.
-#[derive(Debug, PartialEq, Eq)]
-enum Verdict {
-    Drop,
-    Keep,
-}
-
-fn verdict(message: &TaskMessage, task: Option<&TaskRecord>) -> Verdict {
-    match task {
-        // Perhaps the wrong database: nothing here says the message is dispensable.
-        None => Verdict::Keep,
-        Some(task) if task.state == TaskState::Completed => Verdict::Drop,
-        // A later attempt has its own message (or is done); this copy is fenced anyway.
-        Some(task) if task.attempt > message.attempt => Verdict::Drop,
-        // Owned at this attempt (its fate is in the database and the reaper's hands), or
-        // a state this redrive cannot explain: keep it.
-        Some(_) => Verdict::Keep,
-    }
 }
 
 /// Moves up to `limit` messages from `task_type`'s remediation queue back to its work queue.
@@ -127,71 +107,7 @@ pub async fn redrive(
         anyhow::Ok(())
     }
     .await;
-    for delivery in kept {
-        let requeue = BasicNackOptions {
-            requeue: true,
-            ..Default::default()
-        };
-        let _ = delivery.acker.nack(requeue).await;
-    }
+    return_kept(kept).await;
     let _ = conn.close(200, "redrive done").await;
     result.map(|()| report)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn record(state: TaskState, attempt: i32) -> TaskRecord {
-        let message = message(attempt);
-        TaskRecord {
-            id: message.id,
-            tenant: "default".into(),
-            idempotency_key: message.idempotency_key,
-            task_type: message.task_type,
-            state,
-            attempt,
-            retries: 0,
-            owner: None,
-            payload: message.payload,
-            labels: Default::default(),
-            progress: None,
-            result: None,
-            error: None,
-            created_at: message.submitted_at,
-            updated_at: message.submitted_at,
-            suspect: false,
-        }
-    }
-
-    fn message(attempt: i32) -> TaskMessage {
-        TaskMessage {
-            id: uuid::Uuid::nil(),
-            task_type: "t".into(),
-            attempt,
-            idempotency_key: uuid::Uuid::nil(),
-            payload: serde_json::json!({}),
-            submitted_at: chrono::DateTime::UNIX_EPOCH,
-            suspect: false,
-            traceparent: None,
-        }
-    }
-
-    #[test]
-    fn only_completed_or_superseded_messages_are_dropped() {
-        use TaskState::*;
-        let m = message(2);
-        assert_eq!(verdict(&m, Some(&record(Completed, 2))), Verdict::Drop);
-        assert_eq!(verdict(&m, Some(&record(Queued, 3))), Verdict::Drop);
-        assert_eq!(verdict(&m, Some(&record(DeadLetter, 3))), Verdict::Drop);
-        for state in [Processing, Claimed, Failed, RetryClaimed] {
-            assert_eq!(
-                verdict(&m, Some(&record(state, 2))),
-                Verdict::Keep,
-                "{state}"
-            );
-        }
-        assert_eq!(verdict(&m, Some(&record(Queued, 1))), Verdict::Keep);
-        assert_eq!(verdict(&m, None), Verdict::Keep);
-    }
 }

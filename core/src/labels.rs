@@ -248,6 +248,11 @@ fn parse_term(term: &str) -> Result<Requirement, LabelError> {
             ));
         };
         let key = key_of(key)?;
+        if list.trim().is_empty() {
+            return refuse(format!(
+                "selector term {term:?}: a set holds 1 to {MAX_LABELS} values"
+            ));
+        }
         let values = list
             .split(',')
             .map(|v| value_of(&key, v))

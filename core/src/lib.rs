@@ -13,6 +13,7 @@ pub mod labels;
 pub mod lifecycle;
 pub mod metrics;
 pub mod policies;
+pub mod remediation;
 pub mod requeue;
 pub mod task;
 pub mod task_type;

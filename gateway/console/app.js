@@ -564,7 +564,7 @@
       : json(t.result);
     renderOnce('result', result, () => { $('#task-result').textContent = result; });
 
-    const fields = JSON.stringify([t.state, t.attempt, t.retries, t.owner, t.error, t.updatedAt, t.suspect, t.labels]);
+    const fields = JSON.stringify([t.state, t.attempt, t.retries, t.owner, t.error, t.updatedAt, t.suspect, t.labels, t.progress]);
     renderOnce('fields', fields, () => {
       const budget = maxRetries.get(typeKey(t.namespace, t.taskType));
       const rows = [
@@ -578,6 +578,14 @@
         ['Updated', timeCell(t.updatedAt, true)],
         ['Idempotency key', el('span', { class: 'mono', text: t.idempotencyKey })],
       ];
+      // The handler's latest report: a percentage, a message, or its own JSON.
+      if (t.progress != null) {
+        const p = t.progress;
+        const text = typeof p.percent === 'number' && Object.keys(p).length === 1 ? `${p.percent} %`
+          : typeof p.message === 'string' && Object.keys(p).length === 1 ? p.message
+          : JSON.stringify(p);
+        rows.push(['Progress', el('span', { id: 'task-progress', class: 'wrap', text })]);
+      }
       if (t.suspect) rows.push(['Suspect', 'yes: it was taken back from a worker that died, and runs alone next time']);
       if (t.error) {
         const name = t.state === 'COMPLETED' ? 'Earlier error' : 'Last error';

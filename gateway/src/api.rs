@@ -53,6 +53,8 @@ impl Default for RequestLimits {
 pub struct ApiState {
     pub ingestor: Ingestor,
     pub tokens: Arc<TokenSet>,
+    /// For walks of a remediation queue after a retry or redrive (`crate::remedy`).
+    pub amqp_url: String,
     pub max_batch_tasks: usize,
     pub limits: RequestLimits,
     /// One semaphore per client, for [`RequestLimits::max_in_flight`].
@@ -275,6 +277,7 @@ pub struct SingleRequest {
     payload: serde_json::Value,
     /// Up to 16 Kubernetes-style labels, to find the task by later.
     #[serde(default)]
+    #[schema(schema_with = crate::views::labels_schema)]
     labels: conveyor_core::labels::Labels,
 }
 

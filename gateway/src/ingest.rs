@@ -33,6 +33,7 @@ pub struct Submission {
     pub payload: serde_json::Value,
     /// A small string map to find the task by later (`GET /v1/tasks?labelSelector=`).
     #[serde(default)]
+    #[schema(schema_with = crate::views::labels_schema)]
     pub labels: Labels,
     /// Batch entries carry their key here; single submissions use the header.
     #[serde(default)]

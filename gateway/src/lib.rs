@@ -219,6 +219,7 @@ pub async fn run(
             tracer: config.tracer.clone(),
         },
         tokens,
+        amqp_url: config.amqp_url.clone(),
         max_batch_tasks: config.max_batch_tasks,
         limits: config.requests.clone(),
         in_flight: Default::default(),

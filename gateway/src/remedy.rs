@@ -11,7 +11,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use bytes::Bytes;
+use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{CancelOutcome, TaskFilter};
+use conveyor_core::remediation::drop_stale;
 use conveyor_core::requeue::publish_and_commit;
 use conveyor_core::task::TaskRecord;
 use conveyor_core::task_type::NamedTaskType;
@@ -125,6 +127,7 @@ async fn retry(state: &ApiState, task: TaskRecord, by: &str) -> Result<TaskRecor
         let now = reread(state, task).await?;
         return Err(not_dead_lettered(&now));
     }
+    tidy_remediation(state, &task.task_type);
     reread(state, task).await
 }
 
@@ -153,6 +156,7 @@ async fn send_back(state: &ApiState, task: &TaskRecord, by: &str) -> Result<bool
     };
     // The main queue only: neither backoff nor retry tiers apply.
     let spec = NamedTaskType::named(&task.task_type);
+
     publish_and_commit(&ingestor.publisher, pending, &spec)
         .await
         .map_err(|err| {
@@ -163,6 +167,35 @@ async fn send_back(state: &ApiState, task: &TaskRecord, by: &str) -> Result<bool
             )
         })?;
     Ok(true)
+}
+
+/// After tasks of `task_type` were sent back from the database, their parked copies in the
+/// remediation queue are stale: dropped by a walk in the background, so that the queue's
+/// depth (and `ConveyorRemediationBacklog`) counts only what still waits for a human. The
+/// walk never drops a message its row does not show superseded.
+fn tidy_remediation(state: &ApiState, task_type: &str) {
+    let queue = QueueNames::of(task_type).remediation;
+    let (url, db) = (state.amqp_url.clone(), state.ingestor.db.clone());
+    tokio::spawn(async move {
+        match drop_stale(
+            &url,
+            &db,
+            &queue,
+            MAX_REDRIVE as usize,
+            "conveyor-gateway/remediation",
+        )
+        .await
+        {
+            Ok(tidied) => tracing::info!(
+                queue,
+                dropped = tidied.dropped,
+                kept = tidied.kept,
+                "stale remediation copies dropped"
+            ),
+            Err(err) => tracing::warn!(queue, error = %conveyor_core::with_causes(&err),
+                "remediation queue not tidied; `conveyorctl redrive-queue` drops its stale copies"),
+        }
+    });
 }
 
 async fn reread(state: &ApiState, task: TaskRecord) -> Result<TaskRecord, ApiError> {
@@ -224,6 +257,7 @@ pub async fn redrive(
     };
     let by = by(&client);
     let (mut redriven, mut skipped) = (0u32, 0u32);
+    let task_type = filter.types.first().cloned().unwrap_or_default();
     let more = loop {
         let want = (limit - redriven).min(100);
         let page = state
@@ -238,6 +272,7 @@ pub async fn redrive(
                 Ok(false) => skipped += 1,
                 // What was sent back stays sent back; the answer says how far it got.
                 Err(err) if redriven > 0 => {
+                    tidy_remediation(&state, &task_type);
                     tracing::warn!(redriven, error = %err.message, "redrive stopped early");
                     return Ok(redrive_answer(redriven, skipped, true, Some(err)));
                 }
@@ -249,6 +284,9 @@ pub async fn redrive(
             next => break next.is_some(),
         }
     };
+    if redriven > 0 {
+        tidy_remediation(&state, &task_type);
+    }
     Ok(redrive_answer(redriven, skipped, more, None))
 }
 

@@ -27,6 +27,19 @@ pub fn task_state_schema() -> impl Into<RefOr<Schema>> {
         ))
 }
 
+/// Labels: a map of strings with Kubernetes' rules (`core/src/labels.rs`).
+pub fn labels_schema() -> impl Into<RefOr<Schema>> {
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .additional_properties(Some(ObjectBuilder::new().schema_type(Type::String)))
+        .max_properties(Some(conveyor_core::labels::MAX_LABELS))
+        .description(Some(
+            "Up to 16 labels. A key is a name or prefix/name (a name: 1 to 63 letters, digits, \
+             '-', '_' or '.', starting and ending with a letter or digit; a prefix: a DNS \
+             subdomain); a value is empty or a name.",
+        ))
+}
+
 /// A task in a list: everything but its payload and result, which can be large.
 #[derive(Debug, Serialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
@@ -44,6 +57,7 @@ pub struct TaskSummary {
     pub retries: i32,
     /// The worker that holds it, while one does.
     pub owner: Option<String>,
+    #[schema(schema_with = labels_schema)]
     pub labels: Labels,
     /// The handler's latest progress report (exec: a line written to
     /// `$CONVEYOR_PROGRESS_FILE`; http: a POST to `X-Conveyor-Progress-Url`).
@@ -120,7 +134,7 @@ pub struct EventView {
     #[schema(schema_with = task_state_schema)]
     pub to_state: TaskState,
     pub attempt: i32,
-    /// The worker, or who retried, redrove or cancelled it.
+    /// The worker that made the step (who retried or cancelled it is in `detail`).
     pub worker_id: Option<String>,
     pub detail: Option<String>,
     pub at: DateTime<Utc>,

@@ -155,6 +155,7 @@ impl Processor {
             outcome = self.run_handler(spec, task, trace) => Some(outcome),
             _ = cancel.cancelled() => None,
         };
+        self.last_progress(task).await;
         let settle = match outcome {
             Some(Ok(result)) => self.record(spec, task, Outcome::Completed { result }).await,
             Some(Err(error)) => {
@@ -166,6 +167,23 @@ impl Processor {
         self.in_flight.remove(task.id, task.attempt);
         self.metrics.in_flight.set(self.in_flight.len() as i64);
         settle
+    }
+
+    /// Writes the attempt's report still waiting for the next flush while the task is still
+    /// PROCESSING (a command's last line before it exits). Best effort: a task that made no
+    /// report costs nothing, and a failed write loses only a progress report.
+    async fn last_progress(&self, task: &TaskMessage) {
+        let Some(report) = self.progress.take_one(task.id, task.attempt) else {
+            return;
+        };
+        let fence = Fence {
+            id: task.id,
+            attempt: task.attempt,
+            owner: self.worker_id.clone(),
+        };
+        if let Err(err) = self.recorder.db.report_progress(&[(fence, report)]).await {
+            tracing::debug!(error = %err, "last progress report not written");
+        }
     }
 
     /// Runs the handler under the task type's timeout: beside other tasks, or alone for a

@@ -67,6 +67,12 @@ impl ProgressBoard {
         Ok(())
     }
 
+    /// The pending report of one attempt, taken off the board.
+    pub fn take_one(&self, id: Uuid, attempt: i32) -> Option<serde_json::Value> {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        pending.remove(&(id, attempt))
+    }
+
     fn take(&self) -> Vec<((Uuid, i32), serde_json::Value)> {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         pending.drain().collect()

@@ -9,11 +9,17 @@ use sqlx::{Postgres, QueryBuilder};
 use uuid::Uuid;
 
 use super::requeue::state_literals;
-use super::rows::{task_from_row, TASK_COLUMNS};
+use super::rows::task_from_row;
 use super::{Db, DbResult};
 use crate::labels::{Requirement, Selector};
 use crate::lifecycle::TaskState;
 use crate::task::TaskRecord;
+
+/// The task columns without the payload and result, which can be large and which a list
+/// does not show (their places hold nulls, so rows decode as usual).
+const LIST_COLUMNS: &str = "id, tenant, idempotency_key, task_type, state, attempt, retries, \
+     owner, 'null'::jsonb AS payload, labels, progress, NULL::jsonb AS result, error, \
+     created_at, updated_at, suspect";
 
 /// Ids are UUIDv7 made by the gateway's clock, `created_at` by the database's: a time bound
 /// on ids is widened by this much so that clock skew cannot hide a task.
@@ -57,7 +63,8 @@ fn v7_floor(at: DateTime<Utc>) -> Uuid {
 }
 
 impl Db {
-    /// Up to `limit` tasks matching `filter`, newest first, and the cursor of the next page.
+    /// Up to `limit` tasks matching `filter`, newest first, and the cursor of the next page;
+    /// without their payloads and results (`payload` is null).
     pub async fn list_tasks(&self, filter: &TaskFilter, limit: u32) -> DbResult<TaskPage> {
         if filter.types.is_empty() || limit == 0 {
             return Ok(TaskPage {
@@ -68,10 +75,10 @@ impl Db {
         // One more than asked: whether it comes back says whether a next page exists.
         let fetch = i64::from(limit) + 1;
         let mut query =
-            QueryBuilder::<Postgres>::new(format!("SELECT {TASK_COLUMNS} FROM unnest("));
+            QueryBuilder::<Postgres>::new(format!("SELECT {LIST_COLUMNS} FROM unnest("));
         query.push_bind(&filter.types);
         query.push(format!(
-            "::text[]) AS ty(name) CROSS JOIN LATERAL (SELECT {TASK_COLUMNS} FROM tasks t \
+            "::text[]) AS ty(name) CROSS JOIN LATERAL (SELECT {LIST_COLUMNS} FROM tasks t \
              WHERE t.task_type = ty.name"
         ));
         push_filters(&mut query, filter);

@@ -3,12 +3,14 @@
 use uuid::Uuid;
 
 use super::{Db, DbResult, Fence};
-use crate::lifecycle::TaskState::Processing;
+use crate::lifecycle::TaskState::{Completed, Processing};
 
 impl Db {
-    /// Stores each report on its task while the reporter still owns it at that attempt and
-    /// it is PROCESSING; a row locked right now is skipped (its next report comes within a
-    /// second). One statement for all of a worker's reports. Returns how many were stored.
+    /// Stores each report on its task while the reporter still owns it at that attempt,
+    /// PROCESSING or just COMPLETED by it (a flush that raced the completion still lands; a
+    /// re-queue clears the owner, so no report outlives its attempt). A row locked right now
+    /// is skipped: its next report comes within a second. One statement for all of a
+    /// worker's reports. Returns how many were stored.
     pub async fn report_progress(&self, reports: &[(Fence, serde_json::Value)]) -> DbResult<u64> {
         if reports.is_empty() {
             return Ok(0);
@@ -23,7 +25,7 @@ impl Db {
                  JOIN unnest($1::uuid[], $2::int[], $3::text[], $4::jsonb[])
                      AS c(id, attempt, owner, progress)
                      ON t.id = c.id AND t.attempt = c.attempt AND t.owner = c.owner
-                 WHERE t.state = $5
+                 WHERE t.state IN ($5, $6)
                  ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
              )
              UPDATE tasks SET progress = reported.progress FROM reported WHERE tasks.id = reported.id",
@@ -33,6 +35,7 @@ impl Db {
         .bind(&owners)
         .bind(&values)
         .bind(Processing.as_str())
+        .bind(Completed.as_str())
         .execute(&self.pool)
         .await?
         .rows_affected())

@@ -386,7 +386,7 @@ pub(super) async fn advance(
     };
     sqlx::query(
         "UPDATE tasks SET state = $2, attempt = $3, retries = $4, owner = NULL,
-             heartbeat_at = NULL, error = COALESCE($5, error), updated_at = now()
+             heartbeat_at = NULL, error = COALESCE($5, error), progress = NULL, updated_at = now()
          WHERE id = $1",
     )
     .bind(task.id)

@@ -351,6 +351,18 @@ async fn a_dead_letter_is_retried_and_a_selected_set_redriven_over_the_api() {
     assert_eq!(status, StatusCode::OK, "{answer}");
     assert_eq!(answer["redriven"], json!(1), "{answer}");
     assert_eq!(answer["more"], json!(false), "{answer}");
+    // Their parked copies are stale now and dropped in the background; b's stays parked.
+    wait_until(
+        "stale remediation copies dropped",
+        Duration::from_secs(20),
+        || async {
+            harness
+                .ready_count(&crate::support::queue(&name).remediation)
+                .await
+                == 1
+        },
+    )
+    .await;
 
     harness.start_worker(&[&name], recording_handler(&file), 4);
     harness

@@ -572,6 +572,19 @@ async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
         "{body}"
     );
 
+    // conveyorctl with beta's token: the same answers (it is a client of the same API).
+    let ctl = tokio::process::Command::new(testing::binary("conveyorctl"))
+        .args(["list", "-o", "json"])
+        .env("CONVEYOR_GATEWAY_URL", &harness.gateway_url)
+        .env("CONVEYOR_TOKEN", BETA)
+        .output()
+        .await
+        .unwrap();
+    assert!(ctl.status.success());
+    let listed: Value = serde_json::from_slice(&ctl.stdout).unwrap();
+    assert_eq!(listed["tasks"].as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(listed["tasks"][0]["id"], json!(beta_id));
+
     // Types at a glance: beta's own only. A stream of alpha's task: 404.
     let (status, body) = get(&harness, BETA, "/v1/task-types").await;
     assert_eq!(status, StatusCode::OK, "{body}");
