@@ -59,6 +59,14 @@ pub async fn measure(system: &System, pool: &PgPool) -> anyhow::Result<Listing> 
             "type={t}&createdAfter={}&limit=50",
             minute_ago.replace('+', "%2B")
         ),
+        format!(
+            "type={t}&updatedAfter={}&limit=50",
+            minute_ago.replace('+', "%2B")
+        ),
+        format!("type={t}&labelSelector=asset%3Dnone&limit=50"),
+        // The worst case: a state no partial index holds and no task is in, so the page
+        // walks every task of the type.
+        format!("type={t}&state=RETRY_CLAIMED&limit=50"),
     ];
     if let Some(middle) = middle {
         queries.push(format!("type={t}&cursor={middle}&limit=50"));
