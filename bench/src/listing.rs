@@ -96,7 +96,7 @@ async fn time(http: &reqwest::Client, system: &System, query: &str) -> anyhow::R
         page = answer["tasks"].as_array().map_or(0, Vec::len);
     }
     ms.sort_by(f64::total_cmp);
-    let stats = [("p50", 0.5), ("p99", 0.99), ("max", 1.0)]
+    let stats = [("p50", 50.0), ("p99", 99.0), ("max", 100.0)]
         .into_iter()
         .map(|(name, p)| (name.to_owned(), percentile(&ms, p)))
         .collect();
