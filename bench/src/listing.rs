@@ -102,7 +102,7 @@ async fn time(http: &reqwest::Client, system: &System, query: &str) -> anyhow::R
         .collect();
     eprintln!(
         "bench: list {query}: {page} tasks, p50 {:.1} ms",
-        percentile(&ms, 0.5)
+        percentile(&ms, 50.0)
     );
     Ok(ListTiming {
         query: query.to_owned(),
