@@ -122,6 +122,9 @@ enum Command {
         /// Idempotency key (UUID); the same key twice gives the same task.
         #[arg(long)]
         idempotency_key: Option<Uuid>,
+        /// A label, `key=value`; repeat for more (`-l pipeline=vod -l asset=a17`).
+        #[arg(long = "label", short = 'l', value_parser = parse_label)]
+        labels: Vec<(String, String)>,
     },
     /// List your tasks, newest first: by type, state, labels and age.
     List(tasks::ListArgs),
@@ -285,7 +288,12 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             task_type,
             payload,
             idempotency_key,
+            labels,
         } => {
+            let labels: std::collections::BTreeMap<&str, &str> = labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
             let payload: serde_json::Value =
                 serde_json::from_str(payload).context("--payload is not JSON")?;
             let mut request =
@@ -294,6 +302,7 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
                     .json(&serde_json::json!({
                         "taskType": task_type,
                         "namespace": cli.namespace,
+                        "labels": labels,
                         "payload": payload,
                     }));
             if let Some(key) = idempotency_key {
@@ -513,6 +522,13 @@ async fn checked(response: reqwest::Response) -> anyhow::Result<serde_json::Valu
         );
     }
     Ok(body)
+}
+
+/// `key=value` (the gateway checks the key and value themselves).
+fn parse_label(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("{text:?}: a label is key=value"))
 }
 
 /// `30s`, `10m`, `2h`: how long `wait` waits.

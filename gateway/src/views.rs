@@ -59,8 +59,8 @@ pub struct TaskSummary {
     pub owner: Option<String>,
     #[schema(schema_with = labels_schema)]
     pub labels: Labels,
-    /// The handler's latest progress report (exec: a line written to
-    /// `$CONVEYOR_PROGRESS_FILE`; http: a POST to `X-Conveyor-Progress-Url`).
+    /// The handler's latest progress report (exec: a line written on descriptor 3; http: a
+    /// POST to `X-Conveyor-Progress-Url`).
     pub progress: Option<serde_json::Value>,
     /// The last failure's message.
     pub error: Option<String>,

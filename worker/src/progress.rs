@@ -1,8 +1,9 @@
 //! Handlers' progress: each running attempt may report how far it is, and the latest report
 //! of each is written to its task once a second, all of them in one statement.
 //!
-//! - exec handlers append lines to `$CONVEYOR_PROGRESS_FILE`: a JSON object, a number (a
-//!   percentage), or text (a message); the last complete line counts.
+//! - exec handlers write lines on descriptor 3 (or append them to `$CONVEYOR_PROGRESS_FILE`,
+//!   the same file): a JSON object, a number (a percentage), or text (a message); the last
+//!   complete line counts.
 //! - http handlers POST JSON to the URL in `X-Conveyor-Progress-Url` (this worker's admin
 //!   port, `/progress/{task}/{attempt}`).
 //!

@@ -53,6 +53,11 @@ fn inherited() -> &'static [(String, String)] {
     })
 }
 
+/// Opens descriptor 3 on the progress file, then becomes the command (same pid, same process
+/// group): the shell does between fork and exec what Rust could only do with `unsafe` code.
+/// `$0` is the command, `$@` its arguments, passed through untouched.
+const WITH_PROGRESS_FD: &str = r#"exec 3>>"$CONVEYOR_PROGRESS_FILE" && exec "$0" "$@""#;
+
 /// Largest payload also passed in the environment.
 pub const MAX_ENV_PAYLOAD: usize = 64 * 1024;
 /// Largest stdout kept as the result.
@@ -84,8 +89,11 @@ pub async fn run(
     let (namespace, local) = split_key(&task.task_type);
     let progress_file = ProgressFile::create(task.id, task.attempt)
         .map_err(|e| format!("cannot make the progress file in the temporary directory: {e}"))?;
-    let mut cmd = Command::new(command);
-    cmd.args(args)
+    let mut cmd = Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(WITH_PROGRESS_FD)
+        .arg(command)
+        .args(args)
         .env_clear()
         .envs(inherited().iter().map(|(k, v)| (k, v)))
         .env("CONVEYOR_TASK_ID", task.id.to_string())
@@ -142,6 +150,13 @@ pub async fn run(
     let status = status.map_err(|e| format!("waiting for {command}: {e}"))?;
     let (stdout, stdout_cut) = out.map_err(|e| format!("reading {command}'s stdout: {e}"))?;
     let (stderr, _) = err.map_err(|e| format!("reading {command}'s stderr: {e}"))?;
+    // The shell could not become the command: missing (127) or not executable (126).
+    if matches!(status.code(), Some(126 | 127)) {
+        return Err(format!(
+            "cannot start {command}: {}",
+            tail(&String::from_utf8_lossy(&stderr))
+        ));
+    }
     if !status.success() {
         return Err(format!(
             "{command} exited with {status}: {}",

@@ -1,9 +1,8 @@
-//! The exec handler's progress channel: a file the command appends lines to
-//! (`$CONVEYOR_PROGRESS_FILE`), read by the worker while the command runs.
-//!
-//! A file, not an inherited descriptor: mapping a pipe onto a fixed descriptor in the child
-//! needs `unsafe` code between fork and exec, and `sh` (dash) can only name descriptors 0-9.
-//! Any command can append to a path: `echo 40 >> "$CONVEYOR_PROGRESS_FILE"`.
+//! The exec handler's progress channel: lines the command writes on descriptor 3
+//! (`echo 40 >&3`), which `exec.rs` opens on this file before the command starts, or
+//! appends to the file by its path (`$CONVEYOR_PROGRESS_FILE`); the worker reads the file
+//! while the command runs. A file rather than a pipe: nothing blocks a command that writes
+//! while nobody reads, and nothing is lost when the worker reads late.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

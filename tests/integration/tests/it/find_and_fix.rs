@@ -556,6 +556,29 @@ async fn conveyorctl_lists_waits_retries_cancels_and_redrives_over_the_api() {
     assert!(ok && out.contains("CANCELLED"), "{out}");
     let (ok, _, err) = ctl(&harness, &["wait", &waiting, "--timeout", "10s"]).await;
     assert!(!ok && err.contains("did not complete"), "{err}");
+    // Labels given on the command line find the task again.
+    let (ok, out, err) = ctl(
+        &harness,
+        &[
+            "submit", "--type", &idle_name, "-l", "team=ops", "-l", "asset=a1", "-o", "json",
+        ],
+    )
+    .await;
+    assert!(ok, "{err}");
+    let submitted: Value = serde_json::from_str(&out).unwrap();
+    let (ok, out, _) = ctl(&harness, &["list", "-l", "team=ops,asset=a1", "-o", "json"]).await;
+    assert!(ok);
+    let listed: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        ids(&listed),
+        vec![submitted["id"].as_str().unwrap().parse::<Uuid>().unwrap()]
+    );
+    let (ok, _, err) = ctl(
+        &harness,
+        &["submit", "--type", &idle_name, "-l", "no spaces=x"],
+    )
+    .await;
+    assert!(!ok && err.contains("invalid_labels"), "{err}");
     harness.shutdown().await;
 }
 

@@ -1,5 +1,5 @@
-//! Handlers report progress (issue 16): an exec handler by appending lines to
-//! `$CONVEYOR_PROGRESS_FILE`, an http handler by POSTing to `X-Conveyor-Progress-Url`. Each
+//! Handlers report progress (issue 16): an exec handler by writing lines on descriptor 3 or
+//! appending them to `$CONVEYOR_PROGRESS_FILE`, an http handler by POSTing to `X-Conveyor-Progress-Url`. Each
 //! report is judged where a client sees it: the gateway's answer for the task. The handler
 //! moves on only when the test opens a gate, so no step depends on timing.
 
@@ -47,8 +47,8 @@ async fn an_exec_handlers_progress_lines_reach_the_api_while_it_runs() {
     let g = gates.display();
     let script = format!(
         "p=\"$CONVEYOR_PROGRESS_FILE\"; \
-         echo 10 >> \"$p\"; while [ ! -e {g}/1 ]; do sleep 0.05; done; \
-         printf '{{\"frame\": 50, \"of\": 100}}\\n' >> \"$p\"; while [ ! -e {g}/2 ]; do sleep 0.05; done; \
+         echo 10 >&3; while [ ! -e {g}/1 ]; do sleep 0.05; done; \
+         printf '{{\"frame\": 50, \"of\": 100}}\\n' >&3; while [ ! -e {g}/2 ]; do sleep 0.05; done; \
          echo muxing >> \"$p\"; printf 'half a line' >> \"$p\"; while [ ! -e {g}/3 ]; do sleep 0.05; done; \
          printf ' done\\n100\\n' >> \"$p\"; echo '{{\"done\": true}}'"
     );

@@ -8,6 +8,8 @@ use conveyor_worker::handler::Handler;
 
 use crate::support::{test_type, Harness, TOKEN};
 
+const OTHER_TOKEN: &str = "another-tenants-token-1";
+
 #[tokio::test]
 async fn the_python_clients_tests_pass_against_the_real_gateway() {
     let ok = test_type("py-ok");
@@ -22,7 +24,14 @@ async fn the_python_clients_tests_pass_against_the_real_gateway() {
         "properties": {"video": {"type": "string"}},
     }));
     let names = [&ok, &failing, &full, &strict].map(|t| t.name.clone());
-    let mut harness = Harness::start(vec![ok, failing, full, strict]).await;
+    // A second client, of a namespace with no types: the suite checks it sees nothing.
+    let mut harness = Harness::start_with(vec![ok, failing, full, strict], |config| {
+        config.tokens = conveyor_gateway::auth::Tokens::parse_pairs(&format!(
+            "tests={TOKEN},other@elsewhere={OTHER_TOKEN}"
+        ))
+        .unwrap();
+    })
+    .await;
     harness.start_worker(&[&names[0], &names[3]], Handler::Noop, 8);
     harness.start_worker(&[&names[1]], Handler::Fail, 4);
     // `full` has no worker: its queue stays over its depth once it holds a task.
@@ -44,6 +53,7 @@ async fn the_python_clients_tests_pass_against_the_real_gateway() {
             .env("PYTHONDONTWRITEBYTECODE", "1")
             .env("CONVEYOR_URL", url)
             .env("CONVEYOR_TOKEN", TOKEN)
+            .env("CONVEYOR_OTHER_TOKEN", OTHER_TOKEN)
             .env("CONVEYOR_TYPE_OK", ok)
             .env("CONVEYOR_TYPE_FAILING", failing)
             .env("CONVEYOR_TYPE_FULL", full)
