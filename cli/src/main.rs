@@ -457,7 +457,15 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             let db = Db::connect(&database.options())?;
             let key = task_type.as_deref().map(|t| cli.type_key(t));
             let states = db.states_at(*at, key.as_deref(), *id).await?;
-            if id.is_some() {
+            if !cli.output.is_table() {
+                let tasks: Vec<serde_json::Value> = states
+                    .iter()
+                    .map(|(id, state, since)| {
+                        serde_json::json!({"id": id, "state": state, "since": since})
+                    })
+                    .collect();
+                output::print_data(cli.output, &serde_json::json!({ "at": at, "tasks": tasks }))?;
+            } else if id.is_some() {
                 for (id, state, since) in &states {
                     println!("{id}  {state}  since {}", since.to_rfc3339());
                 }

@@ -150,12 +150,11 @@ pub async fn run(
     let status = status.map_err(|e| format!("waiting for {command}: {e}"))?;
     let (stdout, stdout_cut) = out.map_err(|e| format!("reading {command}'s stdout: {e}"))?;
     let (stderr, _) = err.map_err(|e| format!("reading {command}'s stderr: {e}"))?;
-    // The shell could not become the command: missing (127) or not executable (126).
-    if matches!(status.code(), Some(126 | 127)) {
-        return Err(format!(
-            "cannot start {command}: {}",
-            tail(&String::from_utf8_lossy(&stderr))
-        ));
+    // The shell could not become the command: missing (127) or not executable (126), and
+    // the shell said so (a command's own 127 is its own failure).
+    let stderr_text = String::from_utf8_lossy(&stderr);
+    if matches!(status.code(), Some(126 | 127)) && stderr_text.contains("exec: ") {
+        return Err(format!("cannot start {command}: {}", tail(&stderr_text)));
     }
     if !status.success() {
         return Err(format!(
