@@ -308,16 +308,9 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             if let Some(key) = idempotency_key {
                 request = request.header("Idempotency-Key", key.to_string());
             }
+            // The answer as JSON (YAML with -o yaml), as scripts have always read it.
             let body = checked(request.send().await?).await?;
-            if cli.output.is_table() {
-                println!(
-                    "{}  {}",
-                    output::text(&body, "id"),
-                    output::text(&body, "state")
-                );
-            } else {
-                output::print_data(cli.output, &body)?;
-            }
+            output::print_data(cli.output, &body)?;
         }
         Command::List(args) => {
             tasks::list(&cli.gateway()?, cli.namespace.as_deref(), args, cli.output).await?
