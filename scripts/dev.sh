@@ -38,7 +38,7 @@ submit() { # type, payload → task id; retried while the gateway has not seen t
 wait_done() { # id → prints the final state
   local state=""
   for _ in $(seq 1 180); do
-    state=$("$BIN/conveyorctl" get "$1" | sed -n 's/.*"state": "\([A-Z_]*\)".*/\1/p')
+    state=$("$BIN/conveyorctl" get "$1" -o json | sed -n 's/.*"state": "\([A-Z_]*\)".*/\1/p')
     case "$state" in COMPLETED|DEAD_LETTER) break ;; esac
     sleep 1
   done
@@ -71,7 +71,7 @@ up() {
   thumbnail=$(submit thumbnail '{"source":"clip.mp4","atSeconds":1.5}')
   metadata=$(submit metadata '{"source":"clip.mp4"}')
   log "transcode: $(wait_done "$transcode")"
-  output=$("$BIN/conveyorctl" get "$transcode" | jq -r '.result.outputs[0] // empty')
+  output=$("$BIN/conveyorctl" get "$transcode" -o json | jq -r '.result.outputs[0] // empty')
   if [ -n "$output" ]; then
     quality=$(submit quality-analysis "{\"source\":\"$output\",\"reference\":\"clip.mp4\",\"metric\":\"ssim\"}")
     log "quality-analysis: $(wait_done "$quality")"
@@ -79,7 +79,7 @@ up() {
   log "thumbnail: $(wait_done "$thumbnail"), metadata: $(wait_done "$metadata")"
   for id in "$transcode" "$thumbnail" ${quality:+"$quality"}; do
     echo; echo "task $id"; "$BIN/conveyorctl" events "$id"
-    "$BIN/conveyorctl" get "$id" | jq -c '.result'
+    "$BIN/conveyorctl" get "$id" -o json | jq -c '.result'
   done
   echo; kubectl get taskpools -n "$NS"; echo; kubectl get tasktypes -n "$NS"
   cat <<MSG
