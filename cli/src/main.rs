@@ -532,17 +532,9 @@ fn parse_label(text: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("{text:?}: a label is key=value"))
 }
 
-/// `30s`, `10m`, `2h`: how long `wait` waits.
+/// `30s`, `10m`, `2h`: how long `wait` waits (the units of `list --since`).
 fn parse_timeout(text: &str) -> Result<std::time::Duration, String> {
-    let (number, unit) = text.split_at(text.len().saturating_sub(1));
-    let n: u64 = number
-        .parse()
-        .map_err(|_| format!("{text:?}: a number and a unit (s, m, h), e.g. 10m"))?;
-    let secs = match unit {
-        "s" => n,
-        "m" => n * 60,
-        "h" => n * 3600,
-        _ => return Err(format!("{text:?}: the unit is s, m or h")),
-    };
-    Ok(std::time::Duration::from_secs(secs))
+    tasks::parse_age(text)?
+        .to_std()
+        .map_err(|_| format!("{text:?}: a timeout is not negative"))
 }

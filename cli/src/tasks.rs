@@ -50,7 +50,7 @@ pub struct ListArgs {
     pub cursor: Option<String>,
 }
 
-fn parse_age(text: &str) -> Result<chrono::Duration, String> {
+pub fn parse_age(text: &str) -> Result<chrono::Duration, String> {
     let (number, unit) = text.split_at(
         text.find(|c: char| !c.is_ascii_digit())
             .unwrap_or(text.len()),
