@@ -153,6 +153,7 @@
     stopTimers();
     for (const body of document.querySelectorAll('tbody')) body.replaceChildren();
     for (const id of ['#task-payload', '#task-result', '#task-fields']) $(id).replaceChildren();
+    resetTypeSelect(); // the next client may see other types
     clearError();
     show('signin-view');
     const error = $('#signin-error');
@@ -311,18 +312,27 @@
       el('td', { class: 'num' }));
   }
 
+  // The options are exactly the types of this answer (types come and go, clients change),
+  // plus the one the URL asks for until the list says whether it exists.
   function fillTypeSelect(types) {
     const select = $('#filter-type');
     const wanted = select.value;
-    const have = new Set([...select.options].map((o) => o.value));
-    for (const t of types) {
-      const value = typeKey(t.namespace, t.name);
-      if (have.has(value)) continue;
-      const namespaces = new Set(types.map((x) => x.namespace));
-      const text = namespaces.size > 1 ? `${t.name} (${t.namespace})` : t.name;
-      select.append(el('option', { value, text }));
+    const namespaces = new Set(types.map((x) => x.namespace));
+    const options = types.map((t) => el('option', {
+      value: typeKey(t.namespace, t.name),
+      text: namespaces.size > 1 ? `${t.name} (${t.namespace})` : t.name,
+    }));
+    if (wanted && !options.some((o) => o.value === wanted)) {
+      options.push(el('option', { value: wanted, text: wanted }));
     }
+    resetTypeSelect();
+    select.append(...options);
     select.value = wanted;
+  }
+
+  function resetTypeSelect() {
+    const select = $('#filter-type');
+    for (const option of [...select.options]) if (option.value) option.remove();
   }
 
   // ---- the task list ---------------------------------------------------------------

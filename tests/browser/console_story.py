@@ -6,10 +6,12 @@ was dead-lettered by a failing handler (labels pipeline=vod, asset=broken), the 
 since mended, and a second type with completed tasks. The story signs in, finds the failed
 task through the overview and the filters, reads its timeline, retries it and watches it
 complete; then looks at the type's dead letters again, redrives (nothing is left) and signs
-out. Exits non-zero with what went wrong, the browser's console log and the page's tail.
+out. Then another tenant's client signs in and sees its own task only: not the first
+tenant's types, tasks, or the failed task by its id. Exits non-zero with what went wrong, the browser's console log and the page's tail.
 
 Environment: CONVEYOR_URL (http://127.0.0.1:PORT), CONVEYOR_TOKEN, CONVEYOR_FAILED_TYPE,
-CONVEYOR_FAILED_ID, CONVEYOR_SCREENSHOTS (a directory to save PNGs in, or empty for none).
+CONVEYOR_FAILED_ID, CONVEYOR_OTHER_TOKEN and CONVEYOR_OTHER_ID (another tenant's client and
+its one task), CONVEYOR_SCREENSHOTS (a directory to save PNGs in, or empty for none).
 Needs selenium and Debian's chromium and chromium-driver (scripts/browser.sh).
 """
 
@@ -39,6 +41,8 @@ URL = os.environ["CONVEYOR_URL"].rstrip("/")
 TOKEN = os.environ["CONVEYOR_TOKEN"]
 FAILED_TYPE = os.environ["CONVEYOR_FAILED_TYPE"]
 FAILED_ID = os.environ["CONVEYOR_FAILED_ID"]
+OTHER_TOKEN = os.environ["CONVEYOR_OTHER_TOKEN"]
+OTHER_ID = os.environ["CONVEYOR_OTHER_ID"]
 SHOTS = os.environ.get("CONVEYOR_SCREENSHOTS", "")
 
 # The machine running this is busy (builds beside it): waits are generous, never sleeps.
@@ -60,10 +64,10 @@ def check(condition, message):
         raise StoryFailure(message)
 
 
-def api(path):
+def api(path, token=TOKEN):
     """GET from the API directly: what the page should be showing."""
     request = urllib.request.Request(
-        f"{URL}/v1/{path}", headers={"Authorization": f"Bearer {TOKEN}"}
+        f"{URL}/v1/{path}", headers={"Authorization": f"Bearer {token}"}
     )
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT) as response:
@@ -354,11 +358,9 @@ class Story:
         check(result.get_attribute("data-redriven") == "0", f"redrive says {result.text!r}")
         check(result.get_attribute("data-more") == "false", f"redrive says {result.text!r}")
 
-        step("signing out forgets the token")
-        self.find("#sign-out").click()
-        self.wait("the token prompt", lambda: self.shown("#token"))
-        check(d.execute_script("return sessionStorage.getItem('conveyor.token')") is None, "the token outlived the sign-out")
-        check(not self.shown("#list-view") and not self.shown("#task-view"), "data still shown after signing out")
+        self.sign_out()
+        self.another_tenant()
+        self.sign_out()
 
         step("no script errors or Content-Security-Policy violations")
         problems = [
@@ -369,6 +371,41 @@ class Story:
             or "Refused to" in entry["message"]
         ]
         check(not problems, "the browser reported:\n  " + "\n  ".join(problems))
+
+
+    def sign_out(self):
+        step("signing out forgets the token")
+        self.find("#sign-out").click()
+        self.wait("the token prompt", lambda: self.shown("#token"))
+        stored = self.d.execute_script("return sessionStorage.getItem('conveyor.token')")
+        check(stored is None, "the token outlived the sign-out")
+        check(not self.shown("#list-view") and not self.shown("#task-view"), "data still shown after signing out")
+
+    def another_tenant(self):
+        d = self.d
+        step("another tenant's client signs in: its own type and task, nothing else")
+        self.find("#token").clear()
+        self.find("#token").send_keys(OTHER_TOKEN)
+        self.find("#sign-in").click()
+        self.wait("the list view", lambda: self.shown("#list-view"))
+        self.wait("its one task listed", lambda: [id for id, _ in self.rows()] == [OTHER_ID])
+        types = self.d.execute_script(
+            "return [...document.querySelectorAll('#types tbody tr[data-type]')].map(r => r.dataset.type)"
+        )
+        check(FAILED_TYPE not in types and len(types) == 1, f"the other tenant's overview shows {types}")
+        options = [o.get_attribute("value") for o in d.find_elements(By.CSS_SELECTOR, "#filter-type option")]
+        check(not any(v.endswith("/" + FAILED_TYPE) for v in options), f"the type filter offers {options}")
+        self.apply(state="DEAD_LETTER")
+        check(self.rows() == [], f"the other tenant sees dead letters {self.rows()}")
+
+        step("the first tenant's task by its id: the API's not-found message, no remedies")
+        status, body = api(f"tasks/{FAILED_ID}", token=OTHER_TOKEN)
+        check(status == 404, f"the API answered {status} to another tenant's id")
+        d.execute_script("location.hash = arguments[0]", f"#task/{FAILED_ID}")
+        self.wait("the not-found banner", lambda: self.shown("#banner"))
+        check(body["error"]["message"] in self.text("#banner"), f"the banner says {self.text('#banner')!r}")
+        check(not self.shown("#retry") and not self.shown("#cancel"), "remedies offered on another tenant's task")
+        check(self.find("#task-payload").text.strip() in ("", "—"), "another tenant's payload is shown")
 
 
 def browser_log(driver):

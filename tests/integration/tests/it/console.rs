@@ -1,17 +1,22 @@
 //! The web console in a real headless browser (Debian's Chromium through ChromeDriver and
 //! Selenium; `scripts/browser.sh` installs them): the story in `tests/browser/console_story.py`
 //! loads the console, filters to the dead letters, opens a failed task, retries it and sees
-//! it complete. This side sets the scene and then judges from outside: the task's row and
-//! its audit log, and what the handler ran.
+//! it complete; then another tenant's client signs in and sees only its own. This side sets
+//! the scene and then judges from outside: the task's row and its audit log.
 
 use std::process::Command;
 use std::time::Duration;
 
+use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
 use conveyor_core::TaskState::*;
+use conveyor_gateway::auth::Tokens;
 use conveyor_worker::handler::Handler;
 use serde_json::json;
 
 use crate::support::{test_type, Harness, TOKEN};
+
+/// A client of tenant `elsewhere`, which has a type of its own and one task.
+const OTHER_TOKEN: &str = "elsewhere-token-1";
 
 #[tokio::test]
 async fn a_failed_task_is_found_retried_and_completed_in_the_console() {
@@ -19,7 +24,13 @@ async fn a_failed_task_is_found_retried_and_completed_in_the_console() {
     transcode.max_retries = 0;
     let thumbnail = test_type("thumbnail");
     let (failing, other) = (transcode.name.clone(), thumbnail.name.clone());
-    let mut harness = Harness::start(vec![transcode, thumbnail]).await;
+    let elsewhere = NamedTaskType::in_namespace("elsewhere", &other, TaskTypeSpec::default());
+    let mut harness = Harness::start_with(vec![transcode, thumbnail, elsewhere], |config| {
+        config.tokens =
+            Tokens::parse_pairs(&format!("tests={TOKEN},outsider@elsewhere={OTHER_TOKEN}"))
+                .unwrap();
+    })
+    .await;
 
     // Scene: thumbnails complete; one transcode fails and is dead-lettered, another waits.
     harness.start_worker(&[&other], Handler::Noop, 4);
@@ -48,6 +59,18 @@ async fn a_failed_task_is_found_retried_and_completed_in_the_console() {
     harness
         .wait_for_state(&other, Completed, 3, Duration::from_secs(30))
         .await;
+    // Another tenant's one task (a type of the same name as ours; no worker: it waits).
+    let outsiders = harness
+        .http
+        .post(format!("{}/v1/tasks", harness.gateway_url))
+        .bearer_auth(OTHER_TOKEN)
+        .json(&json!({"taskType": other, "payload": {}, "labels": {"asset": "broken"}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(outsiders.status(), reqwest::StatusCode::CREATED);
+    let outsiders: serde_json::Value = outsiders.json().await.unwrap();
+    let other_id = outsiders["id"].as_str().unwrap().to_owned();
     // The handler is mended: the next attempt succeeds.
     harness.take_worker(&breaking).stop().await;
     harness.start_worker(&[&failing], Handler::Noop, 1);
@@ -64,6 +87,8 @@ async fn a_failed_task_is_found_retried_and_completed_in_the_console() {
             .env("CONVEYOR_TOKEN", TOKEN)
             .env("CONVEYOR_FAILED_TYPE", task_type)
             .env("CONVEYOR_FAILED_ID", id)
+            .env("CONVEYOR_OTHER_TOKEN", OTHER_TOKEN)
+            .env("CONVEYOR_OTHER_ID", other_id)
             .env("CONVEYOR_SCREENSHOTS", screenshots)
             .output()
             .expect("python3 runs")
