@@ -160,3 +160,48 @@ async fn an_http_handler_reports_through_its_callback_and_bad_reports_are_refuse
     assert_eq!(task.progress, Some(json!({"percent": 70})));
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_failed_attempts_progress_is_cleared_when_the_task_goes_back_to_work() {
+    let spec = test_type("progress-retry");
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let gates = std::env::temp_dir().join(format!("conveyor-gates-{}", Uuid::new_v4()));
+    std::fs::create_dir_all(&gates).unwrap();
+    let g = gates.display();
+    // The first attempt reports 40 % and fails when let go; the second reports nothing
+    // and waits, so what a client sees meanwhile is the second attempt's progress.
+    let script = format!(
+        "if [ -e {g}/failed ]; then touch {g}/second; while [ ! -e {g}/2 ]; do sleep 0.05; done; \
+           echo '{{}}'; exit 0; fi; \
+         echo 40 >&3; while [ ! -e {g}/1 ]; do sleep 0.05; done; touch {g}/failed; exit 1"
+    );
+    let handler = Handler::Exec {
+        command: "sh".into(),
+        args: vec!["-c".into(), script],
+    };
+    harness.start_worker(&[&name], handler, 1);
+    let id = harness.submit_ok(&name, json!({})).await;
+    wait_for_progress(&harness, id, json!({"percent": 40})).await;
+    std::fs::write(gates.join("1"), "").unwrap();
+    wait_until(
+        "the second attempt to run",
+        Duration::from_secs(30),
+        || async { gates.join("second").exists() },
+    )
+    .await;
+    assert_eq!(
+        progress_of(&harness, id).await,
+        Value::Null,
+        "the failed attempt's 40 % is not the second attempt's"
+    );
+    std::fs::write(gates.join("2"), "").unwrap();
+    harness
+        .wait_for_state(&name, Completed, 1, Duration::from_secs(30))
+        .await;
+    let task = harness.db.task(id).await.unwrap().unwrap();
+    assert_eq!(task.retries, 1, "one failure, then a success");
+    assert_eq!(task.progress, None);
+    let _ = std::fs::remove_dir_all(&gates);
+    harness.shutdown().await;
+}
