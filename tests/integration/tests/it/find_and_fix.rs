@@ -15,39 +15,14 @@ use uuid::Uuid;
 
 use crate::support::{test_type, Harness, TOKEN};
 
-async fn call(
-    h: &Harness,
-    method: reqwest::Method,
-    path: &str,
-    body: Option<Value>,
-) -> (StatusCode, Value) {
-    let mut request = h
-        .http
-        .request(method, format!("{}{path}", h.gateway_url))
-        .bearer_auth(TOKEN);
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await.expect("gateway answers");
-    let status = response.status();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
-async fn get(h: &Harness, path: &str) -> (StatusCode, Value) {
-    call(h, reqwest::Method::GET, path, None).await
-}
-
-async fn post(h: &Harness, path: &str, body: Value) -> (StatusCode, Value) {
-    call(h, reqwest::Method::POST, path, Some(body)).await
-}
-
 async fn submit_labelled(h: &Harness, task_type: &str, labels: Value) -> Uuid {
-    let (status, body) = post(
-        h,
-        "/v1/tasks",
-        json!({"taskType": task_type, "payload": {}, "labels": labels}),
-    )
-    .await;
+    let (status, body) = h
+        .post_json(
+            TOKEN,
+            "/v1/tasks",
+            json!({"taskType": task_type, "payload": {}, "labels": labels}),
+        )
+        .await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     body["id"].as_str().unwrap().parse().unwrap()
 }
@@ -70,7 +45,7 @@ async fn walk(h: &Harness, query: &str) -> Vec<Uuid> {
             Some(c) => format!("/v1/tasks?{query}&cursor={c}"),
             None => format!("/v1/tasks?{query}"),
         };
-        let (status, page) = get(h, &path).await;
+        let (status, page) = h.get_json(TOKEN, &path).await;
         assert_eq!(status, StatusCode::OK, "{path}: {page}");
         all.extend(ids(&page));
         match page["nextCursor"].as_str() {
@@ -133,17 +108,16 @@ async fn labelled_tasks_are_listed_by_selector_state_and_time_a_page_at_a_time()
 
     let gold_listed = walk(&harness, "labelSelector=tier%3Dgold&limit=2").await;
     assert_eq!(gold_listed.iter().rev().copied().collect::<Vec<_>>(), gold);
-    let (_, page) = get(
-        &harness,
-        &format!("/v1/tasks?type={name}&labelSelector=example.com%2Fasset%20in%20(a1,a3)"),
-    )
-    .await;
+    let (_, page) = harness
+        .get_json(
+            TOKEN,
+            &format!("/v1/tasks?type={name}&labelSelector=example.com%2Fasset%20in%20(a1,a3)"),
+        )
+        .await;
     assert_eq!(ids(&page), vec![gold[3], gold[1]]);
-    let (_, page) = get(
-        &harness,
-        &format!("/v1/tasks?type={name}&labelSelector=!tier"),
-    )
-    .await;
+    let (_, page) = harness
+        .get_json(TOKEN, &format!("/v1/tasks?type={name}&labelSelector=!tier"))
+        .await;
     assert_eq!(ids(&page), vec![*plain.last().unwrap()]);
     let listed = &page["tasks"][0];
     assert_eq!(listed["taskType"], json!(name));
@@ -155,35 +129,35 @@ async fn labelled_tasks_are_listed_by_selector_state_and_time_a_page_at_a_time()
         Duration::from_secs(10),
         || async {
             let query = format!("/v1/tasks?type={name}&state=QUEUED&limit=500");
-            ids(&get(&harness, &query).await.1).len() == 15
+            ids(&harness.get_json(TOKEN, &query).await.1).len() == 15
         },
     )
     .await;
-    let (_, page) = get(
-        &harness,
-        &format!("/v1/tasks?type={name}&state=DEAD_LETTER"),
-    )
-    .await;
+    let (_, page) = harness
+        .get_json(TOKEN, &format!("/v1/tasks?type={name}&state=DEAD_LETTER"))
+        .await;
     assert_eq!(ids(&page), Vec::<Uuid>::new());
     assert_eq!(page["nextCursor"], Value::Null);
     let after = (chrono::Utc::now() + chrono::Duration::seconds(1)).to_rfc3339();
     let since = before.to_rfc3339();
     let encode = |s: &str| s.replace('+', "%2B");
-    let (_, page) = get(
-        &harness,
-        &format!("/v1/tasks?type={name}&createdAfter={}", encode(&after)),
-    )
-    .await;
+    let (_, page) = harness
+        .get_json(
+            TOKEN,
+            &format!("/v1/tasks?type={name}&createdAfter={}", encode(&after)),
+        )
+        .await;
     assert_eq!(ids(&page).len(), 0);
-    let (_, page) = get(
-        &harness,
-        &format!(
-            "/v1/tasks?type={name}&createdAfter={}&createdBefore={}&limit=500",
-            encode(&since),
-            encode(&after)
-        ),
-    )
-    .await;
+    let (_, page) = harness
+        .get_json(
+            TOKEN,
+            &format!(
+                "/v1/tasks?type={name}&createdAfter={}&createdBefore={}&limit=500",
+                encode(&since),
+                encode(&after)
+            ),
+        )
+        .await;
     assert_eq!(ids(&page).len(), 15);
     harness.shutdown().await;
 }
@@ -200,12 +174,13 @@ async fn bad_labels_and_bad_queries_are_refused_and_record_nothing() {
         json!(["not", "a", "map"]),
         Value::Object((0..17).map(|i| (format!("k{i}"), json!("v"))).collect()),
     ] {
-        let (status, body) = post(
-            &harness,
-            "/v1/tasks",
-            json!({"taskType": name, "payload": {}, "labels": labels}),
-        )
-        .await;
+        let (status, body) = harness
+            .post_json(
+                TOKEN,
+                "/v1/tasks",
+                json!({"taskType": name, "payload": {}, "labels": labels}),
+            )
+            .await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{labels}: {body}");
         let code = body["error"]["code"].as_str().unwrap();
         assert!(
@@ -224,11 +199,11 @@ async fn bad_labels_and_bad_queries_are_refused_and_record_nothing() {
         ("createdAfter=yesterday", "invalid_query"),
         ("colour=red", "invalid_query"),
     ] {
-        let (status, body) = get(&harness, &format!("/v1/tasks?{query}")).await;
+        let (status, body) = harness.get_json(TOKEN, &format!("/v1/tasks?{query}")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {body}");
         assert_eq!(body["error"]["code"], json!(code), "{query}: {body}");
     }
-    let (status, body) = get(&harness, "/v1/tasks?type=nosuchtype").await;
+    let (status, body) = harness.get_json(TOKEN, "/v1/tasks?type=nosuchtype").await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
     harness.shutdown().await;
 }
@@ -242,10 +217,14 @@ async fn a_waiting_task_can_be_cancelled_and_never_runs() {
     // No worker yet: both tasks wait in the queue.
     let doomed = harness.submit_ok(&name, json!({})).await;
     let kept = harness.submit_ok(&name, json!({})).await;
-    let (status, task) = post(&harness, &format!("/v1/tasks/{doomed}:cancel"), json!({})).await;
+    let (status, task) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{doomed}:cancel"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::OK, "{task}");
     assert_eq!(task["state"], json!("CANCELLED"));
-    let (status, body) = post(&harness, &format!("/v1/tasks/{doomed}:cancel"), json!({})).await;
+    let (status, body) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{doomed}:cancel"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert_eq!(body["error"]["code"], json!("not_cancellable"));
 
@@ -275,12 +254,18 @@ async fn a_waiting_task_can_be_cancelled_and_never_runs() {
         Some("cancelled by client tests")
     );
     // A completed task cannot be cancelled; a malformed action is refused.
-    let (status, body) = post(&harness, &format!("/v1/tasks/{kept}:cancel"), json!({})).await;
+    let (status, body) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{kept}:cancel"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
-    let (status, body) = post(&harness, &format!("/v1/tasks/{kept}:explode"), json!({})).await;
+    let (status, body) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{kept}:explode"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
     assert_eq!(body["error"]["code"], json!("unknown_action"));
-    let (status, _) = post(&harness, &format!("/v1/tasks/{kept}"), json!({})).await;
+    let (status, _) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{kept}"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
     let _ = std::fs::remove_file(&file);
     harness.shutdown().await;
@@ -326,28 +311,28 @@ async fn a_dead_letter_is_retried_and_a_selected_set_redriven_over_the_api() {
 
     // A task that is not dead-lettered cannot be retried.
     let waiting = harness.submit_ok(&name, json!({})).await;
-    let (status, body) = post(&harness, &format!("/v1/tasks/{waiting}:retry"), json!({})).await;
+    let (status, body) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{waiting}:retry"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
     assert_eq!(body["error"]["code"], json!("not_dead_lettered"));
 
     // One retried by id, the `batch=a` one left over redriven by selector; `b` stays.
-    let (status, task) = post(
-        &harness,
-        &format!("/v1/tasks/{}:retry", failed[0]),
-        json!({}),
-    )
-    .await;
+    let (status, task) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{}:retry", failed[0]), json!({}))
+        .await;
     assert_eq!(status, StatusCode::OK, "{task}");
     assert_eq!(
         (task["state"].clone(), task["retries"].clone()),
         (json!("QUEUED"), json!(0))
     );
-    let (status, answer) = post(
-        &harness,
-        "/v1/tasks:redrive",
-        json!({"taskType": name, "labelSelector": "batch=a"}),
-    )
-    .await;
+    let (status, answer) = harness
+        .post_json(
+            TOKEN,
+            "/v1/tasks:redrive",
+            json!({"taskType": name, "labelSelector": "batch=a"}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{answer}");
     assert_eq!(answer["redriven"], json!(1), "{answer}");
     assert_eq!(answer["more"], json!(false), "{answer}");
@@ -383,12 +368,13 @@ async fn a_dead_letter_is_retried_and_a_selected_set_redriven_over_the_api() {
         assert_eq!(back.detail.as_deref(), Some("retried by client tests"));
         assert_eq!(events.last().unwrap().to_state, Completed);
     }
-    let (status, body) = post(
-        &harness,
-        "/v1/tasks:redrive",
-        json!({"taskType": name, "limit": 0}),
-    )
-    .await;
+    let (status, body) = harness
+        .post_json(
+            TOKEN,
+            "/v1/tasks:redrive",
+            json!({"taskType": name, "limit": 0}),
+        )
+        .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     let _ = std::fs::remove_file(&file);
     harness.shutdown().await;
@@ -405,12 +391,9 @@ async fn the_lists_state_filter_follows_the_database() {
     let mut harness = Harness::start(vec![spec]).await;
     dead_letters(&mut harness, &name, &[json!({})]).await;
     let cancelled = harness.submit_ok(&name, json!({})).await;
-    let (status, _) = post(
-        &harness,
-        &format!("/v1/tasks/{cancelled}:cancel"),
-        json!({}),
-    )
-    .await;
+    let (status, _) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{cancelled}:cancel"), json!({}))
+        .await;
     assert_eq!(status, StatusCode::OK);
     let done = harness.start_worker(&[&name], Handler::Noop, 1);
     harness.submit_ok(&name, json!({})).await;
@@ -429,8 +412,9 @@ async fn the_lists_state_filter_follows_the_database() {
             &format!("{state} listed"),
             Duration::from_secs(10),
             || async {
-                let (_, page) =
-                    get(&harness, &format!("/v1/tasks?type={name}&state={state}")).await;
+                let (_, page) = harness
+                    .get_json(TOKEN, &format!("/v1/tasks?type={name}&state={state}"))
+                    .await;
                 ids(&page).len() == expected(state)
             },
         )
@@ -441,11 +425,12 @@ async fn the_lists_state_filter_follows_the_database() {
             "{state}"
         );
     }
-    let (_, page) = get(
-        &harness,
-        &format!("/v1/tasks?type={name}&state=DEAD_LETTER,CANCELLED"),
-    )
-    .await;
+    let (_, page) = harness
+        .get_json(
+            TOKEN,
+            &format!("/v1/tasks?type={name}&state=DEAD_LETTER,CANCELLED"),
+        )
+        .await;
     assert_eq!(ids(&page).len(), 2);
     harness.shutdown().await;
 }
@@ -675,7 +660,9 @@ async fn a_followed_task_streams_each_change_and_the_stream_ends_when_it_settles
         "a 2.5 s task is seen running (reads are at most 1 s apart): {states:?}"
     );
     assert_eq!(harness.db.task(id).await.unwrap().unwrap().state, Completed);
-    let (status, _) = get(&harness, &format!("/v1/tasks/{}/stream", Uuid::now_v7())).await;
+    let (status, _) = harness
+        .get_json(TOKEN, &format!("/v1/tasks/{}/stream", Uuid::now_v7()))
+        .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     harness.shutdown().await;
 }

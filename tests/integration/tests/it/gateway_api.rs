@@ -291,27 +291,11 @@ async fn batches_answer_per_task_and_tasks_and_timelines_can_be_read() {
     assert_eq!(harness.total_tasks(&name).await, 1);
 
     let id = results[0]["id"].as_str().unwrap();
-    let task: serde_json::Value = harness
-        .http
-        .get(format!("{}/v1/tasks/{id}", harness.gateway_url))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, task) = harness.get_json(TOKEN, &format!("/v1/tasks/{id}")).await;
     assert_eq!(task["state"], "QUEUED");
-    let events: serde_json::Value = harness
-        .http
-        .get(format!("{}/v1/tasks/{id}/events", harness.gateway_url))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, events) = harness
+        .get_json(TOKEN, &format!("/v1/tasks/{id}/events"))
+        .await;
     let states: Vec<&str> = events["events"]
         .as_array()
         .unwrap()

@@ -15,17 +15,7 @@ use uuid::Uuid;
 use crate::support::{test_type, Harness, TOKEN};
 
 async fn progress_of(h: &Harness, id: Uuid) -> Value {
-    let task: Value = h
-        .http
-        .get(format!("{}/v1/tasks/{id}", h.gateway_url))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    task["progress"].clone()
+    h.get_json(TOKEN, &format!("/v1/tasks/{id}")).await.1["progress"].clone()
 }
 
 async fn wait_for_progress(h: &Harness, id: Uuid, want: Value) {

@@ -184,6 +184,41 @@ impl Harness {
             .expect("known type")
     }
 
+    /// A call to the gateway's API as the client with `token`: the status and the JSON body
+    /// (`null` when there is none).
+    pub async fn call_api(
+        &self,
+        method: reqwest::Method,
+        token: &str,
+        path: &str,
+        body: Option<serde_json::Value>,
+    ) -> (StatusCode, serde_json::Value) {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.gateway_url))
+            .bearer_auth(token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request.send().await.expect("gateway answers");
+        let status = response.status();
+        (status, response.json().await.unwrap_or_default())
+    }
+
+    pub async fn get_json(&self, token: &str, path: &str) -> (StatusCode, serde_json::Value) {
+        self.call_api(reqwest::Method::GET, token, path, None).await
+    }
+
+    pub async fn post_json(
+        &self,
+        token: &str,
+        path: &str,
+        body: serde_json::Value,
+    ) -> (StatusCode, serde_json::Value) {
+        self.call_api(reqwest::Method::POST, token, path, Some(body))
+            .await
+    }
+
     pub async fn submit(
         &self,
         task_type: &str,

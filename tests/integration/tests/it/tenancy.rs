@@ -491,19 +491,6 @@ async fn adopt_moves_a_type_from_before_tenancy_into_its_namespace() {
     harness.shutdown().await;
 }
 
-async fn post_as(h: &Harness, token: &str, path: &str, body: Value) -> (StatusCode, Value) {
-    let response = h
-        .http
-        .post(format!("{}{path}", h.gateway_url))
-        .bearer_auth(token)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status();
-    (status, response.json().await.unwrap_or(Value::Null))
-}
-
 #[tokio::test]
 async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
     let (harness, name) = two_tenants(|_| {}).await;
@@ -602,23 +589,23 @@ async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
     // Cancel and retry of alpha's tasks by beta: 404 as for ids that do not exist, and
     // nothing changes; redrive of alpha's type by beta: an unknown type.
     for action in ["cancel", "retry"] {
-        let (status, body) = post_as(
-            &harness,
-            BETA,
-            &format!("/v1/tasks/{}:{action}", alphas[0]),
-            json!({}),
-        )
-        .await;
+        let (status, body) = harness
+            .post_json(
+                BETA,
+                &format!("/v1/tasks/{}:{action}", alphas[0]),
+                json!({}),
+            )
+            .await;
         assert_eq!(status, StatusCode::NOT_FOUND, "{action}: {body}");
         assert_eq!(body["error"]["code"], json!("task_not_found"));
     }
-    let (status, body) = post_as(
-        &harness,
-        BETA,
-        "/v1/tasks:redrive",
-        json!({"taskType": name, "namespace": "alpha"}),
-    )
-    .await;
+    let (status, body) = harness
+        .post_json(
+            BETA,
+            "/v1/tasks:redrive",
+            json!({"taskType": name, "namespace": "alpha"}),
+        )
+        .await;
     assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
     for id in &alphas {
         let task = harness.db.task(id.parse().unwrap()).await.unwrap().unwrap();
@@ -628,13 +615,9 @@ async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
         ));
     }
     // Alpha can cancel its own.
-    let (status, body) = post_as(
-        &harness,
-        ALPHA,
-        &format!("/v1/tasks/{}:cancel", alphas[0]),
-        json!({}),
-    )
-    .await;
+    let (status, body) = harness
+        .post_json(ALPHA, &format!("/v1/tasks/{}:cancel", alphas[0]), json!({}))
+        .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     harness.shutdown().await;
 }
