@@ -364,7 +364,12 @@ pub async fn act(gateway: &Gateway, action: &str, ids: &[Uuid]) -> anyhow::Resul
         }
     }
     if refused > 0 {
-        bail!("{refused} of {} could not be {action}ed", ids.len());
+        let done = if action == "retry" {
+            "retried"
+        } else {
+            "cancelled"
+        };
+        bail!("{refused} of {} could not be {done}", ids.len());
     }
     Ok(())
 }

@@ -122,7 +122,7 @@ async fn retry(state: &ApiState, task: TaskRecord, by: &str) -> Result<TaskRecor
     if task.state != TaskState::DeadLetter {
         return Err(not_dead_lettered(&task));
     }
-    if !send_back(state, &task, by).await? {
+    if !send_back(state, &task, &format!("retried by {by}")).await? {
         // It moved on between the read and the lock (another retry, a redrive).
         let now = reread(state, task).await?;
         return Err(not_dead_lettered(&now));
@@ -143,12 +143,13 @@ fn not_dead_lettered(task: &TaskRecord) -> ApiError {
 }
 
 /// DEAD_LETTER → QUEUED with a fresh retry budget, published before it commits (decision
-/// 0002). `false` when the task was no longer dead-lettered at its attempt.
-async fn send_back(state: &ApiState, task: &TaskRecord, by: &str) -> Result<bool, ApiError> {
+/// 0002), audited with `detail`. `false` when the task was no longer dead-lettered at its
+/// attempt.
+async fn send_back(state: &ApiState, task: &TaskRecord, detail: &str) -> Result<bool, ApiError> {
     let ingestor = &state.ingestor;
     let pending = ingestor
         .db
-        .begin_retry(task.id, task.attempt, by)
+        .begin_retry(task.id, task.attempt, detail)
         .await
         .map_err(|err| db_error(&ingestor.metrics, &err))?;
     let Some(pending) = pending else {
@@ -255,7 +256,7 @@ pub async fn redrive(
         states: vec![TaskState::DeadLetter],
         ..find::filter(&state, &client, &query)?
     };
-    let by = by(&client);
+    let detail = format!("redriven by {}", by(&client));
     let (mut redriven, mut skipped) = (0u32, 0u32);
     let task_type = filter.types.first().cloned().unwrap_or_default();
     let more = loop {
@@ -267,7 +268,7 @@ pub async fn redrive(
             .await
             .map_err(|err| db_error(&state.ingestor.metrics, &err))?;
         for task in &page.tasks {
-            match send_back(&state, task, &by).await {
+            match send_back(&state, task, &detail).await {
                 Ok(true) => redriven += 1,
                 Ok(false) => skipped += 1,
                 // What was sent back stays sent back; the answer says how far it got.

@@ -10,7 +10,8 @@ from conveyor_client import ConveyorError, Event, NewTask, State
 
 from .support import GatewayTest, eventually, run_label, wait_all
 
-SENT_BACK = "retried by client tests"  # the test token's client is named `tests`
+RETRIED = "retried by client tests"  # the test token's client is named `tests`
+REDRIVEN = "redriven by client tests"
 
 
 def sent_back(events: List[Event]) -> List[Event]:
@@ -45,7 +46,7 @@ class RemedyTests(GatewayTest):
         events = self.client.events(accepted.id)
         back = sent_back(events)
         self.assertEqual(len(back), 1)
-        self.assertEqual(back[0].detail, SENT_BACK)
+        self.assertEqual(back[0].detail, RETRIED)
         self.assertEqual(dead_lettered(events), 2, "failed again after the retry")
 
         with self.assertRaises(ConveyorError) as caught:
@@ -75,7 +76,7 @@ class RemedyTests(GatewayTest):
         self.assertEqual(counts, [1, 2, 2], "the first redrive took two, the second all three")
         for task_id in mine:
             self.assertTrue(
-                all(e.detail == SENT_BACK for e in sent_back(self.client.events(task_id)))
+                all(e.detail == REDRIVEN for e in sent_back(self.client.events(task_id)))
             )
 
         self.assertEqual(sent_back(self.client.events(bystander)), [], "not selected, not touched")

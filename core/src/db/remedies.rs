@@ -56,20 +56,21 @@ impl Db {
         Ok(CancelOutcome::TooLate(state))
     }
 
-    /// DEAD_LETTER → QUEUED for one task a client retries, with a fresh retry budget; as
-    /// [`Db::begin_redrive`], publish its message before committing. `None` when the task
-    /// is not dead-lettered at `attempt` (any more).
+    /// DEAD_LETTER → QUEUED for one task a client retries or redrives, with a fresh retry
+    /// budget, audited with `detail` (who, and which of the two); as [`Db::begin_redrive`],
+    /// publish its message before committing. `None` when the task is not dead-lettered at
+    /// `attempt` (any more).
     pub async fn begin_retry(
         &self,
         id: Uuid,
         attempt: i32,
-        by: &str,
+        detail: &str,
     ) -> DbResult<Option<PendingRequeue>> {
         let back = BackToWork {
             from: &[DeadLetter],
             budget: RetryBudget::Reset,
             by: None,
-            detail: format!("retried by {by}"),
+            detail: detail.to_owned(),
         };
         self.begin_back_to_work(id, attempt, back).await
     }

@@ -383,6 +383,66 @@ fn stack_operator_pid() -> Option<String> {
     alive.then(|| pid.trim().to_owned())
 }
 
+/// A local pod's processes stopped (SIGSTOP): the worker answers no probe and no request,
+/// as a wedged one would. They run again (SIGCONT) on [`PausedPod::resume`] or when this is
+/// dropped, so a failed test leaves nothing stopped.
+pub struct PausedPod {
+    pod: String,
+    pids: Vec<String>,
+}
+
+impl PausedPod {
+    /// Stops the processes the local pod runner runs for `pod` (found by the `POD_NAME` a
+    /// kubelet would give them). Local cluster only: panics when none is found (a kind
+    /// pod runs in a container this test cannot signal).
+    pub fn pause(pod: &str) -> PausedPod {
+        let wanted = format!("POD_NAME={pod}\0");
+        let pids: Vec<String> = std::fs::read_dir("/proc")
+            .expect("/proc")
+            .filter_map(|entry| {
+                let name = entry.ok()?.file_name().into_string().ok()?;
+                name.parse::<u32>().ok()?;
+                let environ = std::fs::read(format!("/proc/{name}/environ")).ok()?;
+                environ
+                    .windows(wanted.len())
+                    .any(|w| w == wanted.as_bytes())
+                    .then_some(name)
+            })
+            .collect();
+        assert!(!pids.is_empty(), "no local process runs pod {pod}");
+        let paused = PausedPod {
+            pod: pod.to_owned(),
+            pids,
+        };
+        assert!(
+            paused.signal("STOP"),
+            "kill -STOP {:?} ({pod})",
+            paused.pids
+        );
+        paused
+    }
+
+    /// Lets the processes run again (dropping does the same).
+    pub fn resume(self) {}
+
+    fn signal(&self, signal: &str) -> bool {
+        std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .args(&self.pids)
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+}
+
+impl Drop for PausedPod {
+    fn drop(&mut self) {
+        // Not asserted: this may run while a failed test unwinds.
+        if !self.signal("CONT") {
+            eprintln!("could not resume pod {} ({:?})", self.pod, self.pids);
+        }
+    }
+}
+
 /// Kills the stack's operator with -9 and waits until it is gone; false on kind.
 pub fn kill_operator() -> bool {
     let Some(pid) = stack_operator_pid() else {

@@ -57,6 +57,12 @@ impl ProgressFile {
                 let readable = (&mut file).take(MAX_FILE - offset);
                 if file_read(readable, offset, &mut chunk).await.is_ok() && !chunk.is_empty() {
                     offset += chunk.len() as u64;
+                    if offset >= MAX_FILE {
+                        tracing::warn!(
+                            limit = MAX_FILE,
+                            "the progress file reached its limit: later reports of this attempt are not read"
+                        );
+                    }
                     partial.push_str(&String::from_utf8_lossy(&chunk));
                     if let Some(end) = partial.rfind('\n') {
                         let complete: String = partial.drain(..=end).collect();

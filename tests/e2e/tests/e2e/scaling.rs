@@ -7,10 +7,14 @@ use std::time::Duration;
 
 use conveyor_core::testing::wait_until;
 use conveyor_core::TaskState;
-use conveyor_e2e_tests::{assert_valid_chain, operators_to_myself, restart_operator};
+use conveyor_e2e_tests::{
+    assert_valid_chain, operators_to_myself, restart_operator, PausedPod, Stack,
+};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
 use serde_json::json;
 
-use crate::{pool_stack, MINUTE};
+use crate::{pool_stack, pool_yaml, task_type_yaml, MINUTE};
 
 #[tokio::test]
 async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
@@ -243,6 +247,90 @@ async fn a_scale_down_under_load_removes_no_worker_with_a_task_in_flight() {
     // task is released or reaped and claimed a second time, which this one sees.
     let reruns = stack.reruns(&t).await;
     assert!(reruns.is_empty(), "the scale-down re-ran tasks: {reruns:?}");
+    stack.finish().await;
+}
+
+fn is_ready(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Decision 0018's addendum on the real control plane: the ReplicaSet deletes a not-ready
+/// pod before any pod-deletion-cost, so while a busy worker is not ready the operator must
+/// not shrink the Deployment by the idle worker it drained until that one ranks first too.
+/// The busy worker is made unready by stopping its process (no probe answers, as a wedged
+/// worker) for the whole scale-down, then let go.
+#[tokio::test]
+async fn a_busy_worker_that_is_not_ready_is_not_removed_in_place_of_the_idle_one() {
+    let mut stack = Stack::namespace("unready").await;
+    let t = stack.task_type("e2e-unready");
+    // Heartbeats stop while the busy worker is stopped: no reaper may take its task.
+    stack.apply(&task_type_yaml(&t, "  heartbeatTimeoutSeconds: 900\n"));
+    let pool = "  replicas: 2\n  concurrency: 1\n  drainGraceSeconds: 600\n";
+    stack.apply(&pool_yaml("wedged", &t, pool));
+    stack.wait_for_workers(&t, 2).await;
+    wait_until("both workers ready", 2 * MINUTE, || async {
+        let pods = stack.running_pods("wedged").await;
+        pods.len() == 2 && pods.iter().all(is_ready)
+    })
+    .await;
+
+    let ids = stack.submit_all(&t, vec![json!({"sleepMs": 5000})]).await;
+    let owner = std::cell::RefCell::new(String::new());
+    wait_until("the task in a worker's hands", 2 * MINUTE, || async {
+        let found: Option<String> =
+            sqlx::query_scalar("SELECT owner FROM tasks WHERE id = $1 AND state = 'PROCESSING'")
+                .bind(ids[0])
+                .fetch_optional(stack.db.pool())
+                .await
+                .unwrap()
+                .flatten();
+        found.map(|o| *owner.borrow_mut() = o).is_some()
+    })
+    .await;
+    let pods = stack.running_pods("wedged").await;
+    let (busy, idle): (Vec<Pod>, Vec<Pod>) = pods
+        .into_iter()
+        .partition(|p| owner.borrow().starts_with(&p.name_any()));
+    let (busy, idle) = (busy[0].name_any(), idle[0].name_any());
+
+    let paused = PausedPod::pause(&busy);
+    wait_until(&format!("{busy} not ready"), 2 * MINUTE, || async {
+        let pods = stack.running_pods("wedged").await;
+        pods.iter().any(|p| p.name_any() == busy && !is_ready(p))
+    })
+    .await;
+    stack.kubectl(&["scale", "workerpool/wedged", "--replicas=1"]);
+    // The operator drains the idle worker and marks it; the ReplicaSet would still take the
+    // unready busy one first, so the Deployment shrinks only once the drained worker is
+    // not ready either (its cost then puts it first).
+    wait_until(&format!("{idle} removed"), 3 * MINUTE, || async {
+        stack.deployment_replicas("wedged").await == Some(1)
+            && stack.running_pods("wedged").await.len() == 1
+    })
+    .await;
+    let live = stack.running_pods("wedged").await;
+    assert_eq!(
+        live[0].name_any(),
+        busy,
+        "the busy worker was removed in place of the idle one"
+    );
+    assert!(!is_ready(&live[0]), "{busy} was stopped all along");
+
+    // Let go, the busy worker finishes its task: once, and nothing ran it again.
+    paused.resume();
+    stack
+        .wait_for_state(&t, TaskState::Completed, 1, 2 * MINUTE)
+        .await;
+    let completions = stack.completions(&t).await;
+    assert_eq!(completions.values().copied().collect::<Vec<_>>(), vec![1]);
+    let reruns = stack.reruns(&t).await;
+    assert!(
+        reruns.is_empty(),
+        "the scale-down re-ran the task: {reruns:?}"
+    );
     stack.finish().await;
 }
 

@@ -357,7 +357,7 @@ async fn a_dead_letter_is_retried_and_a_selected_set_redriven_over_the_api() {
     assert_eq!(done, BTreeSet::from([failed[0], failed[1], waiting]));
     let record = harness.db.task(failed[2]).await.unwrap().unwrap();
     assert_eq!(record.state, DeadLetter, "batch b was not selected");
-    for id in &failed[..2] {
+    for (id, how) in failed[..2].iter().zip(["retried", "redriven"]) {
         let events = harness.events(*id).await;
         assert_valid_chain(&events);
         let back = events
@@ -365,7 +365,7 @@ async fn a_dead_letter_is_retried_and_a_selected_set_redriven_over_the_api() {
             .find(|e| e.from_state == Some(DeadLetter))
             .expect("sent back");
         assert_eq!(back.to_state, Queued);
-        assert_eq!(back.detail.as_deref(), Some("retried by client tests"));
+        assert_eq!(back.detail, Some(format!("{how} by client tests")));
         assert_eq!(events.last().unwrap().to_state, Completed);
     }
     let (status, body) = harness

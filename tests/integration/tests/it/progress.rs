@@ -195,3 +195,33 @@ async fn a_failed_attempts_progress_is_cleared_when_the_task_goes_back_to_work()
     let _ = std::fs::remove_dir_all(&gates);
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn the_database_refuses_an_oversized_report_written_around_the_worker() {
+    let spec = test_type("progress-bound");
+    let name = spec.name.clone();
+    let harness = Harness::start(vec![spec]).await;
+    let id = harness.submit_ok(&name, json!({})).await;
+    let write = |report: Value| {
+        sqlx::query("UPDATE tasks SET progress = $2 WHERE id = $1")
+            .bind(id)
+            .bind(report)
+            .execute(harness.db.pool())
+    };
+    write(json!({"message": "x".repeat(1000)}))
+        .await
+        .expect("a report the worker would send is stored");
+    let refused = write(json!({"message": "x".repeat(3000)}))
+        .await
+        .expect_err("3 KB of progress is refused");
+    assert!(
+        refused.to_string().contains("tasks_progress_bounded"),
+        "{refused}"
+    );
+    assert_eq!(
+        progress_of(&harness, id).await,
+        json!({"message": "x".repeat(1000)}),
+        "the refused write changed nothing"
+    );
+    harness.shutdown().await;
+}

@@ -24,8 +24,14 @@ async fn the_python_clients_tests_pass_against_the_real_gateway() {
         "properties": {"video": {"type": "string"}},
     }));
     let names = [&ok, &failing, &full, &strict].map(|t| t.name.clone());
-    // A second client, of a namespace with no types: the suite checks it sees nothing.
-    let mut harness = Harness::start_with(vec![ok, failing, full, strict], |config| {
+    // A second client, of namespace `elsewhere`, with a type of the same name as `ok` (no
+    // worker: its tasks wait): the suite checks each client sees only its own.
+    let theirs = conveyor_core::task_type::NamedTaskType::in_namespace(
+        "elsewhere",
+        &names[0],
+        conveyor_core::task_type::TaskTypeSpec::default(),
+    );
+    let mut harness = Harness::start_with(vec![ok, failing, full, strict, theirs], |config| {
         config.tokens = conveyor_gateway::auth::Tokens::parse_pairs(&format!(
             "tests={TOKEN},other@elsewhere={OTHER_TOKEN}"
         ))

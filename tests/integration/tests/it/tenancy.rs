@@ -571,6 +571,32 @@ async fn lists_cancels_retries_and_redrives_see_only_the_clients_tenant() {
     let listed: Value = serde_json::from_slice(&ctl.stdout).unwrap();
     assert_eq!(listed["tasks"].as_array().unwrap().len(), 1, "{listed}");
     assert_eq!(listed["tasks"][0]["id"], json!(beta_id));
+    // Reads and remedies of alpha's task by id: refused as unknown, and nothing changes
+    // (checked below with the API's).
+    for args in [
+        vec!["get", "-o", "json", &alphas[0]],
+        vec!["events", &alphas[0]],
+        vec!["cancel", &alphas[0]],
+        vec!["retry", &alphas[0]],
+    ] {
+        let ctl = tokio::process::Command::new(testing::binary("conveyorctl"))
+            .args(&args)
+            .env("CONVEYOR_GATEWAY_URL", &harness.gateway_url)
+            .env("CONVEYOR_TOKEN", BETA)
+            .output()
+            .await
+            .unwrap();
+        let said = String::from_utf8_lossy(&ctl.stdout) + String::from_utf8_lossy(&ctl.stderr);
+        assert!(!ctl.status.success(), "{args:?}: {said}");
+        assert!(
+            said.contains("task_not_found") || said.contains("not found"),
+            "{args:?}: {said}"
+        );
+        assert!(
+            !said.contains("shared"),
+            "{args:?} showed alpha's task: {said}"
+        );
+    }
 
     // Types at a glance: beta's own only. A stream of alpha's task: 404.
     let (status, body) = get(&harness, BETA, "/v1/task-types").await;
