@@ -39,13 +39,29 @@ fn body(task_type: &str, n: usize) -> serde_json::Value {
     serde_json::json!({ "taskType": task_type, "payload": { "video": "bench.mp4", "n": n } })
 }
 
-/// Batches of `batch` from `clients` concurrent submitters until `tasks` are accepted.
+/// A task as a video pipeline labels it: what it belongs to, and one of a few tiers. Rows
+/// with labels are the ones the GIN index `tasks_labels` holds (decision 0024).
+fn labelled(task_type: &str, n: usize) -> serde_json::Value {
+    const TIERS: [&str; 3] = ["gold", "silver", "bronze"];
+    let mut task = body(task_type, n);
+    task["labels"] = serde_json::json!({
+        "asset": format!("a{}", n / 10),
+        "pipeline": "vod",
+        "tier": TIERS[n % 3],
+    });
+    task
+}
+
+/// Batches of `batch` from `clients` concurrent submitters until `tasks` are accepted;
+/// with three labels on each task when `with_labels`.
 pub async fn batches(
     system: &System,
     tasks: usize,
     batch: usize,
     clients: usize,
+    with_labels: bool,
 ) -> anyhow::Result<Accepted> {
+    let make = if with_labels { labelled } else { body };
     let http = reqwest::Client::new();
     let next = Arc::new(AtomicUsize::new(0));
     let url = format!("{}/v1/tasks:batch", system.gateway_url);
@@ -60,7 +76,7 @@ pub async fn batches(
                     return anyhow::Ok(accepted);
                 }
                 let n = batch.min(tasks - start);
-                let entries: Vec<_> = (start..start + n).map(|i| body(&task_type, i)).collect();
+                let entries: Vec<_> = (start..start + n).map(|i| make(&task_type, i)).collect();
                 let sent = Utc::now();
                 let answer = http
                     .post(&url)

@@ -401,7 +401,7 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
          is read once per phase, after it, to check that every accepted task completed once \
          with its whole audit chain.\n\n## All runs\n\n",
     );
-    md.push_str("| date | commit | short | floor msg/s (median of the run's) | batch tasks/s (ratio) | single tasks/s (ratio), first count | p99 ms at fixed rate |\n|---|---|---|---|---|---|---|\n");
+    md.push_str("| date | commit | short | floor msg/s (median of the run's) | batch tasks/s (ratio) | labelled batch tasks/s (ratio) | single tasks/s (ratio), first count | p99 ms at fixed rate |\n|---|---|---|---|---|---|---|---|\n");
     for r in runs.iter().rev() {
         let rate = |name: &str| {
             r.phase(name).map_or("-".to_owned(), |p| {
@@ -412,12 +412,13 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
             .phase("fixed rate")
             .map_or("-".to_owned(), |p| format!("{:.1}", p.latency_ms["p99"]));
         md.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {} | {} | {} |\n",
+            "| {} | {} | {} | {:.0} | {} | {} | {} | {} |\n",
             r.date,
             r.commit,
             r.short,
             r.floor_broker,
             rate("batch submits"),
+            rate("labelled batch submits"),
             rate("single submits"),
             p99
         ));
