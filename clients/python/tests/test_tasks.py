@@ -7,7 +7,7 @@ import uuid
 
 from conveyor_client import Client, ConveyorError, NewTask, RetryPolicy, State
 
-from .support import FAST_RETRIES, GatewayTest, LocalServer, forward_to, run_label
+from .support import FAST_RETRIES, GatewayTest, LocalServer, Reply, Seen, forward_to, run_label
 
 
 class SubmitTests(GatewayTest):
@@ -103,6 +103,50 @@ class SubmitTests(GatewayTest):
         self.assertEqual([r.status for r in again], [200, 400, 200])
         self.assertEqual(again[0].unwrap().id, good.accepted.id)
         self.assertEqual(len(list(self.client.iter_tasks(label_selector=f"run={run}"))), 2)
+
+
+class FollowTests(GatewayTest):
+    """Waiting follows the task's event stream; judged by what a proxy in between saw."""
+
+    def test_waiting_follows_the_stream_instead_of_reading_again_and_again(self) -> None:
+        accepted = self.client.submit(self.gateway.ok, {"n": 5}, labels={"run": run_label()})
+        with LocalServer(forward_to(self.gateway.url)) as proxy:
+            client = self.gateway.client(proxy.url)
+            done = client.wait(accepted.id, timeout=60)
+            self.assertEqual(done.state, State.COMPLETED)
+            seen = [s.state for s in client.follow(accepted.id)]
+        self.assertEqual(seen, [State.COMPLETED], "a settled task's stream says so and ends")
+        path = f"/v1/tasks/{accepted.id}"
+        self.assertEqual(len(proxy.of("GET", path + "/stream")), 2)
+        self.assertEqual(len(proxy.of("GET", path)), 1, "one read, for the result, no polling")
+
+    def test_the_stream_shows_each_change_until_the_task_settles(self) -> None:
+        accepted = self.client.submit(self.gateway.ok, {"n": 6})
+        states = [s.state for s in self.client.follow(accepted.id, timeout=60)]
+        self.assertEqual(states[-1], State.COMPLETED)
+        order = [State.INGESTED, State.QUEUED, State.PROCESSING, State.COMPLETED]
+        self.assertEqual(states, sorted(states, key=order.index), "in lifecycle order")
+
+    def test_waiting_goes_on_by_polling_when_a_proxy_refuses_the_stream(self) -> None:
+        forward = forward_to(self.gateway.url)
+
+        def no_streams(seen: Seen) -> Reply:
+            if seen.path.endswith("/stream"):
+                return 502, {"Content-Type": "text/plain"}, b"streams are not allowed here"
+            return forward(seen)
+
+        accepted = self.client.submit(self.gateway.ok, {"n": 7})
+        with LocalServer(no_streams) as proxy:
+            done = self.gateway.client(proxy.url, retry=FAST_RETRIES).wait(accepted.id, timeout=60)
+        self.assertEqual(done.state, State.COMPLETED)
+        path = f"/v1/tasks/{accepted.id}"
+        self.assertGreaterEqual(len(proxy.of("GET", path + "/stream")), 1)
+        self.assertGreaterEqual(len(proxy.of("GET", path)), 1)
+
+    def test_an_unknown_task_cannot_be_followed(self) -> None:
+        with self.assertRaises(ConveyorError) as caught:
+            self.client.wait(str(uuid.uuid4()), timeout=5)
+        self.assertEqual((caught.exception.status, caught.exception.code), (404, "task_not_found"))
 
 
 class ErrorTests(GatewayTest):

@@ -25,7 +25,7 @@ class AnotherTenant(unittest.TestCase):
         for listed in (theirs.iter_tasks(), theirs.iter_tasks(label_selector=f"run={label}")):
             self.assertEqual([t.id for t in listed], [own.id])
         self.assertEqual([t.id for t in ours.iter_tasks(label_selector=f"run={label}")], [accepted.id])
-        for call in (theirs.get, theirs.events, theirs.cancel, theirs.retry):
+        for call in (theirs.get, theirs.events, theirs.cancel, theirs.retry, theirs.wait):
             with self.assertRaises(ConveyorError) as refused:
                 call(accepted.id)
             self.assertEqual((refused.exception.status, refused.exception.code), (404, "task_not_found"))

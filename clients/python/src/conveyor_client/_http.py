@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 from . import __version__
 from .errors import ConveyorError, NoAnswer
@@ -152,6 +152,38 @@ class Http:
         except urllib.error.HTTPError as answer:
             with answer:
                 return answer.code, _retry_after(answer.headers.get("Retry-After")), answer.read()
+
+    def events(self, path: str, *, read_timeout: float) -> Iterator[Tuple[str, str]]:
+        """Server-sent events from `path`, as (event, data), until the gateway ends the
+        stream. Not retried: an error answer raises `ConveyorError`, none `NoAnswer`; a
+        read that waits `read_timeout` seconds (the gateway sends a comment every 15 s)
+        or a dropped connection raises `OSError`."""
+        headers = {**self.headers, "Accept": "text/event-stream"}
+        request = urllib.request.Request(self.base + path, headers=headers)
+        try:
+            response = self.opener.open(request, timeout=read_timeout)
+        except urllib.error.HTTPError as answer:
+            with answer:
+                raise ConveyorError.from_answer(
+                    answer.code, answer.read(), _retry_after(answer.headers.get("Retry-After"))
+                ) from None
+        except (OSError, http.client.HTTPException) as failure:
+            raise NoAnswer(f"GET {path}: no answer ({failure})", attempts=1, unanswered=1) from failure
+        with response:
+            event, data = "message", []  # type: Tuple[str, List[str]]
+            for raw in response:
+                line = raw.decode("utf-8").rstrip("\r\n")
+                if not line:
+                    if data:
+                        yield event, "\n".join(data)
+                    event, data = "message", []
+                elif not line.startswith(":"):  # a comment keeps the connection alive
+                    field, _, value = line.partition(":")
+                    value = value[1:] if value.startswith(" ") else value
+                    if field == "event":
+                        event = value
+                    elif field == "data":
+                        data.append(value)
 
     @staticmethod
     def _parse(status: int, raw: bytes) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 import urllib.parse
 import uuid
@@ -117,11 +119,26 @@ class Client:
     def wait(
         self, task_id: str, *, timeout: float = 60.0, poll: float = 0.2, max_poll: float = 2.0
     ) -> Task:
-        """The task once settled (COMPLETED, DEAD_LETTER or CANCELLED). Polls every `poll`
-        seconds, half as long again each time up to `max_poll`, so that a long wait costs
-        the gateway little; raises `WaitTimeout` after `timeout` seconds."""
+        """The task once settled (COMPLETED, DEAD_LETTER or CANCELLED), with its result.
+
+        Follows the task's event stream, so a long wait holds one open request instead of
+        reading the task again and again. When the stream cannot be had or breaks off (a
+        gateway restarting, a proxy that buffers), it reads the task once, waits `poll`
+        seconds (half as long again each time, up to `max_poll`) and follows again. Raises
+        `WaitTimeout` after `timeout` seconds, `ConveyorError` if the task is not yours."""
         deadline = time.monotonic() + timeout
         while True:
+            try:
+                for summary in self.follow(task_id, timeout=deadline - time.monotonic()):
+                    if summary.settled:
+                        return self.get(task_id)
+            except ConveyorError as broken:
+                # An answer that another try could change goes on by polling; a refusal
+                # (not yours, not allowed) raises. No answer, or an error event: no status.
+                if broken.status is not None and not broken.retryable:
+                    raise
+            except (OSError, http.client.HTTPException):
+                pass  # dropped or silent: poll, then follow again
             task = self.get(task_id)
             if task.settled:
                 return task
@@ -130,6 +147,26 @@ class Client:
                 raise WaitTimeout(task, timeout)
             time.sleep(min(poll, left))
             poll = min(poll * 1.5, max_poll)
+
+    def follow(self, task_id: str, *, timeout: float = 3600.0) -> Iterator[TaskSummary]:
+        """The task now and at each change (state, attempt or progress), from its event
+        stream, until it settles, the gateway ends the stream (after an hour), or `timeout`
+        seconds pass. Raises `ConveyorError` for an error answer or an error event, and
+        `OSError` if the connection drops or stays silent."""
+        deadline = time.monotonic() + timeout
+        path = _task_path(task_id) + "/stream"
+        # The gateway's comments every 15 s keep a healthy stream from timing out.
+        read_timeout = max(min(30.0, timeout), 0.001)
+        for event, data in self._http.events(path, read_timeout=read_timeout):
+            if event == "error":
+                raise ConveyorError.from_json(json.loads(data))
+            if event == "task":
+                summary = TaskSummary.from_json(json.loads(data))
+                yield summary
+                if summary.settled:
+                    return
+            if time.monotonic() >= deadline:
+                return
 
     def list_tasks(
         self,
