@@ -69,7 +69,8 @@ e2e: stack
 # Every fault-injection scenario at full size (it kills and restarts the local RabbitMQ and
 # PostgreSQL); writes docs/chaos-report.md (+ .jsonl). `make test` runs a short variant.
 chaos: stack
-	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md
+	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md; \
+	  status=$$?; scripts/services.sh restart-broker; exit $$status
 
 # The cluster-scale scenarios (a RabbitMQ node killed, cut off, restarted in turn; the
 # PostgreSQL primary replaced by its standby), at 2,500 tasks each; their part of

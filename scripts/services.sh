@@ -4,7 +4,9 @@
 # only when absent or expiring, rewrites the config on every run and restarts a service only
 # when its config changed, creates users and the database only when absent.
 # `services.sh down` stops both. `services.sh reset-broker` wipes RabbitMQ's data (what tests
-# left in the dev broker: every queue and policy) and brings it up empty.
+# left in the dev broker: every queue and policy) and brings it up empty; `restart-broker`
+# restarts it with its data. `up` checks that the broker declares a queue, and restarts it
+# once if it does not.
 set -euo pipefail
 
 AMQP_USER=${CONVEYOR_AMQP_USER:-conveyor}
@@ -164,6 +166,25 @@ rabbit_start() {
   as_root rabbitmqctl -q await_startup >/dev/null
 }
 
+# Whether the broker declares (and deletes) a quorum queue: after thousands of queues made
+# and deleted, or being stopped and killed over and over (`make chaos`), a broker was seen
+# running and answering every declaration with INTERNAL_ERROR until it was restarted.
+rabbit_declares() {
+  local url="https://127.0.0.1:15671/api/queues/%2F/conveyor.health-probe"
+  local curl=(curl -s -o /dev/null -w '%{http_code}' --max-time 30 --cacert "$TLS_DIR/ca.crt"
+    -u "$AMQP_USER:$AMQP_PASSWORD" -H 'content-type: application/json')
+  local code
+  code=$("${curl[@]}" -X PUT -d '{"durable":true,"arguments":{"x-queue-type":"quorum"}}' "$url")
+  case "$code" in 201|204) ;; *) return 1;; esac
+  code=$("${curl[@]}" -X DELETE "$url")
+  case "$code" in 204|404) return 0;; *) return 1;; esac
+}
+
+rabbit_restart() {
+  rabbit_stop
+  rabbit_start
+}
+
 rabbit_up() {
   # Configure before installing: on a machine with systemd the package starts the broker
   # right away, and it must come up on loopback with TLS only.
@@ -185,6 +206,13 @@ rabbit_up() {
     as_root rabbitmqctl -q set_user_tags "$AMQP_USER" administrator >/dev/null
   fi
   as_root rabbitmqctl -q set_permissions -p / "$AMQP_USER" '.*' '.*' '.*' >/dev/null
+  # The management listener comes up a moment after the node.
+  for _ in $(seq 1 30); do rabbit_declares && return 0; sleep 1; done
+  log "RabbitMQ runs but does not declare a queue: restarting it"
+  rabbit_restart
+  for _ in $(seq 1 30); do rabbit_declares && return 0; sleep 1; done
+  log "RabbitMQ still declares no queue after a restart; see /var/log/rabbitmq/ (scripts/services.sh reset-broker wipes its data)"
+  return 1
 }
 
 pg_version() { ls /usr/lib/postgresql 2>/dev/null | sort -n | tail -1; }
@@ -320,11 +348,16 @@ case "${1:-up}" in
   down) down;;
   drop-test-databases) drop_test_databases '0 seconds';;
   # Thousands of left-over queues and policies make each policy write take seconds.
+  # After a full chaos run: the broker restarted with its data (see rabbit_declares).
+  restart-broker)
+    rabbit_running && { log "restarting RabbitMQ"; rabbit_restart; }
+    rabbit_up
+    ;;
   reset-broker)
     rabbit_running && { log "stopping RabbitMQ"; rabbit_stop; }
     as_root sh -c 'rm -rf /var/lib/rabbitmq/mnesia/rabbit@localhost /var/lib/rabbitmq/mnesia/rabbit@localhost-*'
     rabbit_up
     log "RabbitMQ is up with an empty vhost"
     ;;
-  *) echo "usage: $0 [up|down|reset-broker|drop-test-databases]" >&2; exit 2;;
+  *) echo "usage: $0 [up|down|restart-broker|reset-broker|drop-test-databases]" >&2; exit 2;;
 esac
