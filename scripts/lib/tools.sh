@@ -11,9 +11,13 @@ need_packages() {
     command -v "${pair%%=*}" >/dev/null 2>&1 || missing+=("${pair#*=}")
   done
   [ ${#missing[@]} -eq 0 ] && return 0
-  printf 'tools: installing %s from Debian packages\n' "${missing[*]}" >&2
+  install_debian_packages "${missing[@]}"
+}
+
+install_debian_packages() {
+  printf 'tools: installing %s from Debian packages\n' "$*" >&2
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 
 # Fails, naming every missing toolchain command at once, with where each comes from:

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::{Fence, Locked, Reap, Recorded};
+use conveyor_core::db::{CancelOutcome, Fence, Locked, Reap, Recorded};
 use conveyor_core::task::{NewTask, Requeue};
 use conveyor_core::testing::{unique_type, TestDatabase};
 use conveyor_core::TaskState::*;
@@ -512,4 +512,72 @@ async fn namespaces_granted_and_revoked_at_the_same_time_all_succeed() {
             db.revoke_tenant(tenant).await.unwrap();
         }
     }
+}
+
+#[tokio::test]
+async fn an_ingested_task_is_cancelled_and_neither_its_queued_mark_nor_a_claim_revives_it() {
+    let db = TestDatabase::create().await.db;
+    let task = new_task(&unique_type("db"));
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
+    // Cancelled before its QUEUED mark (decision 0020: the mark follows the answer).
+    assert!(matches!(
+        db.cancel(task.id, "client tests").await.unwrap(),
+        CancelOutcome::Now
+    ));
+    db.mark_queued(&[task.id], Locked::Wait).await.unwrap();
+    assert!(!db.claim(task.id, 0, "worker-a").await.unwrap());
+    assert!(matches!(
+        db.cancel(task.id, "client tests").await.unwrap(),
+        CancelOutcome::TooLate(Cancelled)
+    ));
+    let record = db.task(task.id).await.unwrap().unwrap();
+    assert_eq!((record.state, record.owner), (Cancelled, None));
+    let events = db.events(task.id).await.unwrap();
+    conveyor_core::testing::assert_valid_chain(&events);
+    let steps: Vec<_> = events.iter().map(|e| (e.from_state, e.to_state)).collect();
+    assert_eq!(steps, [(None, Ingested), (Some(Ingested), Cancelled)]);
+    assert_eq!(
+        events[1].detail.as_deref(),
+        Some("cancelled by client tests")
+    );
+}
+
+#[tokio::test]
+async fn a_cancel_racing_a_claim_leaves_each_task_claimed_or_cancelled_never_both() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("db");
+    let tasks: Vec<NewTask> = (0..60).map(|_| new_task(&task_type)).collect();
+    db.record_tasks(&tasks).await.unwrap();
+    // Half waiting for their QUEUED mark, half marked: a claim takes either.
+    let marked: Vec<Uuid> = tasks.iter().step_by(2).map(|t| t.id).collect();
+    db.mark_queued(&marked, Locked::Skip).await.unwrap();
+    let races = tasks.iter().map(|task| {
+        let (db, id) = (db.clone(), task.id);
+        async move {
+            let claim = db.claim(id, 0, "worker-a");
+            let cancel = db.cancel(id, "client tests");
+            let (claimed, cancelled) = tokio::join!(claim, cancel);
+            (id, claimed.unwrap(), cancelled.unwrap())
+        }
+    });
+    let mut wins = (0, 0);
+    for (id, claimed, cancelled) in futures_util::future::join_all(races).await {
+        let record = db.task(id).await.unwrap().unwrap();
+        match (claimed, cancelled) {
+            (true, CancelOutcome::TooLate(_)) => {
+                wins.0 += 1;
+                assert_eq!(record.state, Processing, "{id}");
+            }
+            (false, CancelOutcome::Now) => {
+                wins.1 += 1;
+                assert_eq!((record.state, record.owner), (Cancelled, None), "{id}");
+            }
+            other => panic!("{id}: claimed and cancel answered {other:?}"),
+        }
+        let events = db.events(id).await.unwrap();
+        conveyor_core::testing::assert_valid_chain(&events);
+        let ends = events.iter().filter(|e| e.to_state == Cancelled).count();
+        assert_eq!(ends, usize::from(!claimed), "{id}: {events:?}");
+    }
+    println!("claims won {}, cancels won {}", wins.0, wins.1);
 }
