@@ -10,7 +10,8 @@
 # Needs root and debootstrap, and this machine's own PostgreSQL, RabbitMQ and local stack
 # stopped (`scripts/stack.sh down`, `scripts/services.sh down`): the chroot shares the
 # network, so the same ports. What it is not: a fresh kernel, or a machine without this
-# one's sysctls. Logs in $ROOT/root/fresh-*.log.
+# one's sysctls; and it trusts this machine's extra CAs (an egress proxy's), as any machine
+# on this network must. Logs in $ROOT/root/fresh-*.log.
 set -euo pipefail
 
 ROOT=${CONVEYOR_FRESH_ROOT:-/srv/fresh}
@@ -70,10 +71,19 @@ prepare() {
   mount_all
   log "installing what the README names: build-essential, git"
   in_chroot 'apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q build-essential git ca-certificates >/dev/null'
+  # A network that answers TLS through an egress proxy needs its CA trusted, here as on
+  # this machine (where crates.io's certificate comes signed by the proxy's CA).
+  if compgen -G '/usr/local/share/ca-certificates/*.crt' >/dev/null; then
+    mkdir -p "$ROOT/usr/local/share/ca-certificates"
+    cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/"
+    in_chroot 'update-ca-certificates >/dev/null 2>&1'
+  fi
   mkdir -p "$ROOT/root/.cargo/bin"
   cp -a "$CARGO_BIN/." "$ROOT/root/.cargo/bin/"
   if [ ! -d "$ROOT/root/conveyor" ]; then
     git clone -q "$REPO" "$ROOT/root/conveyor"
+  else
+    git -C "$ROOT/root/conveyor" pull -q --ff-only
   fi
 }
 

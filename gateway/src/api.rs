@@ -393,6 +393,7 @@ pub(crate) fn parse_id(id: &str) -> Result<Uuid, ApiError> {
         (status = 200, description = "The task", body = TaskView),
         (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
         (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "The database is unavailable, or the gateway failed: try again", body = ErrorBody),
     ))]
 pub(crate) async fn get_task(
     State(state): State<Arc<ApiState>>,
@@ -410,6 +411,7 @@ pub(crate) async fn get_task(
         (status = 200, description = "The timeline", body = EventList),
         (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
         (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "The database is unavailable, or the gateway failed: try again", body = ErrorBody),
     ))]
 pub(crate) async fn get_events(
     State(state): State<Arc<ApiState>>,

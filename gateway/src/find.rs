@@ -56,6 +56,7 @@ pub struct ListQuery {
         (status = 400, description = "A malformed filter", body = ErrorBody),
         (status = 404, description = "`type` names no type of the client's", body = ErrorBody),
         (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "The database is unavailable, or the gateway failed: try again", body = ErrorBody),
     ))]
 pub async fn list_tasks(
     State(state): State<Arc<ApiState>>,

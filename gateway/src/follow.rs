@@ -49,6 +49,7 @@ struct Follow {
          body = TaskSummary),
         (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
         (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "The database is unavailable, or the gateway failed: try again", body = ErrorBody),
     ))]
 /// Follows a task as server-sent events until it settles.
 pub(crate) async fn stream_task(

@@ -64,6 +64,7 @@ pub async fn task_action(
         (status = 404, description = "No such task in the client's namespaces", body = ErrorBody),
         (status = 409, description = "No longer waiting (`not_cancellable`)", body = ErrorBody),
         (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "The database is unavailable, or the gateway failed: try again", body = ErrorBody),
     ))]
 pub async fn cancel_task(
     state: &ApiState,
@@ -84,6 +85,7 @@ pub async fn cancel_task(
         (status = 409, description = "Not dead-lettered (`not_dead_lettered`)", body = ErrorBody),
         (status = 503, description = "The broker did not confirm; nothing changed", body = ErrorBody),
         (status = "4XX", description = "Refused", body = ErrorBody),
+        (status = "5XX", description = "The database is unavailable, or the gateway failed: try again", body = ErrorBody),
     ))]
 pub async fn retry_task(state: &ApiState, client: &Client, id: &str) -> Result<Response, ApiError> {
     let task = own_task(state, client, id).await?;

@@ -207,6 +207,7 @@ pub async fn run(
         recorder.clone(),
         config.worker_id.clone(),
         progress.clone(),
+        in_flight.clone(),
         background.clone(),
     ));
     tokio::spawn(inflight::heartbeat_loop(

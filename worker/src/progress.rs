@@ -9,7 +9,7 @@
 //!
 //! A report is bounded ([`MAX_REPORT`] bytes of JSON); a larger one is refused, not cut.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,10 +29,15 @@ pub const MAX_REPORT: usize = 1024;
 /// How often reports are written.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
 
+type Attempt = (Uuid, i32);
+
 /// The latest unwritten report of each running attempt.
 #[derive(Clone, Default)]
 pub struct ProgressBoard {
-    pending: Arc<Mutex<HashMap<(Uuid, i32), serde_json::Value>>>,
+    pending: Arc<Mutex<HashMap<Attempt, serde_json::Value>>>,
+    /// Attempts whose last report was taken for their outcome: a report of theirs that a
+    /// failed flush puts back would be older than that one, so it is not put back.
+    finished: Arc<Mutex<HashSet<Attempt>>>,
     /// `http://host:port` of this worker's admin server, for http handlers' callbacks.
     callback_base: Option<String>,
 }
@@ -63,21 +68,40 @@ impl ProgressBoard {
         if size > MAX_REPORT {
             return Err(TooLarge(size));
         }
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        pending.insert((id, attempt), value);
+        lock(&self.pending).insert((id, attempt), value);
         Ok(())
     }
 
-    /// The pending report of one attempt, taken off the board.
+    /// The last pending report of one attempt, taken off the board for its outcome.
     pub fn take_one(&self, id: Uuid, attempt: i32) -> Option<serde_json::Value> {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        pending.remove(&(id, attempt))
+        lock(&self.finished).insert((id, attempt));
+        lock(&self.pending).remove(&(id, attempt))
     }
 
-    fn take(&self) -> Vec<((Uuid, i32), serde_json::Value)> {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        pending.drain().collect()
+    fn take(&self) -> Vec<(Attempt, serde_json::Value)> {
+        lock(&self.pending).drain().collect()
     }
+
+    /// Reports a flush could not write go back on the board, unless a newer one came
+    /// meanwhile or their attempt has ended (its last report is written with its outcome).
+    fn put_back(&self, reports: Vec<(Attempt, serde_json::Value)>, running: &[Attempt]) {
+        let finished = lock(&self.finished);
+        let mut pending = lock(&self.pending);
+        for (attempt, value) in reports {
+            if running.contains(&attempt) && !finished.contains(&attempt) {
+                pending.entry(attempt).or_insert(value);
+            }
+        }
+    }
+
+    /// Forgets ended attempts once they no longer run here.
+    fn forget_finished(&self, running: &[Attempt]) {
+        lock(&self.finished).retain(|attempt| running.contains(attempt));
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Where one attempt's handler reports.
@@ -116,11 +140,13 @@ pub fn parse_line(line: &str) -> serde_json::Value {
 }
 
 /// Writes the pending reports every [`FLUSH_EVERY`], fenced by owner and attempt, until
-/// `stop`. A report that cannot be written now is dropped: a newer one follows.
+/// `stop`. A report that cannot be written now (the database breaker open, a failed
+/// statement) waits for the next flush: a handler may not report again for an hour.
 pub async fn flush_loop(
     recorder: Recorder,
     worker_id: String,
     board: ProgressBoard,
+    in_flight: InFlight,
     stop: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(FLUSH_EVERY);
@@ -130,25 +156,29 @@ pub async fn flush_loop(
             _ = stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let reports: Vec<(Fence, serde_json::Value)> = board
-            .take()
-            .into_iter()
-            .map(|((id, attempt), value)| {
-                let owner = worker_id.clone();
-                (Fence { id, attempt, owner }, value)
-            })
-            .collect();
-        if reports.is_empty() || !recorder.breaker.is_closed() {
+        if !recorder.breaker.is_closed() {
             continue;
         }
-        if let Err(err) = recorder.db.report_progress(&reports).await {
-            recorder
-                .metrics
-                .errors
-                .with_label_values(&["database", err.category()])
-                .inc();
-            tracing::debug!(error = %err, reports = reports.len(), "progress not written");
+        let taken = board.take();
+        if !taken.is_empty() {
+            let reports: Vec<(Fence, serde_json::Value)> = taken
+                .iter()
+                .map(|&((id, attempt), ref value)| {
+                    let owner = worker_id.clone();
+                    (Fence { id, attempt, owner }, value.clone())
+                })
+                .collect();
+            if let Err(err) = recorder.db.report_progress(&reports).await {
+                recorder
+                    .metrics
+                    .errors
+                    .with_label_values(&["database", err.category()])
+                    .inc();
+                tracing::debug!(error = %err, reports = reports.len(), "progress not written yet");
+                board.put_back(taken, &in_flight.claims());
+            }
         }
+        board.forget_finished(&in_flight.claims());
     }
 }
 
@@ -211,5 +241,44 @@ mod tests {
             sink.callback_url().unwrap(),
             format!("http://127.0.0.1:9/progress/{id}/3")
         );
+    }
+
+    #[test]
+    fn an_unwritten_report_goes_back_unless_a_newer_one_came_or_its_attempt_ended() {
+        let board = ProgressBoard::default();
+        let (a, b, c) = (
+            (Uuid::new_v4(), 1),
+            (Uuid::new_v4(), 1),
+            (Uuid::new_v4(), 1),
+        );
+        let running = [a, b, c];
+        for attempt in running {
+            board
+                .sink(attempt.0, attempt.1)
+                .report(serde_json::json!({"percent": 10}))
+                .unwrap();
+        }
+        let taken = board.take();
+        // Meanwhile: b reports again, c ends (its last report goes with its outcome).
+        board
+            .sink(b.0, b.1)
+            .report(serde_json::json!({"percent": 20}))
+            .unwrap();
+        assert_eq!(board.take_one(c.0, c.1), None);
+        board.put_back(taken, &running);
+        let mut left = board.take();
+        left.sort_by_key(|(attempt, _)| *attempt == b);
+        assert_eq!(
+            left,
+            vec![
+                (a, serde_json::json!({"percent": 10})),
+                (b, serde_json::json!({"percent": 20}))
+            ]
+        );
+        // An attempt no longer running here gets nothing back, and is forgotten.
+        board.put_back(vec![(a, serde_json::json!({"percent": 10}))], &[]);
+        assert!(board.take().is_empty());
+        board.forget_finished(&[]);
+        assert!(lock(&board.finished).is_empty());
     }
 }

@@ -9,8 +9,9 @@ impl Db {
     /// Stores each report on its task while the reporter still owns it at that attempt,
     /// PROCESSING or just COMPLETED by it (a flush that raced the completion still lands; a
     /// re-queue clears the owner, so no report outlives its attempt). A row locked right now
-    /// is skipped: its next report comes within a second. One statement for all of a
-    /// worker's reports. Returns how many were stored.
+    /// (a heartbeat, the completion) is waited for, in id order as claims and completions
+    /// lock: skipping it lost the report of a handler that does not report again for long.
+    /// One statement for all of a worker's reports. Returns how many were stored.
     pub async fn report_progress(&self, reports: &[(Fence, serde_json::Value)]) -> DbResult<u64> {
         if reports.is_empty() {
             return Ok(0);
@@ -26,7 +27,7 @@ impl Db {
                      AS c(id, attempt, owner, progress)
                      ON t.id = c.id AND t.attempt = c.attempt AND t.owner = c.owner
                  WHERE t.state IN ($5, $6)
-                 ORDER BY t.id FOR UPDATE OF t SKIP LOCKED
+                 ORDER BY t.id FOR UPDATE OF t
              )
              UPDATE tasks SET progress = reported.progress FROM reported WHERE tasks.id = reported.id",
         )

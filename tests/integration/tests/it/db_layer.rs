@@ -581,3 +581,49 @@ async fn a_cancel_racing_a_claim_leaves_each_task_claimed_or_cancelled_never_bot
     }
     println!("claims won {}, cancels won {}", wins.0, wins.1);
 }
+
+#[tokio::test]
+async fn a_progress_report_waits_for_a_locked_row_instead_of_being_lost() {
+    let (db, _, task) = one_claimed_task("worker-a").await;
+    // A heartbeat or a completion holds the row for a moment.
+    let mut holder = db.pool().begin().await.unwrap();
+    sqlx::query("SELECT id FROM tasks WHERE id = $1 FOR UPDATE")
+        .bind(task.id)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let writer = db.clone();
+    let fence = Fence {
+        id: task.id,
+        attempt: 0,
+        owner: "worker-a".into(),
+    };
+    let report = tokio::spawn(async move {
+        writer
+            .report_progress(&[(fence, serde_json::json!({"percent": 40}))])
+            .await
+    });
+    conveyor_core::testing::wait_until(
+        "the report to wait for the row lock",
+        Duration::from_secs(30),
+        || async {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+            waiting > 0 || report.is_finished()
+        },
+    )
+    .await;
+    holder.commit().await.unwrap();
+    assert_eq!(
+        report.await.unwrap().unwrap(),
+        1,
+        "stored once the row was free"
+    );
+    let stored = db.task(task.id).await.unwrap().unwrap().progress;
+    assert_eq!(stored, Some(serde_json::json!({"percent": 40})));
+}
