@@ -281,11 +281,12 @@ CONF
   # one-minute wait: wait for it to take connections.
   local ready=""
   for _ in $(seq 1 300); do
-    if as_root runuser -u postgres -- pg_isready -q; then ready=1; break; fi
+    if as_root env -C / runuser -u postgres -- pg_isready -q; then ready=1; break; fi
     sleep 1
   done
   [ -n "$ready" ] || { log "PostgreSQL $ver did not start: see /var/log/postgresql/postgresql-$ver-main.log"; exit 1; }
-  local psql=(as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
+  # From /: postgres may not enter the caller's directory (root's home) and says so.
+  local psql=(as_root env -C / runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
   # The settings must be the running server's, not only the file's: a server the package
   # started (or that another tool restarted) may still run with its defaults.
   if [ "$("${psql[@]}" -c 'SHOW max_connections')" != 400 ]; then
@@ -322,7 +323,7 @@ CONF
 # database each naptime (10 s here), so 150 of them left by a test run take CPU from whatever
 # runs next: make bench drops them all first (its batch phase ran a quarter slower beside them).
 drop_test_databases() {
-  local psql=(as_root runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
+  local psql=(as_root env -C / runuser -u postgres -- psql -v ON_ERROR_STOP=1 -qtAX)
   "${psql[@]}" -d postgres -c "SELECT datname FROM pg_database WHERE datname LIKE 'conveyor\_test\_%'
       AND (pg_stat_file('base/' || oid || '/PG_VERSION')).modification < now() - interval '$1'
       AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = pg_database.datname)" |

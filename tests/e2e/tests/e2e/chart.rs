@@ -60,8 +60,19 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
         "{err}"
     );
 
-    let crds = run("cluster/monitoring-crds.sh", &[]).unwrap();
-    let crds = Path::new(crds.lines().last().unwrap().trim());
+    // The directory is the script's standard output; a cold cache also says on standard
+    // error what Go downloads while it generates them (seen on a fresh machine).
+    let generated = Command::new("cluster/monitoring-crds.sh")
+        .current_dir(repo())
+        .output()
+        .expect("cluster/monitoring-crds.sh runs");
+    assert!(
+        generated.status.success(),
+        "cluster/monitoring-crds.sh: {}",
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    let crds = String::from_utf8_lossy(&generated.stdout).into_owned();
+    let crds = Path::new(crds.lines().last().expect("a directory").trim());
     for kind in ["servicemonitors", "podmonitors", "prometheusrules"] {
         let file = crds.join(format!("monitoring.coreos.com_{kind}.yaml"));
         kubectl(&[
