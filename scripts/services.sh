@@ -51,7 +51,9 @@ install_packages() {
   [ ${#missing[@]} -eq 0 ] && return 0
   log "installing ${missing[*]} from Debian packages"
   if [ -z "$apt_updated" ]; then as_root apt-get update -qq; apt_updated=1; fi
-  # policy-rc.d keeps the package scripts from starting daemons with the wrong settings.
+  # RUNLEVEL=1 keeps sysvinit package scripts from starting daemons; under systemd a package
+  # may still start its service with its defaults, so pg_up and rabbit_up check the running
+  # server's settings (max_connections; the config files) and restart it when they differ.
   as_root env DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
