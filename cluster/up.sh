@@ -21,6 +21,8 @@ mkdir -p "$STATE"
 log() { printf 'cluster: %s\n' "$*" >&2; }
 PID_DIR=$STATE
 . scripts/lib/pidfiles.sh
+. scripts/lib/tools.sh
+need_packages openssl=openssl curl=curl
 start() { # name, command...
   local name=$1; shift
   if running "$name"; then
