@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use conveyor_core::amqp::Publisher;
+use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::WorkerPool;
 use conveyor_core::metrics;
 use k8s_openapi::api::events::v1::Event as EventObject;
@@ -208,7 +209,7 @@ impl OperatorMetrics {
         let counter = |name: &str, help: &str, labels: &[&str]| {
             metrics::counter(&registry, name, help, labels)
         };
-        OperatorMetrics {
+        let operator = OperatorMetrics {
             reconciles: counter(
                 "operator_reconciles_total",
                 "Reconciles by controller",
@@ -260,7 +261,24 @@ impl OperatorMetrics {
                 &["namespace", "task_type"],
             ),
             registry,
+        };
+        // Zero series for what may happen, so that a rate reads 0 before the first error
+        // or scaling step rather than nothing (and dashboards' queries find the names).
+        for controller in ["tasktype", "workerpool"] {
+            for category in [
+                reasons::KUBERNETES_API,
+                reasons::RABBITMQ_UNAVAILABLE,
+                reasons::RABBITMQ_REFUSED,
+                reasons::INVALID_SPEC,
+                reasons::RECONCILE_TIMEOUT,
+            ] {
+                operator.errors.with_label_values(&[controller, category]);
+            }
         }
+        for direction in ["up", "down"] {
+            operator.scaling_decisions.with_label_values(&[direction]);
+        }
+        operator
     }
 }
 
