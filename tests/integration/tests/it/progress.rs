@@ -27,13 +27,27 @@ async fn wait_for_progress(h: &Harness, id: Uuid, want: Value) {
     .await;
 }
 
+/// A directory of gate files a test creates to let a handler's script go on.
+fn gate_dir() -> std::path::PathBuf {
+    let gates = std::env::temp_dir().join(format!("conveyor-gates-{}", Uuid::new_v4()));
+    std::fs::create_dir_all(&gates).unwrap();
+    gates
+}
+
+/// An exec handler running `script` with `sh -c`.
+fn shell(script: String) -> Handler {
+    Handler::Exec {
+        command: "sh".into(),
+        args: vec!["-c".into(), script],
+    }
+}
+
 #[tokio::test]
 async fn an_exec_handlers_progress_lines_reach_the_api_while_it_runs() {
     let spec = test_type("progress-exec");
     let name = spec.name.clone();
     let mut harness = Harness::start(vec![spec]).await;
-    let gates = std::env::temp_dir().join(format!("conveyor-gates-{}", Uuid::new_v4()));
-    std::fs::create_dir_all(&gates).unwrap();
+    let gates = gate_dir();
     let g = gates.display();
     let script = format!(
         "p=\"$CONVEYOR_PROGRESS_FILE\"; \
@@ -42,11 +56,7 @@ async fn an_exec_handlers_progress_lines_reach_the_api_while_it_runs() {
          echo muxing >> \"$p\"; printf 'half a line' >> \"$p\"; while [ ! -e {g}/3 ]; do sleep 0.05; done; \
          printf ' done\\n100\\n' >> \"$p\"; echo '{{\"done\": true}}'"
     );
-    let handler = Handler::Exec {
-        command: "sh".into(),
-        args: vec!["-c".into(), script],
-    };
-    harness.start_worker(&[&name], handler, 1);
+    harness.start_worker(&[&name], shell(script), 1);
     let id = harness.submit_ok(&name, json!({})).await;
     wait_for_progress(&harness, id, json!({"percent": 10})).await;
     std::fs::write(gates.join("1"), "").unwrap();
@@ -156,8 +166,7 @@ async fn a_failed_attempts_progress_is_cleared_when_the_task_goes_back_to_work()
     let spec = test_type("progress-retry");
     let name = spec.name.clone();
     let mut harness = Harness::start(vec![spec]).await;
-    let gates = std::env::temp_dir().join(format!("conveyor-gates-{}", Uuid::new_v4()));
-    std::fs::create_dir_all(&gates).unwrap();
+    let gates = gate_dir();
     let g = gates.display();
     // The first attempt reports 40 % and fails when let go; the second reports nothing
     // and waits, so what a client sees meanwhile is the second attempt's progress.
@@ -166,11 +175,7 @@ async fn a_failed_attempts_progress_is_cleared_when_the_task_goes_back_to_work()
            echo '{{}}'; exit 0; fi; \
          echo 40 >&3; while [ ! -e {g}/1 ]; do sleep 0.05; done; touch {g}/failed; exit 1"
     );
-    let handler = Handler::Exec {
-        command: "sh".into(),
-        args: vec!["-c".into(), script],
-    };
-    harness.start_worker(&[&name], handler, 1);
+    harness.start_worker(&[&name], shell(script), 1);
     let id = harness.submit_ok(&name, json!({})).await;
     wait_for_progress(&harness, id, json!({"percent": 40})).await;
     std::fs::write(gates.join("1"), "").unwrap();
