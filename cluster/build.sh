@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local control plane from Go modules, once per version, into a cache outside the
 # clone: kube-apiserver, kube-controller-manager, kube-scheduler, kubectl (k8s.io/kubernetes), etcd
-# (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok) and helm (helm.sh/helm/v4). Prints the
-# bin directory.
+# (go.etcd.io/etcd/server/v3), kwok (sigs.k8s.io/kwok), helm (helm.sh/helm/v4) and KEDA's
+# operator and metrics adapter (github.com/kedacore/keda/v2). Prints the bin directory.
 #
 # `go install` of the kubernetes commands fails on the module's replace directives, so a
 # small wrapper module requires k8s.io/kubernetes and replaces every k8s.io staging module
@@ -14,6 +14,8 @@ ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 # Helm installs the chart (charts/conveyor) on the local cluster in the e2e suite.
 HELM_VERSION=${HELM_VERSION:-v4.3.2}
+# KEDA scales a pool through its /scale in the e2e suite, as users who bring it run it.
+KEDA_VERSION=${KEDA_VERSION:-v2.21.0}
 CACHE=${CONVEYOR_CACHE:-$HOME/.cache/conveyor}
 # Bumped whenever the way the binaries are built changes, so that old caches are not reused.
 RECIPE=2
@@ -28,7 +30,7 @@ log() { printf 'cluster: %s\n' "$*" >&2; }
 if [ "${1:-}" = --path ]; then echo "$BIN"; exit 0; fi
 
 have_all() {
-  for b in $K8S_COMMANDS etcd kwok helm; do
+  for b in $K8S_COMMANDS etcd kwok helm keda-operator keda-adapter; do
     [ -x "$BIN/$b" ] || return 1
   done
 }
@@ -105,6 +107,30 @@ fi
 if ! [ -x "$BIN/helm" ]; then
   log "building helm $HELM_VERSION"
   GOBIN="$BIN" go install -trimpath -ldflags=-s "helm.sh/helm/v4/cmd/helm@$HELM_VERSION" >&2
+fi
+
+if ! [ -x "$BIN/keda-operator" ] || ! [ -x "$BIN/keda-adapter" ]; then
+  log "building KEDA $KEDA_VERSION (its operator and metrics adapter; a cold build takes a while)"
+  # KEDA's go.mod has replace directives, which `go install` refuses and a module requiring
+  # KEDA ignores: a wrapper module carries them over (single-line `replace a v => b v` only).
+  download=$(go mod download -json "github.com/kedacore/keda/v2@$KEDA_VERSION")
+  gomod=$(echo "$download" | sed -n 's/.*"GoMod": "\(.*\)",*/\1/p')
+  # Its CRDs beside the binaries, for scripts/keda.sh.
+  mkdir -p "$BIN/../share/keda/crds"
+  cp "$(echo "$download" | sed -n 's/.*"Dir": "\(.*\)",*/\1/p')"/config/crd/bases/*.yaml "$BIN/../share/keda/crds/"
+  mkdir -p "$work/keda" && cd "$work/keda"
+  go mod init conveyor.dev/keda >/dev/null 2>&1
+  go mod edit -require="github.com/kedacore/keda/v2@$KEDA_VERSION"
+  if grep -q '^replace *($' "$gomod"; then
+    log "KEDA $KEDA_VERSION's go.mod has a replace block, which this script does not carry over"
+    exit 1
+  fi
+  sed -n 's#^replace \([^ ]*\) \([^ ]*\) => \([^ ]*\) \([^ ]*\)$#\1@\2=\3@\4#p' "$gomod" |
+    while read -r replacement; do go mod edit -replace="$replacement"; done
+  go get "github.com/kedacore/keda/v2/cmd/operator@$KEDA_VERSION" "github.com/kedacore/keda/v2/cmd/adapter@$KEDA_VERSION" >&2
+  stamp="-X github.com/kedacore/keda/v2/version.Version=$KEDA_VERSION"
+  go build -trimpath -ldflags="-s $stamp" -o "$BIN/keda-operator" github.com/kedacore/keda/v2/cmd/operator >&2
+  go build -trimpath -ldflags="-s $stamp" -o "$BIN/keda-adapter" github.com/kedacore/keda/v2/cmd/adapter >&2
 fi
 
 have_all || { log "some binaries are missing in $BIN"; ls -l "$BIN" >&2; exit 1; }

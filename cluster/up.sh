@@ -22,19 +22,11 @@ log() { printf 'cluster: %s\n' "$*" >&2; }
 PID_DIR=$STATE
 . scripts/lib/pidfiles.sh
 . scripts/lib/tools.sh
+. scripts/lib/certs.sh
 need_packages openssl=openssl curl=curl
 start() { # name, command...
   local name=$1; shift
-  if running "$name"; then
-    [ "$(cat "$STATE/$name.cmd" 2>/dev/null)" = "$*" ] && return 0
-    log "restarting $name for its new command line"
-    stop_process "$name"
-  fi
-  # A session of its own, so that an interrupt of whoever ran this does not reach it.
-  nohup setsid "$@" >"$STATE/$name.log" 2>&1 &
-  echo $! >"$STATE/$name.pid"
-  echo "$*" >"$STATE/$name.cmd"
-  log "started $name (log $STATE/$name.log)"
+  start_process "$name" "$STATE/$name.log" "$@"
 }
 node_name() { [ "$1" -eq 1 ] && echo conveyor-node || echo "conveyor-node-$1"; }
 
@@ -54,6 +46,12 @@ contexts: [{name: conveyor-local, context: {cluster: conveyor-local, user: admin
 current-context: conveyor-local
 KC
 
+# The front proxy: the aggregation layer forwards requests for aggregated APIs (KEDA's
+# external metrics) with this client certificate and the caller's identity in X-Remote-*
+# headers, which the extension server trusts because the apiserver publishes this CA.
+local_ca_and_cert "$STATE" front-proxy-ca front-proxy-client front-proxy-client \
+  'extendedKeyUsage = clientAuth'
+
 start etcd "$BIN/etcd" --data-dir "$STATE/etcd" \
   --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
   --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 10))" --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 10))" \
@@ -63,7 +61,11 @@ start kube-apiserver "$BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETC
   --token-auth-file "$STATE/tokens.csv" --authorization-mode RBAC \
   --service-account-issuer https://kubernetes.default.svc \
   --service-account-key-file "$STATE/sa.pub" --service-account-signing-key-file "$STATE/sa.key" \
-  --service-cluster-ip-range 10.96.0.0/16
+  --service-cluster-ip-range 10.96.0.0/16 \
+  --requestheader-client-ca-file "$STATE/front-proxy-ca.crt" \
+  --requestheader-allowed-names front-proxy-client --requestheader-username-headers X-Remote-User \
+  --requestheader-group-headers X-Remote-Group --requestheader-extra-headers-prefix X-Remote-Extra- \
+  --proxy-client-cert-file "$STATE/front-proxy-client.crt" --proxy-client-key-file "$STATE/front-proxy-client.key"
 
 api() { curl -fsk -H "Authorization: Bearer $TOKEN" "https://127.0.0.1:$PORT$1"; }
 for _ in $(seq 1 90); do api /readyz >/dev/null 2>&1 && break; sleep 1; done

@@ -117,6 +117,8 @@ down() {
     stop "$name"
   done
   scripts/prometheus.sh down
+  # Started by the e2e test that scales a pool with it; stopped here too if that test died.
+  scripts/keda.sh down
   rm -rf "$DEV/pods"
   cluster/down.sh
   log "RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"

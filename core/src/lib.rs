@@ -28,13 +28,17 @@ pub use lifecycle::TaskState;
 
 /// An error and every cause under it, on one line: some libraries (reqwest) leave the reason
 /// (a refused connection, an unknown certificate issuer) to their sources, which a log line
-/// of the error alone does not print.
+/// of the error alone does not print. A cause the text already says (errors that repeat
+/// their source in their own message, for log lines that print no chain) is said once.
 pub fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
     let mut text = err.to_string();
     let mut cause = err.source();
     while let Some(inner) = cause {
-        text.push_str(": ");
-        text.push_str(&inner.to_string());
+        let said = inner.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
         cause = inner.source();
     }
     text

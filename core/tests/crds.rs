@@ -83,3 +83,36 @@ fn task_type_crd_keeps_payload_schemas_and_has_a_short_name() {
     );
     assert_eq!(spec["properties"]["maxRetries"]["maximum"], 100.0);
 }
+
+#[test]
+fn every_crd_explains_itself_at_the_root() {
+    // `kubectl explain <kind>` shows the root description: kube-derive's placeholder
+    // ("Auto-generated derived type for ...") tells a user nothing.
+    for (file, document) in crd_documents() {
+        let crd: serde_json::Value = serde_yaml::from_str(&document).unwrap();
+        let root = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["description"];
+        let text = root.as_str().unwrap_or_default();
+        assert!(
+            text.len() > 40 && !text.contains("Auto-generated"),
+            "{file}: root description {root}"
+        );
+    }
+}
+
+#[test]
+fn task_type_ready_column_is_its_ready_condition() {
+    // A column named "Ready" must say whether the type is ready, not count messages.
+    let docs = crd_documents();
+    let crd: serde_json::Value = serde_yaml::from_str(&docs[0].1).unwrap();
+    assert_eq!(crd["metadata"]["name"], "tasktypes.conveyor.dev");
+    let columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        .as_array()
+        .unwrap();
+    let ready = columns.iter().find(|c| c["name"] == "Ready").unwrap();
+    assert_eq!(ready["type"], "string");
+    assert_eq!(
+        ready["jsonPath"],
+        ".status.conditions[?(@.type==\"Ready\")].status"
+    );
+    assert_eq!(columns[0]["name"], "Ready", "first, as for Deployments");
+}

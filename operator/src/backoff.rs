@@ -33,12 +33,14 @@ impl Backoff {
     }
 }
 
-/// The delay after the `failures`-th consecutive failure: `FIRST × 2^(failures-1)`, capped
-/// at [`LONGEST`], then scaled by a factor in [0.5, 1.5) drawn from `unit` in [0, 1).
+/// The delay after the `failures`-th consecutive failure: `FIRST × 2^(failures-1)`, scaled
+/// by a factor in [0.5, 1.5) drawn from `unit` in [0, 1). The base stops doubling at two
+/// thirds of [`LONGEST`], so no delay passes it and objects at the cap still spread evenly
+/// (over [LONGEST/3, LONGEST)) instead of retrying together.
 pub fn delay(failures: u32, unit: f64) -> Duration {
     let doublings = failures.saturating_sub(1).min(16);
-    let base = (FIRST * 2u32.pow(doublings)).min(LONGEST);
-    base.mul_f64(0.5 + unit.clamp(0.0, 1.0))
+    let base = (FIRST * 2u32.pow(doublings)).min(LONGEST * 2 / 3);
+    base.mul_f64(0.5 + unit.clamp(0.0, 0.999_999))
 }
 
 #[cfg(test)]
@@ -50,9 +52,22 @@ mod tests {
         assert_eq!(delay(1, 0.5), FIRST);
         assert_eq!(delay(2, 0.5), FIRST * 2);
         assert_eq!(delay(4, 0.5), FIRST * 8);
-        assert_eq!(delay(30, 0.5), LONGEST);
+        assert_eq!(delay(30, 0.5), LONGEST * 2 / 3);
         assert_eq!(delay(1, 0.0), FIRST / 2);
         assert!(delay(1, 0.999) < FIRST * 3 / 2);
+    }
+
+    #[test]
+    fn no_delay_is_longer_than_the_longest_one_and_those_at_the_cap_spread() {
+        for failures in 1..40 {
+            assert!(delay(failures, 1.0) < LONGEST, "after {failures} failures");
+        }
+        let at_cap: Vec<Duration> = (0..10).map(|i| delay(30, f64::from(i) / 10.0)).collect();
+        assert_eq!(at_cap[0], LONGEST / 3);
+        assert!(
+            at_cap.windows(2).all(|w| w[0] < w[1]),
+            "objects failing together retry apart: {at_cap:?}"
+        );
     }
 
     #[test]

@@ -198,8 +198,9 @@ mod tests {
         let other = NamedTaskType::in_namespace("video", "other", Default::default());
         assert!(matches!(
             stats.depths(&other),
-            Err(ManagementError::Refused { status: 404, .. })
+            Err(ManagementError::QueueMissing { .. })
         ));
+        assert_eq!(stats.depths(&other).unwrap_err().category(), "QueueMissing");
         // The broker goes away: the last list serves until it is stale, then the error.
         let down = reqwest::get("http://127.0.0.1:1/api/queues")
             .await

@@ -22,6 +22,7 @@ use kube::runtime::{predicates, watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::build::POOL_LABEL;
 use crate::context::Context;
 use crate::error::{Error, Result};
@@ -100,13 +101,17 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let pool_changes = spec_changes(&client, pools_writer);
     let gauges = gauges::export(ctx.clone(), pools.clone(), types_for_gauges, stop.clone());
     let consumers = pools.clone();
-    let type_edits = watcher(
-        Api::<TaskType>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .touched_objects()
-    .predicate_filter(predicates::generation, Default::default());
+    // A TaskType's own status writes (its depths, every poll) wake no pool: the same
+    // filter as the pools' (its annotations carry nothing a pool reads, so an edit of them
+    // costs one look).
+    let type_edits = edits(
+        watcher(
+            Api::<TaskType>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .touched_objects(),
+    );
     // Pools at rest are looked at when their queues' counts change, not every period.
     let (store, wake) = (pools.clone(), ctx.clone());
     let count_changes = received(changes).flat_map(move |keys| {
@@ -169,14 +174,25 @@ where
         + Sync
         + 'static,
 {
-    watcher(Api::<K>::all(client.clone()), watcher::Config::default())
+    let objects = watcher(Api::<K>::all(client.clone()), watcher::Config::default())
         .default_backoff()
         .reflect(writer)
-        .applied_objects()
-        .predicate_filter(
-            predicates::generation.combine(predicates::annotations),
-            Default::default(),
-        )
+        .applied_objects();
+    edits(objects)
+}
+
+/// The objects of `objects` whose generation or annotations differ from the last seen of
+/// each: a status write (the operator's own, every depth change) passes nothing on. Both
+/// the pools' own changes and the TaskType edits that wake pools go through it.
+fn edits<K, S>(objects: S) -> impl futures_util::Stream<Item = Result<K, watcher::Error>>
+where
+    K: Resource<DynamicType = ()> + 'static,
+    S: futures_util::Stream<Item = Result<K, watcher::Error>>,
+{
+    objects.predicate_filter(
+        predicates::generation.combine(predicates::annotations),
+        Default::default(),
+    )
 }
 
 /// The pools in `task_type`'s namespace that consume it.
@@ -253,8 +269,7 @@ where
     result
 }
 
-/// Counts the error and retries: an invalid spec after an edit (or slowly), anything else
-/// after the object's own backoff.
+/// Counts the error and retries after [`retry_after`].
 fn error_policy<K: Resource<DynamicType = ()>>(
     object: Arc<K>,
     error: &Error,
@@ -265,34 +280,53 @@ fn error_policy<K: Resource<DynamicType = ()>>(
         .errors
         .with_label_values(&[&kind, error.category()])
         .inc();
-    let error_text = conveyor_core::with_causes(error);
+    let retry = retry_after(error, &ctx.backoff, &key(object.as_ref()));
+    tracing::warn!(
+        controller = kind,
+        error = conveyor_core::with_causes(error),
+        category = error.category(),
+        ?retry,
+        "reconcile failed"
+    );
+    Action::requeue(retry)
+}
+
+/// When an object whose reconcile failed with `error` is tried again: an invalid spec after
+/// an edit (or slowly); a type that did not try because another declaration found the
+/// broker out moments ago once that wait has passed, spread over twice it, without counting
+/// a failure of its own (else a thousand types behind one timeout would all back off for
+/// minutes after the broker is back); anything else after the object's own backoff.
+fn retry_after(error: &Error, backoff: &Backoff, key: &str) -> Duration {
     match error {
-        Error::InvalidSpec(_) | Error::Build(_) => {
-            tracing::warn!(
-                controller = kind,
-                error = error_text,
-                category = error.category(),
-                "reconcile failed"
-            );
-            Action::requeue(INVALID_SPEC_RETRY)
+        Error::InvalidSpec(_) | Error::Build(_) => INVALID_SPEC_RETRY,
+        Error::BrokerDown { .. } => {
+            crate::declarations::RETRY_AFTER.mul_f64(1.0 + rand::random::<f64>())
         }
-        _ => {
-            let retry = ctx.backoff.failed(&key(object.as_ref()));
-            tracing::warn!(
-                controller = kind,
-                error = error_text,
-                category = error.category(),
-                ?retry,
-                "reconcile failed"
-            );
-            Action::requeue(retry)
-        }
+        _ => backoff.failed(key),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn types_that_did_not_try_during_an_outage_do_not_back_off_for_it() {
+        let backoff = Backoff::default();
+        let down = Error::BrokerDown {
+            ago: Duration::from_secs(1),
+            cause: "RabbitMQ did not answer within 10s".to_owned(),
+        };
+        for _ in 0..6 {
+            let retry = retry_after(&down, &backoff, "tasktype/video/t");
+            assert!(retry >= crate::declarations::RETRY_AFTER, "{retry:?}");
+            assert!(retry < crate::declarations::RETRY_AFTER * 2, "{retry:?}");
+        }
+        // Its own first failure still starts at the first step.
+        let timeout = Error::Timeout("declaring queues over AMQP", Duration::from_secs(10));
+        let retry = retry_after(&timeout, &backoff, "tasktype/video/t");
+        assert!(retry < crate::backoff::FIRST * 3 / 2, "{retry:?}");
+    }
 
     #[test]
     fn a_type_is_named_as_its_queues_name_it() {
@@ -308,6 +342,44 @@ mod tests {
                 |p, t| p.consumes(t),
             )
             .build()
+    }
+
+    #[tokio::test]
+    async fn a_status_write_wakes_no_reconcile_and_an_edit_or_annotation_does() {
+        let at = |generation: i64, status_queued: Option<u64>, paused: bool| {
+            let mut p = WorkerPool::test().named("transcode").build();
+            p.metadata.generation = Some(generation);
+            if paused {
+                p.metadata.annotations = Some(
+                    [(
+                        conveyor_core::crd::worker_pool::AUTOSCALING_PAUSED.to_owned(),
+                        "true".to_owned(),
+                    )]
+                    .into(),
+                );
+            }
+            p.status =
+                status_queued.map(|queued| conveyor_core::crd::worker_pool::WorkerPoolStatus {
+                    queued: Some(queued),
+                    ..Default::default()
+                });
+            Ok(p)
+        };
+        let seen: Vec<WorkerPool> = edits(futures_util::stream::iter([
+            at(1, None, false),
+            at(1, Some(5), false),
+            at(1, Some(9), false),
+            at(2, Some(9), false),
+            at(2, Some(9), true),
+        ]))
+        .map(Result::unwrap)
+        .collect()
+        .await;
+        let woke: Vec<_> = seen
+            .iter()
+            .map(|p| (p.metadata.generation, p.metadata.annotations.is_some()))
+            .collect();
+        assert_eq!(woke, [(Some(1), false), (Some(2), false), (Some(2), true)]);
     }
 
     #[test]

@@ -37,15 +37,29 @@ impl Error {
             Error::Kube(_) => reasons::KUBERNETES_API,
             Error::Management(err) => err.category(),
             // A configuration problem is not an outage.
-            Error::Amqp(AmqpError::Mismatch { .. }) => reasons::QUEUE_ARGUMENTS_MISMATCH,
-            Error::Amqp(AmqpError::Tls(_)) => reasons::TLS_SETTINGS,
-            Error::Amqp(AmqpError::LoginRefused(_)) => reasons::RABBITMQ_REFUSED,
-            Error::Amqp(_) => reasons::RABBITMQ_UNAVAILABLE,
+            Error::Amqp(err) => amqp_category(err),
             Error::Build(err) => err.category(),
             Error::InvalidSpec(_) => reasons::INVALID_SPEC,
             Error::Timeout(..) | Error::BrokerDown { .. } => reasons::RABBITMQ_UNAVAILABLE,
             Error::ReconcileTimeout(_) => reasons::RECONCILE_TIMEOUT,
         }
+    }
+}
+
+/// Every AMQP failure by its cause: only the broker being out or slow counts as
+/// unavailable; settings and refusals are named as such (no catch-all, so a new variant
+/// needs its own decision).
+fn amqp_category(err: &AmqpError) -> &'static str {
+    match err {
+        AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) | AmqpError::ConfirmTimeout(_) => {
+            reasons::RABBITMQ_UNAVAILABLE
+        }
+        AmqpError::Mismatch { .. } => reasons::QUEUE_ARGUMENTS_MISMATCH,
+        AmqpError::Tls(_) => reasons::TLS_SETTINGS,
+        AmqpError::NoUrl => reasons::RABBITMQ_SETTINGS,
+        AmqpError::LoginRefused(_) | AmqpError::Nacked => reasons::RABBITMQ_REFUSED,
+        AmqpError::NoQueue { .. } => reasons::QUEUE_MISSING,
+        AmqpError::Encode(_) => reasons::RABBITMQ_CLIENT,
     }
 }
 
@@ -56,3 +70,27 @@ impl From<kube::Error> for Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_configuration_error_is_not_reported_as_an_outage() {
+        let category = |err| Error::Amqp(err).category();
+        assert_eq!(category(AmqpError::NoUrl), reasons::RABBITMQ_SETTINGS);
+        assert_eq!(
+            category(AmqpError::Tls("bad cacertfile".into())),
+            reasons::TLS_SETTINGS
+        );
+        assert_eq!(category(AmqpError::Nacked), reasons::RABBITMQ_REFUSED);
+        assert_eq!(
+            category(AmqpError::NoQueue { queue: "q".into() }),
+            reasons::QUEUE_MISSING
+        );
+        assert_eq!(
+            category(AmqpError::ConnectTimeout(std::time::Duration::from_secs(5))),
+            reasons::RABBITMQ_UNAVAILABLE
+        );
+    }
+}

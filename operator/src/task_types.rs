@@ -134,7 +134,9 @@ fn resync(depths: Option<&QueueDepths>) -> Duration {
 /// Declares again only when needed: the spec changed, the poller's queue list misses one of
 /// the type's queues (deleted by hand, or a broker that lost them), or [`REDECLARE_EVERY`]
 /// passed (policies edited by hand). A thousand types must not mean a thousand declarations
-/// and policy writes every resync.
+/// and policy writes every resync. A list that cannot be read says nothing about the queues:
+/// had it counted as missing queues, a slow management API under load would make every
+/// type declare again over AMQP at once, the declarations time out, and Ready types flap.
 async fn declare_unless_current(
     task_type: &TaskType,
     spec: &NamedTaskType,
@@ -146,8 +148,8 @@ async fn declare_unless_current(
     let current = lock(&ctx.declared)
         .get(&key)
         .is_some_and(|&(seen, at)| seen == generation && at.elapsed() < REDECLARE_EVERY);
-    let queues_there = matches!(listed, Ok(_) | Err(ManagementError::StatsMissing { .. }));
-    if current && queues_there {
+    let queues_missing = matches!(listed, Err(ManagementError::QueueMissing { .. }));
+    if current && !queues_missing {
         return Ok(listed.ok());
     }
     let depths = declare(spec, ctx).await?;

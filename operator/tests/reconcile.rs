@@ -21,6 +21,7 @@ use serde_json::{json, Value};
 use tokio::task::JoinHandle;
 
 /// One expected API call and the answer to give.
+#[derive(Clone)]
 struct Expect {
     method: Method,
     /// The request path (without query) must end with this.
@@ -117,7 +118,7 @@ fn in_video(name: &str) -> conveyor_core::task_type::NamedTaskType {
 async fn declared(ctx: &Context, name: &str) -> bool {
     match ctx.management.depths(&in_video(name)).await {
         Ok(_) | Err(ManagementError::StatsMissing { .. }) => true,
-        Err(ManagementError::Refused { status: 404, .. }) => false,
+        Err(ManagementError::QueueMissing { .. }) => false,
         Err(err) => panic!("cannot tell whether {name}'s queues exist: {err}"),
     }
 }
@@ -194,6 +195,112 @@ async fn settled_policy(queue: &str, expected: &Value) -> Value {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     policy
+}
+
+#[tokio::test]
+async fn an_unchanged_type_reconciled_again_declares_nothing_and_writes_no_policy() {
+    // A thousand types resynced must not mean a thousand declarations and policy writes:
+    // only a new generation (or a queue gone from the broker) declares again. Seen from
+    // the broker: the type's own policy, deleted by hand after the first reconcile, stays
+    // gone through a rerun of the same generation, and is back after a spec change.
+    let name = testing::unique_type("rerun");
+    let mut tt = task_type(
+        &name,
+        TaskTypeSpec {
+            max_retries: 4,
+            ..TaskTypeSpec::default()
+        },
+    );
+    let queues = QueueNames::of(&in_video(&name).name);
+    let policy = format!(
+        "{}/api/policies/%2f/{}",
+        testing::management_url(),
+        queues.main
+    );
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let (client, verifier) = api_server(vec![
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+    ]);
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let http = testing::http_client();
+    let deleted = http.delete(&policy).send().await.unwrap();
+    assert!(deleted.status().is_success(), "the own policy was written");
+    // The poller lists the type's queues (a rerun declares again when one is missing).
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !matches!(
+        ctx.broker.depths(&in_video(&name)),
+        Ok(_) | Err(ManagementError::StatsMissing { .. })
+    ) {
+        assert!(std::time::Instant::now() < deadline, "queues never listed");
+        ctx.broker.refresh(&ctx.management).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let declarations = || {
+        ctx.metrics
+            .broker_requests
+            .with_label_values(&["amqp"])
+            .get()
+    };
+    let before = declarations();
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let status = http.get(&policy).send().await.unwrap().status();
+    assert_eq!(status, 404, "the rerun wrote the policy again");
+    assert_eq!(
+        declarations(),
+        before,
+        "the rerun declared the queues again"
+    );
+
+    tt.metadata.generation = Some(3);
+    task_types::reconcile(Arc::new(tt), ctx.clone())
+        .await
+        .unwrap();
+    let status = http.get(&policy).send().await.unwrap().status();
+    assert!(status.is_success(), "a new generation declares: {status}");
+    verifier.await.unwrap();
+    testing::delete_queues(&in_video(&name).name).await;
+}
+
+#[tokio::test]
+async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read() {
+    // Under load the management API times out now and then. That says nothing about the
+    // queues: had it counted as queues missing, every type would declare again over AMQP at
+    // once, the declarations time out, and Ready types flap to False.
+    let name = testing::unique_type("unread");
+    let tt = task_type(&name, TaskTypeSpec::default());
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let (client, verifier) = api_server(vec![
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+    ]);
+    // The poller has no list to read (it never polled: as stale as one that timed out).
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    let declarations = || {
+        ctx.metrics
+            .broker_requests
+            .with_label_values(&["amqp"])
+            .get()
+    };
+    assert_eq!(declarations(), 1, "the first reconcile declares");
+    assert!(ctx.broker.depths(&in_video(&name)).is_err());
+    task_types::reconcile(Arc::new(tt), ctx.clone())
+        .await
+        .unwrap();
+    assert_eq!(declarations(), 1, "declared again on an unreadable list");
+    let seen = verifier.await.unwrap();
+    assert_eq!(seen[1].2["status"]["conditions"][0]["status"], "True");
+    testing::delete_queues(&in_video(&name).name).await;
 }
 
 #[tokio::test]
@@ -497,6 +604,45 @@ fn applies(pool: &str) -> Vec<Expect> {
     ]
 }
 
+/// What a reconcile of `wp` in `video` that scales it asks of the API server: the TaskType
+/// list answered with `listed` (`None`: the watch cache serves it, no request), its
+/// Deployment (answered by `deployment`), the four applies, one Event and the status.
+fn scaling_round(wp: &WorkerPool, listed: Option<&[&str]>, deployment: Expect) -> Vec<Expect> {
+    let pool = wp.metadata.name.as_deref().unwrap();
+    let list = listed.map(|names| {
+        expect(
+            Method::GET,
+            "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+            200,
+            task_type_list(names),
+        )
+    });
+    [
+        list.into_iter().chain([deployment]).collect(),
+        applies(pool),
+        vec![
+            expect(Method::POST, EVENTS, 201, json!({})),
+            expect(
+                Method::PATCH,
+                &format!("/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/{pool}/status"),
+                200,
+                serde_json::to_value(wp).unwrap(),
+            ),
+        ],
+    ]
+    .concat()
+}
+
+/// A GET of `pool`'s Deployment in `video`, answered 404.
+fn no_deployment(pool: &str) -> Expect {
+    expect(
+        Method::GET,
+        &format!("/apis/apps/v1/namespaces/video/deployments/{pool}-worker"),
+        404,
+        not_found(),
+    )
+}
+
 fn not_found() -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"})
 }
@@ -511,37 +657,11 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
         .consumes(&name)
         .replicas(2)
         .build();
-    let (client, verifier) = api_server(
-        [
-            vec![
-                expect(
-                    Method::GET,
-                    "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
-                    200,
-                    task_type_list(&[&name]),
-                ),
-                expect(
-                    Method::GET,
-                    "/apis/apps/v1/namespaces/video/deployments/transcode-worker",
-                    404,
-                    not_found(),
-                ),
-            ],
-            applies("transcode"),
-            vec![
-                expect(Method::POST, EVENTS, 201, json!({})),
-                expect(
-                    Method::PATCH,
-                    "/apis/conveyor.dev/v1alpha1/namespaces/video/workerpools/transcode/status",
-                    200,
-                    serde_json::to_value(&wp).unwrap(),
-                ),
-            ],
-        ]
-        .into_iter()
-        .flatten()
-        .collect(),
-    );
+    let (client, verifier) = api_server(scaling_round(
+        &wp,
+        Some(&[&name]),
+        no_deployment("transcode"),
+    ));
     worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
         .await
         .unwrap();
@@ -602,7 +722,7 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
                     Method::GET,
                     "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
                     200,
-                    drifted,
+                    drifted.clone(),
                 ),
             ],
             applies("thumbs"),
@@ -627,7 +747,9 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
     );
     assert_eq!(seen[6].2["status"]["phase"], "Ready");
 
-    // The pool names a TaskType that does not exist: Warning Event, Degraded, nothing applied.
+    // The pool names a TaskType that does not exist: Warning Event, Degraded, nothing
+    // applied, and its running Deployment keeps its 2 workers, which /scale still reports
+    // (status.replicas), so an HPA or KEDA does not take the pool for empty.
     let (client, verifier) = api_server(vec![
         expect(
             Method::GET,
@@ -638,8 +760,8 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
         expect(
             Method::GET,
             "/apis/apps/v1/namespaces/video/deployments/thumbs-worker",
-            404,
-            not_found(),
+            200,
+            drifted.clone(),
         ),
         expect(Method::POST, EVENTS, 201, json!({})),
         expect(
@@ -655,8 +777,39 @@ async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_th
     assert_eq!(err.category(), "UnknownTaskType");
     let seen = verifier.await.unwrap();
     assert_eq!(seen[2].2["type"], "Warning");
-    assert_eq!(seen[3].2["status"]["phase"], "Degraded");
+    let status = &seen[3].2["status"];
+    assert_eq!(status["phase"], "Degraded");
+    assert_eq!(status["replicas"], 2, "{status}");
+    assert_eq!(status["readyReplicas"], 2);
     testing::delete_queues(&in_video(&name).name).await;
+}
+
+#[tokio::test]
+async fn a_pool_reads_its_task_types_from_the_watch_cache_not_the_api() {
+    // A thousand pools must not list TaskTypes a thousand times a period: with the TaskType
+    // controller's cache synced, a pool reconcile asks the API server only about its own
+    // objects (the script has no GET of the TaskType list; the fallback would send one).
+    let name = testing::unique_type("tt");
+    let wp = WorkerPool::test()
+        .named("transcode")
+        .consumes(&name)
+        .replicas(2)
+        .build();
+    let (client, verifier) = api_server(scaling_round(&wp, None, no_deployment("transcode")));
+    let ctx = context(client, MANAGEMENT);
+    let (store, mut writer) = kube::runtime::reflector::store::<TaskType>();
+    writer.apply_watcher_event(&kube::runtime::watcher::Event::Init);
+    writer.apply_watcher_event(&kube::runtime::watcher::Event::InitApply(
+        TaskType::test(&name).build(),
+    ));
+    writer.apply_watcher_event(&kube::runtime::watcher::Event::InitDone);
+    assert!(ctx.task_types.set(store).is_ok());
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    let seen = verifier.await.unwrap();
+    assert!(
+        seen.iter().all(|(_, uri, _)| !uri.contains("/tasktypes")),
+        "{seen:?}"
+    );
 }
 
 #[tokio::test]
@@ -781,6 +934,9 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
     );
     let status = &seen[7].2["status"];
     assert_eq!(status["queued"], 250);
+    // Ready means serving: a scaling step leaves it True, so health checks do not flap.
+    assert_eq!(status["conditions"][0]["type"], "Ready");
+    assert_eq!(status["conditions"][0]["status"], "True", "{status}");
     assert_eq!(status["conditions"][1]["type"], "Scaling");
     assert_eq!(status["conditions"][1]["status"], "True");
     assert!(status["conditions"][1]["message"]
@@ -788,6 +944,79 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
         .unwrap()
         .contains("backlog 250"));
     testing::delete_queues(&in_video(&name).name).await;
+}
+
+#[tokio::test]
+async fn two_scaling_reconciles_of_one_pool_make_two_events_each_with_its_reason() {
+    // Through the reconcile itself: a pool scaled 0 → 2, then 2 → 3, by one operator. kube's
+    // recorder would send the second as a PATCH of the first (a series keeping the first
+    // note); the strict script takes only POSTs.
+    let name = testing::unique_type("tt");
+    let pool = |replicas| {
+        WorkerPool::test()
+            .named("transcode")
+            .consumes(&name)
+            .replicas(replicas)
+            .build()
+    };
+    let deployment_at_2 = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "transcode-worker", "namespace": "video", "generation": 1},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"conveyor.dev/pool": "transcode"}}, "template": {}},
+        "status": {"readyReplicas": 2}
+    });
+    let deployments = "/apis/apps/v1/namespaces/video/deployments/transcode-worker";
+    let (client, verifier) = api_server(
+        [
+            scaling_round(&pool(2), Some(&[&name]), no_deployment("transcode")),
+            scaling_round(
+                &pool(3),
+                Some(&[&name]),
+                expect(Method::GET, deployments, 200, deployment_at_2),
+            ),
+        ]
+        .concat(),
+    );
+    let ctx = context(client, MANAGEMENT);
+    for replicas in [2, 3] {
+        worker_pools::reconcile(Arc::new(pool(replicas)), ctx.clone())
+            .await
+            .unwrap();
+    }
+    let seen = verifier.await.unwrap();
+    let notes: Vec<&str> = seen
+        .iter()
+        .filter(|(_, uri, _)| uri.contains("/events"))
+        .map(|(_, _, body)| body["note"].as_str().unwrap())
+        .collect();
+    assert_eq!(notes.len(), 2, "{notes:?}");
+    assert!(notes[0].contains("0 → 2"), "{notes:?}");
+    assert!(notes[1].contains("2 → 3"), "{notes:?}");
+}
+
+#[tokio::test]
+async fn each_scaling_decision_is_an_event_of_its_own_with_its_own_note() {
+    // kube's event recorder folds Events of one reason into a series that keeps the first
+    // note (a PATCH of the first Event, `Scaled (x12)` with the oldest reason): every
+    // decision must be created anew so that `kubectl describe` shows each reason.
+    let wp = WorkerPool::test()
+        .named("scaled")
+        .consumes("t")
+        .autoscaled(1, 10)
+        .build();
+    let (client, verifier) = api_server(vec![
+        expect(Method::POST, EVENTS, 201, json!({})),
+        expect(Method::POST, EVENTS, 201, json!({})),
+    ]);
+    let ctx = context(client, MANAGEMENT);
+    for note in ["1 → 3: backlog 250", "3 → 5: backlog 480"] {
+        ctx.event_each(&wp, "Scaled", note.to_owned()).await;
+    }
+    let seen = verifier.await.unwrap();
+    assert_eq!(seen[0].2["note"], "1 → 3: backlog 250");
+    assert_eq!(seen[1].2["note"], "3 → 5: backlog 480");
+    assert_eq!(seen[1].2["regarding"]["name"], "scaled");
+    assert_eq!(seen[1].2["reason"], "Scaled");
 }
 
 /// An autoscaled pool `scaled` whose Deployment has `replicas`, reconciled while the
@@ -907,6 +1136,73 @@ fn deployment_replicas(seen: &[Seen]) -> &Value {
 
 fn pool_status(seen: &[Seen]) -> &Value {
     &seen.last().unwrap().2["status"]
+}
+
+/// A management API that answers every request with `queues` (a stand-in for a broker
+/// that lists its queues without some counters); returns its URL.
+async fn management_answering(queues: Value) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let body = queues.to_string();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let mut request = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => request.extend_from_slice(&buf[..n]),
+                }
+            }
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(answer.as_bytes()).await;
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn an_autoscaled_pool_whose_queues_lack_counters_is_not_scaled_to_zero() {
+    // The management API answers, but without the counters of the type's queues (not
+    // collected yet, or statistics turned off). Read as 0 they would shrink a pool with
+    // work waiting to its minimum of 0; unknown, the pool holds and says why.
+    let queues: Vec<Value> = QueueNames::of(&in_video("t").name)
+        .all(1)
+        .into_iter()
+        .map(|name| json!({"name": name, "consumers": 3}))
+        .collect();
+    let management = management_answering(json!(queues)).await;
+    let mut wp = WorkerPool::test()
+        .named("scaled")
+        .consumes("t")
+        .autoscaled(0, 4)
+        .build();
+    // Nothing else would hold it: no stabilization window, no bound on a step down.
+    let autoscaling = wp.spec.autoscaling.as_mut().unwrap();
+    autoscaling.scale_down_stabilization_seconds = 0;
+    autoscaling.scale_down_max_percent = 100;
+    let (client, verifier) = api_server(without_statistics_script(&wp, 3));
+    let ctx = context(client, &management);
+    ctx.broker
+        .refresh(&ctx.management)
+        .await
+        .expect("the queue list itself was read");
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(*deployment_replicas(&seen), 3, "held, not scaled down");
+    let metrics = &pool_status(&seen)["conditions"][2];
+    assert_eq!(metrics["type"], "MetricsAvailable");
+    assert_eq!(metrics["status"], "False");
+    assert_eq!(metrics["reason"], "MetricsUnavailable");
+    assert!(
+        metrics["message"].as_str().unwrap().contains("statistic"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

@@ -13,3 +13,19 @@ stop_process() {
   kill -KILL "$pid" 2>/dev/null || true
   rm -f "$PID_DIR/$1.pid" "$PID_DIR/$1.stamp" "$PID_DIR/$1.cmd"
 }
+
+# Starts <name> running <command...>, its output in <log>, in a session of its own (so that an
+# interrupt of whoever ran this does not reach it). A no-op while it runs with the same
+# command line; restarted when that changed (kept in <name>.cmd). Callers define `log`.
+start_process() { # name, log, command...
+  local name=$1 out=$2; shift 2
+  if running "$name"; then
+    [ "$(cat "$PID_DIR/$name.cmd" 2>/dev/null)" = "$*" ] && return 0
+    log "restarting $name for its new command line"
+    stop_process "$name"
+  fi
+  nohup setsid "$@" >"$out" 2>&1 &
+  echo $! >"$PID_DIR/$name.pid"
+  echo "$*" >"$PID_DIR/$name.cmd"
+  log "started $name (log $out)"
+}

@@ -4,12 +4,13 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AmqpError {
+    /// The cause is in the message too: many log lines print an error without its chain.
     #[error("broker unavailable: {0}")]
-    Unavailable(lapin::Error),
+    Unavailable(#[source] lapin::Error),
     /// The broker answered and refused the login or the vhost: the credentials are wrong,
     /// not the broker down.
     #[error("broker refused the login: {0}")]
-    LoginRefused(lapin::Error),
+    LoginRefused(#[source] lapin::Error),
     /// Connecting (TCP, TLS and the AMQP handshake) took longer than this.
     #[error("broker did not accept a connection within {0:?}")]
     ConnectTimeout(Duration),
@@ -72,5 +73,20 @@ pub(super) fn clone_error(err: &AmqpError) -> AmqpError {
         AmqpError::Encode(_) => AmqpError::Nacked,
         AmqpError::Tls(e) => AmqpError::Tls(e.clone()),
         AmqpError::NoUrl => AmqpError::NoUrl,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn a_wrapped_broker_error_keeps_its_cause_and_says_it_once() {
+        let err = AmqpError::Unavailable(lapin::Error::InvalidChannel(7));
+        assert!(err.source().is_some(), "the cause is the source");
+        let text = crate::with_causes(&err);
+        let cause = err.source().unwrap().to_string();
+        assert_eq!(text.matches(&cause).count(), 1, "{text}");
     }
 }

@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
     kind = "ClientToken",
     plural = "clienttokens",
     namespaced,
+    doc = "A client of the gateway in this namespace: the SHA-256 digest of a bearer token the gateway accepts for this namespace's task types and tasks (never the token itself).",
     printcolumn = r#"{"name":"Age", "type":"date", "jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]

@@ -32,6 +32,10 @@ pub mod reasons {
     pub const METRICS_UNAVAILABLE: &str = "MetricsUnavailable";
     pub const RABBITMQ_CLIENT: &str = "RabbitMQClient";
     pub const RABBITMQ_REFUSED: &str = "RabbitMQRefused";
+    /// A TaskType's queue is not in the broker yet (not declared, or deleted).
+    pub const QUEUE_MISSING: &str = "QueueMissing";
+    /// The operator's own RabbitMQ settings are incomplete (no broker URL).
+    pub const RABBITMQ_SETTINGS: &str = "RabbitMQSettings";
     pub const INVALID_OBJECT: &str = "InvalidObject";
     pub const UNKNOWN_TASK_TYPE: &str = "UnknownTaskType";
     pub const BUILD_FAILED: &str = "BuildFailed";

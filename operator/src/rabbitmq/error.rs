@@ -24,6 +24,10 @@ pub enum ManagementError {
         status: u16,
         body: String,
     },
+    /// A task type's queue is not in the broker's queue list: the TaskType is not declared
+    /// yet (or its queues were deleted), which is neither an outage nor a refusal.
+    #[error("queue {queue} is not in the broker's queue list (its TaskType is not declared yet)")]
+    QueueMissing { queue: String },
     /// The broker answered without a counter (statistics not collected yet, or disabled):
     /// unknown, never zero, so a pool is not scaled down on a number nobody measured.
     #[error("queue {queue} has no {counter} statistic yet")]
@@ -42,6 +46,7 @@ impl ManagementError {
             ManagementError::Unreachable { .. } => reasons::RABBITMQ_UNAVAILABLE,
             ManagementError::Client(_) => reasons::RABBITMQ_CLIENT,
             ManagementError::Refused { .. } => reasons::RABBITMQ_REFUSED,
+            ManagementError::QueueMissing { .. } => reasons::QUEUE_MISSING,
             ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {
                 reasons::METRICS_UNAVAILABLE
             }

@@ -74,15 +74,15 @@ impl QueueInfo {
 }
 
 fn queue_in<'a>(queues: &'a Queues, name: &str) -> Result<&'a QueueInfo, ManagementError> {
-    queues.get(name).ok_or_else(|| ManagementError::Refused {
-        what: format!("queue {name}"),
-        status: 404,
-        body: "not in the broker's queue list".to_owned(),
-    })
+    queues
+        .get(name)
+        .ok_or_else(|| ManagementError::QueueMissing {
+            queue: name.to_owned(),
+        })
 }
 
 /// A task type's depths in `queues`: its work, retry and remediation queues must be there
-/// (a type not declared yet is a 404); retry tiers beyond the first count when present (one
+/// (a type not declared yet is [`ManagementError::QueueMissing`]); retry tiers beyond the first count when present (one
 /// left from before an edit to fewer retries still holds retries until it drains).
 pub fn depths_in(queues: &Queues, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
     let names = QueueNames::of(&spec.name);

@@ -267,6 +267,19 @@ async fn installed_with_helm_it_runs_a_task_end_to_end_and_passes_helm_test() {
         0
     };
     let logs = pod_logs(&namespace);
+    // The TaskTypes go before their queues, or the stack's operator, started again below,
+    // declares the queues of types still there (as in `Stack::finish`).
+    let _ = kubectl_with(
+        &[
+            "-n",
+            &namespace,
+            "delete",
+            "tasktypes",
+            "--all",
+            "--timeout=60s",
+        ],
+        None,
+    );
     let _ = run("helm", &["uninstall", release, "-n", &namespace, "--wait"]);
     let _ = kubectl_with(&["delete", "namespace", &namespace, "--wait=false"], None);
     testing::delete_queues(&key).await;

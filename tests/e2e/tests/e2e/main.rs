@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 mod chart;
+mod external_scalers;
 mod nodes;
 mod observability;
 mod operator;

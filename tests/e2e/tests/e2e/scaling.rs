@@ -109,54 +109,6 @@ async fn scaling_a_pool_with_kubectl_gives_three_workers() {
 }
 
 #[tokio::test]
-async fn a_horizontal_pod_autoscaler_drives_a_pool_through_scale() {
-    // The control plane's own HPA controller, as a user who brings an HPA (or KEDA, which
-    // makes one) would run it. Its bounds apply before any metric is read, so no metrics
-    // server is needed: below minReplicas it scales up, above maxReplicas down, each by
-    // writing `spec.replicas` through the pool's /scale.
-    let (stack, t) = pool_stack("hpa", "hpa-driven", "  replicas: 1\n", 1).await;
-    let hpa = |min: i32, max: i32| {
-        format!(
-            "apiVersion: autoscaling/v2\nkind: HorizontalPodAutoscaler\nmetadata:\n  name: \
-             hpa-driven\nspec:\n  scaleTargetRef:\n    apiVersion: conveyor.dev/v1alpha1\n    \
-             kind: WorkerPool\n    name: hpa-driven\n  minReplicas: {min}\n  maxReplicas: \
-             {max}\n  metrics:\n  - type: Resource\n    resource:\n      name: cpu\n      \
-             target:\n        type: Utilization\n        averageUtilization: 80\n"
-        )
-    };
-    stack.apply(&hpa(3, 4));
-    let queue = stack.queue_of(&t, "");
-    wait_until(
-        "the HPA raised the pool to 3 workers",
-        3 * MINUTE,
-        || async {
-            stack.running_pods("hpa-driven").await.len() == 3 && stack.consumers(&queue).await == 3
-        },
-    )
-    .await;
-    let replicas = stack.kubectl(&[
-        "get",
-        "workerpool/hpa-driven",
-        "-o",
-        "jsonpath={.spec.replicas}",
-    ]);
-    assert_eq!(replicas, "3", "the HPA wrote the pool's spec.replicas");
-    stack.apply(&hpa(1, 2));
-    wait_until(
-        "the HPA lowered the pool to 2 workers",
-        3 * MINUTE,
-        || async {
-            stack.deployment_replicas("hpa-driven").await == Some(2)
-                && stack.running_pods("hpa-driven").await.len() == 2
-                && stack.consumers(&queue).await == 2
-        },
-    )
-    .await;
-    stack.kubectl(&["delete", "hpa/hpa-driven"]);
-    stack.finish().await;
-}
-
-#[tokio::test]
 async fn an_operator_restarted_during_a_scale_up_finishes_it() {
     let _operators = operators_to_myself().await;
     let (stack, t) = pool_stack("oprestart", "growing", "  replicas: 1\n", 1).await;
