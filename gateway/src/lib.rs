@@ -276,6 +276,9 @@ pub async fn run(
     served.map(|_| ())
 }
 
+/// Longest one task type's declaration may take before it is tried again.
+const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Declares every task type's queues, retrying while the broker is unreachable. (The
 /// operator takes this over in a cluster; declaring is idempotent.)
 async fn declare_topology(
@@ -286,7 +289,10 @@ async fn declare_topology(
 ) {
     for task_type in task_types {
         loop {
-            match publisher.declare_task_type(&task_type).await {
+            match publisher
+                .declare_task_type(&task_type, DECLARE_TIMEOUT)
+                .await
+            {
                 Ok(()) => break,
                 Err(err) => {
                     tracing::warn!(task_type = task_type.name, error = %err,

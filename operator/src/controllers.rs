@@ -323,7 +323,9 @@ mod tests {
             assert!(retry < crate::declarations::RETRY_AFTER * 2, "{retry:?}");
         }
         // Its own first failure still starts at the first step.
-        let timeout = Error::Timeout("declaring queues over AMQP", Duration::from_secs(10));
+        let timeout = Error::Amqp(conveyor_core::amqp::AmqpError::DeclareTimeout(
+            Duration::from_secs(10),
+        ));
         let retry = retry_after(&timeout, &backoff, "tasktype/video/t");
         assert!(retry < crate::backoff::FIRST * 3 / 2, "{retry:?}");
     }

@@ -1,5 +1,5 @@
-//! Turns at declaring queues over the operator's one AMQP channel, and the memory of an
-//! outage. The broker runs a channel's declarations one after another, so only a few run at
+//! Turns at declaring queues over the operator's AMQP connection, and the memory of an
+//! outage. Quorum queues are slow to create on a busy node, so only a few declarations run at
 //! once; when one finds the broker unreachable or hung, the types waiting for a turn report
 //! that at once instead of each waiting out its own timeout: a thousand types behind a hung
 //! broker would otherwise hit the reconcile bound, write no status, and stay `Ready=True`.
@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::shared::lock;
 
 /// Declarations under way at once.
-pub const AT_ONCE: usize = 2;
+pub const AT_ONCE: usize = 4;
 /// After an outage, declarations wait this long before one tries the broker again.
 pub const RETRY_AFTER: Duration = Duration::from_secs(10);
 

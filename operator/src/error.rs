@@ -51,9 +51,10 @@ impl Error {
 /// needs its own decision).
 fn amqp_category(err: &AmqpError) -> &'static str {
     match err {
-        AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) | AmqpError::ConfirmTimeout(_) => {
-            reasons::RABBITMQ_UNAVAILABLE
-        }
+        AmqpError::Unavailable(_)
+        | AmqpError::ConnectTimeout(_)
+        | AmqpError::ConfirmTimeout(_)
+        | AmqpError::DeclareTimeout(_) => reasons::RABBITMQ_UNAVAILABLE,
         AmqpError::Mismatch { .. } => reasons::QUEUE_ARGUMENTS_MISMATCH,
         AmqpError::Tls(_) => reasons::TLS_SETTINGS,
         AmqpError::NoUrl => reasons::RABBITMQ_SETTINGS,

@@ -31,10 +31,13 @@ const RESYNC: Duration = Duration::from_secs(15);
 /// broker poller sees its counts change: a thousand idle types need not run four
 /// reconciles a minute each.
 const RESTING_RESYNC: Duration = Duration::from_secs(60);
-/// How long a declaration is trusted while nothing says it is gone.
-const REDECLARE_EVERY: Duration = Duration::from_secs(300);
-/// Longest a declaration may take (connect included) before the broker counts as unavailable.
-const DECLARE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a declaration is trusted while the broker lists the type's queues: declaring
+/// again only restores policies edited by hand. Each type waits a further share of up to
+/// half of this (by its uid), so types applied together do not all declare again together.
+const REDECLARE_EVERY: Duration = Duration::from_secs(30 * 60);
+/// Longest the broker may take per queue of a type (connect included) before it counts as
+/// unavailable: a quorum queue starts a Raft member, which takes seconds on a busy node.
+const DECLARE_TIMEOUT_PER_QUEUE: Duration = Duration::from_secs(10);
 
 #[tracing::instrument(skip_all, fields(task_type = %task_type.name_any()))]
 pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Action> {
@@ -145,16 +148,52 @@ async fn declare_unless_current(
     let key = declared_key(task_type);
     let generation = task_type.meta().generation;
     let listed = ctx.broker.depths(spec);
-    let current = lock(&ctx.declared)
-        .get(&key)
-        .is_some_and(|&(seen, at)| seen == generation && at.elapsed() < REDECLARE_EVERY);
+    let declared = lock(&ctx.declared).get(&key).copied();
+    let current = declared
+        .is_some_and(|(seen, at)| seen == generation && at.elapsed() < redeclare_after(&key));
     let queues_missing = matches!(listed, Err(ManagementError::QueueMissing { .. }));
     if current && !queues_missing {
         return Ok(listed.ok());
     }
-    let depths = declare(spec, ctx).await?;
-    lock(&ctx.declared).insert(key, (generation, Instant::now()));
-    Ok(depths)
+    // Declaring again what this spec already declared, with every queue listed: a slow
+    // answer is a busy broker, not a lost one, and the type stays as it was.
+    let refresh = listed.is_ok()
+        && (declared.is_some_and(|(seen, _)| seen == generation)
+            || ready_at(task_type, generation));
+    match declare(spec, ctx, refresh).await {
+        Ok(depths) => {
+            lock(&ctx.declared).insert(key, (generation, Instant::now()));
+            Ok(depths)
+        }
+        Err(err @ Error::Amqp(AmqpError::DeclareTimeout(_))) if refresh => {
+            tracing::info!(error = %err, "declaring again timed out; the broker lists every queue, so the type stays ready");
+            lock(&ctx.declared).insert(key, (generation, Instant::now()));
+            Ok(listed.ok())
+        }
+        Err(err) => Err(err),
+    }
+}
+
+/// When a declaration of `key` is due again: [`REDECLARE_EVERY`] plus the key's own share
+/// of half of it.
+fn redeclare_after(key: &str) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut hasher);
+    let spread = REDECLARE_EVERY.as_secs() / 2;
+    REDECLARE_EVERY + Duration::from_secs(hasher.finish() % spread)
+}
+
+/// Whether the status says this generation's queues were declared (an operator that
+/// restarted has no memory of its own declarations).
+fn ready_at(task_type: &TaskType, generation: Option<i64>) -> bool {
+    task_type.status.as_ref().is_some_and(|status| {
+        status.observed_generation == generation
+            && status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == READY && c.status == "True")
+    })
 }
 
 /// By uid: a TaskType deleted and created again under the same name is another object,
@@ -169,34 +208,41 @@ fn declared_key(task_type: &TaskType) -> String {
     })
 }
 
-/// Declares the queues (bounded by [`DECLARE_TIMEOUT`]: a hung broker must not hold the
-/// reconcile), puts the policies, drops drained tiers and reads the depths. Depths the broker
-/// has not counted yet are unknown (`None`), which does not make the type unready.
-async fn declare(spec: &NamedTaskType, ctx: &Context) -> Result<Option<QueueDepths>> {
-    // Declarations share the operator's one channel, where the broker runs them one after
-    // another (a quorum queue takes a while): a few at a time, and the timeout counts only
-    // the broker's own time, not the wait for a turn.
+/// Declares the queues (bounded by [`DECLARE_TIMEOUT_PER_QUEUE`]: a hung broker must not
+/// hold the reconcile), puts the policies, drops drained tiers and reads the depths. Depths
+/// the broker has not counted yet are unknown (`None`), which does not make the type unready.
+/// A `refresh` that times out says nothing about an outage (the broker lists the queues).
+async fn declare(
+    spec: &NamedTaskType,
+    ctx: &Context,
+    refresh: bool,
+) -> Result<Option<QueueDepths>> {
+    // A few at a time (each on a channel of its own), and the timeout counts only the
+    // broker's own time, not the wait for a turn.
     let turn = ctx.declarations.turn().await?;
     ctx.metrics
         .broker_requests
         .with_label_values(&["amqp"])
         .inc();
-    let declared =
-        match tokio::time::timeout(DECLARE_TIMEOUT, ctx.publisher.declare_task_type(spec)).await {
-            Ok(declared) => declared.map_err(Error::Amqp),
-            Err(_) => Err(Error::Timeout(
-                "declaring queues over AMQP",
-                DECLARE_TIMEOUT,
-            )),
-        };
-    let outage = match &declared {
+    let queues = spec.retry_tiers() + 2; // work, retry tiers, remediation
+    let declared = ctx
+        .publisher
+        .declare_task_type(spec, DECLARE_TIMEOUT_PER_QUEUE * queues)
+        .await
+        .map_err(Error::Amqp);
+    match &declared {
+        Err(Error::Amqp(AmqpError::DeclareTimeout(_))) if refresh => {}
         Err(
-            err @ (Error::Timeout(..)
-            | Error::Amqp(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))),
-        ) => Some(conveyor_core::with_causes(err)),
-        _ => None,
-    };
-    ctx.declarations.found(outage);
+            err @ Error::Amqp(
+                AmqpError::Unavailable(_)
+                | AmqpError::ConnectTimeout(_)
+                | AmqpError::DeclareTimeout(_),
+            ),
+        ) => ctx
+            .declarations
+            .found(Some(conveyor_core::with_causes(err))),
+        _ => ctx.declarations.found(None),
+    }
     drop(turn);
     declared?;
     ctx.management.put_task_type_policies(spec).await?;
@@ -324,5 +370,56 @@ mod tests {
         };
         assert_eq!(resync(Some(&retrying)), RESYNC);
         assert_eq!(resync(None), RESYNC, "unknown counts are not at rest");
+    }
+
+    #[test]
+    fn types_declared_together_declare_again_spread_out() {
+        let due: Vec<Duration> = (0..100)
+            .map(|i| redeclare_after(&format!("uid-{i}")))
+            .collect();
+        assert!(due
+            .iter()
+            .all(|d| *d >= REDECLARE_EVERY && *d < REDECLARE_EVERY * 3 / 2));
+        let earliest = due.iter().min().unwrap();
+        let latest = due.iter().max().unwrap();
+        assert!(
+            *latest - *earliest > REDECLARE_EVERY / 4,
+            "{earliest:?}..{latest:?}"
+        );
+        assert_eq!(
+            redeclare_after("uid-7"),
+            due[7],
+            "the same key, the same turn"
+        );
+    }
+
+    #[test]
+    fn only_a_ready_status_of_this_generation_counts_as_declared() {
+        let with = |status: &str, observed: i64| {
+            let mut task_type = TaskType::new("t", serde_json::from_value(json!({})).unwrap());
+            task_type.status = Some(TaskTypeStatus {
+                observed_generation: Some(observed),
+                conditions: vec![condition(
+                    &[],
+                    READY,
+                    status == "True",
+                    "R",
+                    String::new(),
+                    Some(observed),
+                )],
+                depths: None,
+            });
+            task_type
+        };
+        assert!(ready_at(&with("True", 3), Some(3)));
+        assert!(
+            !ready_at(&with("True", 2), Some(3)),
+            "an older spec's queues"
+        );
+        assert!(!ready_at(&with("False", 3), Some(3)));
+        assert!(!ready_at(
+            &TaskType::new("t", serde_json::from_value(json!({})).unwrap()),
+            Some(1)
+        ));
     }
 }

@@ -365,7 +365,10 @@ async fn an_old_finalizer_on_an_aliasing_name_is_released_and_deletes_nothing() 
     // delete it.
     let foo = testing::unique_type("op");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&in_video(&foo)).await.unwrap();
+    publisher
+        .declare_task_type(&in_video(&foo), Duration::from_secs(30))
+        .await
+        .unwrap();
     let alias = format!("{foo}.retry");
     let mut deleting = task_type(
         &alias,
@@ -651,7 +654,10 @@ fn not_found() -> Value {
 async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&in_video(&name)).await.unwrap();
+    publisher
+        .declare_task_type(&in_video(&name), Duration::from_secs(30))
+        .await
+        .unwrap();
     let wp = WorkerPool::test()
         .named("transcode")
         .consumes(&name)
@@ -694,7 +700,10 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
 async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_the_pool() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&in_video(&name)).await.unwrap();
+    publisher
+        .declare_task_type(&in_video(&name), Duration::from_secs(30))
+        .await
+        .unwrap();
     let wp = WorkerPool::test()
         .named("thumbs")
         .consumes(&name)
@@ -816,7 +825,10 @@ async fn a_pool_reads_its_task_types_from_the_watch_cache_not_the_api() {
 async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher.declare_task_type(&in_video(&name)).await.unwrap();
+    publisher
+        .declare_task_type(&in_video(&name), Duration::from_secs(30))
+        .await
+        .unwrap();
     let backlog: Vec<conveyor_core::amqp::Outgoing> = (0..250)
         .map(|_| conveyor_core::amqp::Outgoing {
             message: conveyor_core::task::TaskMessage {
@@ -1298,8 +1310,8 @@ async fn hung_broker() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
 
 #[tokio::test]
 async fn a_hung_broker_makes_every_waiting_type_not_ready_without_each_waiting_it_out() {
-    // Twelve types behind a broker that never answers: the two declaring first time out;
-    // the ten waiting for a turn must report the outage rather than each try again (six
+    // Twelve types behind a broker that never answers: those declaring first time out;
+    // the rest waiting for a turn must report the outage rather than each try again (six
     // rounds of timeouts would take the last past the controller's 60 s bound, which ends
     // a reconcile before it writes any status: the type stayed Ready).
     let names: Vec<String> = (0..12).map(|_| testing::unique_type("hung")).collect();
@@ -1330,7 +1342,7 @@ async fn a_hung_broker_makes_every_waiting_type_not_ready_without_each_waiting_i
     }
     let connects = accepted.load(std::sync::atomic::Ordering::SeqCst);
     assert!(
-        connects <= 2,
+        connects <= conveyor_operator::declarations::AT_ONCE,
         "{connects} connections to a broker known to be hung (one per declaration under way)"
     );
 }

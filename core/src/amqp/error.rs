@@ -26,6 +26,10 @@ pub enum AmqpError {
     Nacked,
     #[error("no publisher confirm within {0:?}")]
     ConfirmTimeout(Duration),
+    /// The broker took longer than this to declare a task type's queues: hung, or too
+    /// busy to answer (quorum queues are slow to create on a loaded node).
+    #[error("broker did not declare the queues within {0:?}")]
+    DeclareTimeout(Duration),
     #[error("queue {queue} exists with different arguments")]
     Mismatch {
         queue: String,
@@ -47,6 +51,7 @@ impl AmqpError {
             AmqpError::NoQueue { .. } => "no_queue",
             AmqpError::Nacked => "nacked",
             AmqpError::ConfirmTimeout(_) => "confirm_timeout",
+            AmqpError::DeclareTimeout(_) => "declare_timeout",
             AmqpError::Mismatch { .. } => "topology_mismatch",
             AmqpError::Encode(_) => "encode",
         }
@@ -65,6 +70,7 @@ pub(super) fn clone_error(err: &AmqpError) -> AmqpError {
         },
         AmqpError::Nacked => AmqpError::Nacked,
         AmqpError::ConfirmTimeout(d) => AmqpError::ConfirmTimeout(*d),
+        AmqpError::DeclareTimeout(d) => AmqpError::DeclareTimeout(*d),
         AmqpError::ConnectTimeout(d) => AmqpError::ConnectTimeout(*d),
         AmqpError::Mismatch { queue, source } => AmqpError::Mismatch {
             queue: queue.clone(),

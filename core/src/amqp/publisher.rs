@@ -58,22 +58,38 @@ impl Link {
     /// on the same connection when only the channel was closed (a 404 or 406 closes it).
     async fn channel(&self) -> AmqpResult<Channel> {
         let mut slot = self.slot.lock().await;
-        if let Some((conn, channel)) = slot.as_mut() {
-            if conn.status().connected() {
-                if channel.status().connected() {
-                    return Ok(channel.clone());
-                }
-                let fresh = self.open_channel(conn).await?;
-                *channel = fresh.clone();
-                return Ok(fresh);
-            }
+        let (conn, channel) = self.connected(&mut slot).await?;
+        if !channel.status().connected() {
+            *channel = self.open_channel(conn).await?;
         }
-        *slot = None;
-        let conn = connect(&self.url, &self.name).await?;
-        self.connects.fetch_add(1, Ordering::Relaxed);
-        let channel = self.open_channel(&conn).await?;
-        *slot = Some((conn, channel.clone()));
-        Ok(channel)
+        Ok(channel.clone())
+    }
+
+    /// A plain channel of its own on the link's connection (reconnecting when it was lost):
+    /// the broker runs each channel's methods one after another, so work that may be slow
+    /// must not queue behind the shared channel, nor leave a late answer on it.
+    async fn own_channel(&self) -> AmqpResult<Channel> {
+        let mut slot = self.slot.lock().await;
+        let (conn, _) = self.connected(&mut slot).await?;
+        conn.create_channel().await.map_err(AmqpError::Unavailable)
+    }
+
+    /// The open connection and its shared channel, connecting afresh when it was lost.
+    async fn connected<'a>(
+        &self,
+        slot: &'a mut Option<(Connection, Channel)>,
+    ) -> AmqpResult<&'a mut (Connection, Channel)> {
+        if !slot
+            .as_ref()
+            .is_some_and(|(conn, _)| conn.status().connected())
+        {
+            *slot = None;
+            let conn = connect(&self.url, &self.name).await?;
+            self.connects.fetch_add(1, Ordering::Relaxed);
+            let channel = self.open_channel(&conn).await?;
+            *slot = Some((conn, channel));
+        }
+        Ok(slot.as_mut().expect("connected just above"))
     }
 
     async fn open_channel(&self, conn: &Connection) -> AmqpResult<Channel> {
@@ -127,10 +143,28 @@ impl Publisher {
         self.link.reset().await
     }
 
-    /// Declares a task type's queues on the publisher's connection.
-    pub async fn declare_task_type(&self, spec: &NamedTaskType) -> AmqpResult<()> {
-        let channel = self.channel().await?;
-        let result = declare_task_type(&channel, spec).await;
+    /// Declares a task type's queues on a channel of its own, within `timeout` (a hung or
+    /// overloaded broker must not hold the caller). The channel is closed afterwards, so a
+    /// declaration cut off by the timeout leaves nothing pending on the shared one, and
+    /// declarations of several types run side by side in the broker.
+    pub async fn declare_task_type(
+        &self,
+        spec: &NamedTaskType,
+        timeout: Duration,
+    ) -> AmqpResult<()> {
+        let result = match tokio::time::timeout(timeout, async {
+            let channel = self.link.own_channel().await?;
+            let declared = declare_task_type(&channel, spec).await;
+            if channel.status().connected() {
+                let _ = channel.close(200, "declared").await;
+            }
+            declared
+        })
+        .await
+        {
+            Ok(result) => result,
+            Err(_) => Err(AmqpError::DeclareTimeout(timeout)),
+        };
         if matches!(
             result,
             Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))

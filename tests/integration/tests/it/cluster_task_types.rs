@@ -60,7 +60,10 @@ async fn the_gateway_follows_task_type_resources() {
     );
     let publisher = Harness::publisher_for_tests();
     for spec in [&first, &second] {
-        publisher.declare_task_type(spec).await.unwrap(); // the operator's job
+        publisher
+            .declare_task_type(spec, Duration::from_secs(30))
+            .await
+            .unwrap(); // the operator's job
     }
     let listed = Arc::new(Mutex::new(vec![first.local_name().to_owned()]));
     let client = mock_cluster(listed.clone());
