@@ -90,11 +90,13 @@ queues=$(queues_left)
 
 log "deleting $NS (the operator deletes the queues)"
 kubectl delete namespace "$NS" --wait=false >/dev/null
-deadline=$(( $(date +%s) + 1800 ))
+deleting=$(date +%s)
+deadline=$(( deleting + 1800 ))
 while kubectl get namespace "$NS" >/dev/null 2>&1; do
   [ "$(date +%s)" -lt "$deadline" ] || { log "namespace $NS still there after 30 min"; break; }
   sleep 5
 done
+deleted_after=$(( $(date +%s) - deleting ))
 left=$(queues_left)
 if [ "$left" -gt 0 ]; then
   log "$left queues left behind; deleting them through the management API"
@@ -102,26 +104,40 @@ if [ "$left" -gt 0 ]; then
     while read -r q; do "${CURL[@]}" -X DELETE "$MANAGEMENT/api/queues/%2F/$q" >/dev/null || true; done
 fi
 
-cat >"$REPORT" <<EOF
-# The operator at scale
+# The run's section goes first under the report's title; earlier runs stay below it.
+section=$WORK/section.md
+cat >"$section" <<EOF
+## $(date -u +%Y-%m-%d), \`scripts/operator-scale.sh $N $STEADY\` at $(git rev-parse --short HEAD)
 
-\`scripts/operator-scale.sh $N $STEADY\` on $(date -u +%Y-%m-%d), $(nproc) cores, the local
-stack (debug build of the operator, one process; RabbitMQ and PostgreSQL on the same
-machine). $N TaskTypes (nine in ten with default settings, every tenth with maxRetries 1 and
-so a policy of its own) and $N WorkerPools
-(autoscaled 0-2, no work, so no pods) applied in one \`kubectl apply\`. Counts from outside
-the reconcilers: /proc for the operator process, the apiserver's \`apiserver_request_total\`
-(every client, so the baseline is shown beside it), the operator's
-\`conveyor_operator_broker_requests_total\` (management API requests and AMQP declarations).
+$(nproc) cores, the local stack (debug build of the operator, one process; RabbitMQ and
+PostgreSQL on the same machine). $N TaskTypes (nine in ten with default settings, every
+tenth with maxRetries 1 and so a policy of its own) and $N WorkerPools (autoscaled 0-2, no
+work, so no pods) applied in one \`kubectl apply\`. Counts from outside the reconcilers:
+/proc for the operator process, the apiserver's \`apiserver_request_total\` (every client,
+so the baseline is shown beside it), the operator's \`conveyor_operator_broker_requests_total\`
+(management API requests and AMQP declarations).
 
 | | before the objects | with $N + $N objects |
 |---|---|---|
+| \`kubectl apply\` of the $((2 * N)) objects | — | $(minus "$applied" "$started") s |
 | TaskTypes Ready | — | $ready of $N after ${to_ready} s (operator CPU ${cpu_to_ready} s) |
 | queues declared | — | $queues |
 | operator CPU, s per minute (steady) | $base_cpu | $cpu |
 | operator RSS, MiB | $base_rss | $rss (peak $hwm) |
 | apiserver requests per minute (all clients) | $base_api | $api |
 | operator broker requests per minute | $base_broker | $broker |
+| namespace deleted (the operator deleting the queues) | — | after $deleted_after s |
 | queues left after deleting the namespace | — | $left (before the script's own clean-up) |
+
 EOF
+if [ -f "$REPORT" ]; then
+  awk -v section="$section" '
+    !done && /^## / { while ((getline line < section) > 0) print line; done = 1 }
+    { print }
+    END { if (!done) while ((getline line < section) > 0) print line }
+  ' "$REPORT" >"$WORK/report.md"
+else
+  { echo "# The operator at scale"; echo; cat "$section"; } >"$WORK/report.md"
+fi
+cp "$WORK/report.md" "$REPORT"
 log "wrote $REPORT"
