@@ -62,15 +62,31 @@ fn libfaketime() -> String {
 
 #[tokio::test]
 async fn two_operators_with_skewed_clocks_never_both_act() {
-    let _operators = operators_to_myself().await;
-    let (stack, _t) = pool_stack("skew", "watched", "  replicas: 1\n", 1).await;
-    let listen = format!("127.0.0.1:{}", testing::free_port());
     // A standby whose wall clock is 15 minutes ahead: every renewal of the leader's looks
     // 15 minutes old to it.
+    skewed_standby_beside_the_leader("skew", "+15m").await;
+}
+
+#[tokio::test]
+async fn a_standby_whose_clock_is_behind_still_takes_over_from_a_dead_leader() {
+    // 5 minutes behind: the leader's last renewal looks 5 minutes in the future to it, so
+    // judging expiry by timestamps it would wait that long to take over. (Not more: the
+    // services' certificates are not valid before they were made, which on a fresh machine
+    // may be only minutes before this test.)
+    skewed_standby_beside_the_leader("skewbehind", "-5m").await;
+}
+
+/// The stack's operator leads, a standby with its clock off by `skew` (libfaketime's
+/// FAKETIME) acts on nothing while the leader renews, takes over within a lease duration
+/// once the leader dies, and hands the lease back when stopped.
+async fn skewed_standby_beside_the_leader(namespace: &str, skew: &str) {
+    let _operators = operators_to_myself().await;
+    let (stack, _t) = pool_stack(namespace, "watched", "  replicas: 1\n", 1).await;
+    let listen = format!("127.0.0.1:{}", testing::free_port());
     let skewed = Reaped(standby_operator(
         "skewed-standby",
         &listen,
-        &[("LD_PRELOAD", &libfaketime()), ("FAKETIME", "+15m")],
+        &[("LD_PRELOAD", &libfaketime()), ("FAKETIME", skew)],
     ));
     wait_until("the skewed operator answering", MINUTE, || async {
         reconciles(&listen).await.is_some()
