@@ -56,7 +56,18 @@ start etcd "$BIN/etcd" --data-dir "$STATE/etcd" \
   --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
   --listen-peer-urls "http://127.0.0.1:$((ETCD_PORT + 10))" --initial-advertise-peer-urls "http://127.0.0.1:$((ETCD_PORT + 10))" \
   --initial-cluster "default=http://127.0.0.1:$((ETCD_PORT + 10))"
+# An audit log of every request's metadata (who, what, when), so that a client's own share
+# of the apiserver's requests can be counted from outside it (scripts/operator-scale.sh).
+# Three files of at most 100 MB (rotated ones are named audit-<time>.log).
+cat >"$STATE/audit-policy.yaml" <<'POLICY'
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules: [{level: Metadata}]
+POLICY
 start kube-apiserver "$BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+  --audit-policy-file "$STATE/audit-policy.yaml" --audit-log-path "$STATE/audit.log" \
+  --audit-log-maxsize 100 --audit-log-maxbackup 2 \
   --bind-address 127.0.0.1 --secure-port "$PORT" --cert-dir "$STATE/certs" \
   --token-auth-file "$STATE/tokens.csv" --authorization-mode RBAC \
   --service-account-issuer https://kubernetes.default.svc \

@@ -24,6 +24,8 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 log() { printf 'operator-scale: %s\n' "$*" >&2; }
+. scripts/lib/tools.sh
+need_packages jq=jq
 minus() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.1f\n", a - b}'; }
 pid=$(cat "$DEV/operator.pid")
 cpu_seconds() { awk -v hz="$(getconf CLK_TCK)" '{print ($14 + $15) / hz}' "/proc/$pid/stat"; }
@@ -32,29 +34,47 @@ rss_mib() { awk -v k="$1" '$1 == k":" {print $2 / 1024}' "/proc/$pid/status"; }
 apiserver_requests() {
   kubectl get --raw /metrics | awk '/^apiserver_request_total\{/ {sum += $NF} END {printf "%d\n", sum}'
 }
+# The operator's own requests from the apiserver's audit log (cluster/up.sh writes it; the
+# stack's operator acts as its service account): those completed since an audit time.
+AUDIT=$DEV/cluster/audit.log
+OPERATOR_USER=system:serviceaccount:conveyor-system:conveyor-operator
+audit_now() { date -u +%Y-%m-%dT%H:%M:%S.%6NZ; }
+operator_api_requests() { # since → count
+  cat "${AUDIT%.log}"*.log 2>/dev/null | grep -F "\"$OPERATOR_USER\"" |
+    jq -r --arg since "$1" 'select(.stage == "ResponseComplete" and .stageTimestamp >= $since) | 1' | wc -l
+}
 operator_counter() { # metric name
   curl -fsS "http://$OPERATOR/metrics" | awk -v m="$1" '$1 ~ "^"m"(\\{|$)" {sum += $NF} END {printf "%d\n", sum}'
 }
 queues_left() {
   "${CURL[@]}" "$MANAGEMENT/api/queues/%2F?columns=name" | grep -o "\"conveyor\\.$NS\\.[^\"]*\"" | wc -l
 }
+# Pools whose status the operator wrote for their current spec.
+pools_observed() {
+  kubectl get workerpools -n "$NS" -o jsonpath='{range .items[*]}{.status.observedGeneration}{"\n"}{end}' \
+    | grep -c . || true
+}
 ready_types() {
   kubectl get tasktypes -n "$NS" -o jsonpath='{range .items[*]}{.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}' \
     | grep -c True || true
 }
 
-# A steady window: CPU seconds, apiserver and broker requests per minute.
-measure() { # seconds → "cpu_per_min api_per_min broker_per_min"
-  local c0 a0 b0 c1 a1 b1
+# A steady window: CPU seconds, apiserver requests (all, and the operator's own) and broker
+# requests per minute.
+measure() { # seconds → "cpu_per_min api_per_min operator_api_per_min broker_per_min"
+  local c0 a0 b0 t0 c1 a1 b1 own
   c0=$(cpu_seconds); a0=$(apiserver_requests); b0=$(operator_counter conveyor_operator_broker_requests_total)
+  t0=$(audit_now)
   sleep "$1"
   c1=$(cpu_seconds); a1=$(apiserver_requests); b1=$(operator_counter conveyor_operator_broker_requests_total)
-  awk -v c="$(minus "$c1" "$c0")" -v a=$((a1 - a0)) -v b=$((b1 - b0)) -v s="$1" \
-    'BEGIN {printf "%.2f %.0f %.0f\n", c * 60 / s, a * 60 / s, b * 60 / s}'
+  sleep 2 # the audit log is written in batches
+  own=$(operator_api_requests "$t0")
+  awk -v c="$(minus "$c1" "$c0")" -v a=$((a1 - a0)) -v o="$own" -v b=$((b1 - b0)) -v s="$1" \
+    'BEGIN {printf "%.2f %.0f %.0f %.0f\n", c * 60 / s, a * 60 / s, o * 60 / s, b * 60 / s}'
 }
 
 log "baseline: ${STEADY}s with the cluster as it is"
-read -r base_cpu base_api base_broker <<<"$(measure "$STEADY")"
+read -r base_cpu base_api base_own base_broker <<<"$(measure "$STEADY")"
 base_rss=$(rss_mib VmRSS)
 
 log "generating $N TaskTypes and $N WorkerPools in namespace $NS"
@@ -70,6 +90,7 @@ log "generating $N TaskTypes and $N WorkerPools in namespace $NS"
 } >"$WORK/objects.yaml"
 
 started=$(date +%s.%N)
+apply_audit=$(audit_now)
 cpu_before=$(cpu_seconds)
 kubectl apply --server-side -f "$WORK/objects.yaml" >/dev/null
 applied=$(date +%s.%N)
@@ -81,10 +102,12 @@ while [ "$(ready_types)" -lt "$N" ]; do
 done
 all_ready=$(date +%s.%N)
 ready=$(ready_types)
+pools=$(pools_observed)
+own_to_ready=$(operator_api_requests "$apply_audit")
 to_ready=$(minus "$all_ready" "$started")
 cpu_to_ready=$(minus "$(cpu_seconds)" "$cpu_before")
 log "$ready of $N Ready after ${to_ready}s; steady window of ${STEADY}s"
-read -r cpu api broker <<<"$(measure "$STEADY")"
+read -r cpu api own broker <<<"$(measure "$STEADY")"
 rss=$(rss_mib VmRSS); hwm=$(rss_mib VmHWM)
 queues=$(queues_left)
 
@@ -121,10 +144,13 @@ so the baseline is shown beside it), the operator's \`conveyor_operator_broker_r
 |---|---|---|
 | \`kubectl apply\` of the $((2 * N)) objects | — | $(minus "$applied" "$started") s |
 | TaskTypes Ready | — | $ready of $N after ${to_ready} s (operator CPU ${cpu_to_ready} s) |
+| WorkerPools with a status for their spec, then | — | $pools of $N |
+| the operator's apiserver requests from the apply until then | — | $own_to_ready |
 | queues declared | — | $queues |
 | operator CPU, s per minute (steady) | $base_cpu | $cpu |
 | operator RSS, MiB | $base_rss | $rss (peak $hwm) |
 | apiserver requests per minute (all clients) | $base_api | $api |
+| apiserver requests per minute (the operator's, from the audit log) | $base_own | $own |
 | operator broker requests per minute | $base_broker | $broker |
 | namespace deleted (the operator deleting the queues) | — | after $deleted_after s |
 | queues left after deleting the namespace | — | $left (before the script's own clean-up) |

@@ -135,11 +135,13 @@ fn resync(depths: Option<&QueueDepths>) -> Duration {
 }
 
 /// Declares again only when needed: the spec changed, the poller's queue list misses one of
-/// the type's queues (deleted by hand, or a broker that lost them), or [`REDECLARE_EVERY`]
-/// passed (policies edited by hand). A thousand types must not mean a thousand declarations
-/// and policy writes every resync. A list that cannot be read says nothing about the queues:
-/// had it counted as missing queues, a slow management API under load would make every
-/// type declare again over AMQP at once, the declarations time out, and Ready types flap.
+/// the type's queues (deleted by hand, or a broker that lost them), the broker refused the
+/// poller (stopped: the declaration finds it out and the type says so), or
+/// [`REDECLARE_EVERY`] passed (policies edited by hand). A thousand types must not mean a
+/// thousand declarations and policy writes every resync. A list that is slow or stale says
+/// nothing about the queues: had it counted as missing queues, a slow management API under
+/// load would make every type declare again at once, the declarations time out, and Ready
+/// types flap.
 async fn declare_unless_current(
     task_type: &TaskType,
     spec: &NamedTaskType,
@@ -151,8 +153,14 @@ async fn declare_unless_current(
     let declared = lock(&ctx.declared).get(&key).copied();
     let current = declared
         .is_some_and(|(seen, at)| seen == generation && at.elapsed() < redeclare_after(&key));
-    let queues_missing = matches!(listed, Err(ManagementError::QueueMissing { .. }));
-    if current && !queues_missing {
+    // A list that is missing a queue, or that the broker refused outright, is worth a
+    // declaration (which finds a stopped broker at once); a slow or stale list is not.
+    let look_again = match &listed {
+        Err(ManagementError::QueueMissing { .. }) => true,
+        Err(err) => err.says_broker_out(),
+        Ok(_) => false,
+    };
+    if current && !look_again {
         return Ok(listed.ok());
     }
     // Declaring again what this spec already declared, with every queue listed: a slow

@@ -304,6 +304,43 @@ async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read
 }
 
 #[tokio::test]
+async fn a_declared_type_reports_a_stopped_broker() {
+    // Declared a moment ago, then RabbitMQ stops: the management API refuses the poller's
+    // connection, which is not a slow answer, so the type must not go on saying Ready.
+    let name = testing::unique_type("stopped");
+    let tt = task_type(&name, TaskTypeSpec::default());
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let (client, verifier) = api_server(vec![
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+        expect(Method::PATCH, &path, 200, status_answer(&tt)),
+    ]);
+    let ctx = context(client.clone(), MANAGEMENT);
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    // The same operator once the broker stopped: nobody answers at its addresses.
+    let stopped = context_with(
+        client,
+        "https://127.0.0.1:1",
+        "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
+    );
+    *stopped.declared.lock().unwrap() = ctx.declared.lock().unwrap().clone();
+    assert!(stopped.broker.refresh(&stopped.management).await.is_err());
+    let err = task_types::reconcile(Arc::new(tt), stopped)
+        .await
+        .unwrap_err();
+    assert_eq!(err.category(), "RabbitMQUnavailable", "{err}");
+    let seen = verifier.await.unwrap();
+    let ready = &seen[1].2["status"]["conditions"][0];
+    assert_eq!(
+        ready["status"], "False",
+        "still Ready with the broker stopped"
+    );
+    assert_eq!(ready["reason"], "RabbitMQUnavailable");
+    testing::delete_queues(&in_video(&name).name).await;
+}
+
+#[tokio::test]
 async fn a_type_with_default_settings_writes_no_policy_of_its_own() {
     // A thousand types must not cost a thousand pairs of policy writes (each re-matches
     // every queue of the vhost): default settings come from two shared policies, and an own

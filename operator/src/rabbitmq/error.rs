@@ -41,6 +41,12 @@ pub enum ManagementError {
 }
 
 impl ManagementError {
+    /// Whether this says the broker is out, not merely slow: its management API could not be
+    /// reached (a refused connection, say) other than by timing out.
+    pub fn says_broker_out(&self) -> bool {
+        matches!(self, ManagementError::Unreachable { source, .. } if !source.is_timeout())
+    }
+
     pub fn category(&self) -> &'static str {
         match self {
             ManagementError::Unreachable { .. } => reasons::RABBITMQ_UNAVAILABLE,
