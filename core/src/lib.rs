@@ -44,6 +44,12 @@ pub fn with_causes(err: &(dyn std::error::Error + 'static)) -> String {
     text
 }
 
+/// Whether `err` failed on a peer's certificate (rustls says "invalid peer certificate"): a
+/// CA setting that does not match the server, a setting to fix rather than an outage.
+pub fn refused_certificate(err: &(dyn std::error::Error + 'static)) -> bool {
+    with_causes(err).contains("invalid peer certificate")
+}
+
 /// Cancels `token` on SIGTERM or Ctrl-C; the binaries' one shutdown input.
 pub async fn shutdown_on_signals(token: tokio_util::sync::CancellationToken) {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

@@ -56,7 +56,7 @@ fn amqp_category(err: &AmqpError) -> &'static str {
         | AmqpError::ConfirmTimeout(_)
         | AmqpError::DeclareTimeout(_) => reasons::RABBITMQ_UNAVAILABLE,
         AmqpError::Mismatch { .. } => reasons::QUEUE_ARGUMENTS_MISMATCH,
-        AmqpError::Tls(_) => reasons::TLS_SETTINGS,
+        AmqpError::Tls(_) | AmqpError::Certificate(_) => reasons::TLS_SETTINGS,
         AmqpError::NoUrl => reasons::RABBITMQ_SETTINGS,
         AmqpError::LoginRefused(_) | AmqpError::Nacked => reasons::RABBITMQ_REFUSED,
         AmqpError::NoQueue { .. } => reasons::QUEUE_MISSING,

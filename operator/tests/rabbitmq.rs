@@ -160,3 +160,32 @@ async fn a_refused_amqp_login_is_reported_as_refused_not_unavailable() {
     let reported = conveyor_operator::error::Error::Amqp(err);
     assert_eq!(reported.category(), "RabbitMQRefused", "{reported}");
 }
+
+#[tokio::test]
+async fn a_certificate_the_ca_setting_does_not_match_is_a_tls_setting_not_an_outage() {
+    // The broker is up; only the CA given is not the one that signed its certificate (here:
+    // the public roots). "RabbitMQ unavailable" would send the user to the broker's uptime.
+    let public_roots = "/etc/ssl/certs/ca-certificates.crt";
+    let url = testing::amqp_url();
+    let (head, _) = url
+        .split_once("cacertfile=")
+        .expect("the test broker URL names its CA");
+    let wrong_ca = format!("{head}cacertfile={public_roots}");
+    let err = amqp::connect(&wrong_ca, "operator-test").await.unwrap_err();
+    assert!(matches!(err, amqp::AmqpError::Certificate(_)), "{err:?}");
+    let reported = conveyor_operator::error::Error::Amqp(err);
+    assert_eq!(reported.category(), "TLSSettings", "{reported}");
+
+    let public_only = conveyor_core::tls::TrustedRoots::default();
+    let api = ManagementApi::new(
+        testing::MANAGEMENT_API,
+        "conveyor",
+        "conveyor",
+        "/",
+        &public_only,
+    )
+    .unwrap();
+    let err = api.list_queues().await.unwrap_err();
+    assert_eq!(err.category(), "TLSSettings", "{err}");
+    assert!(!err.says_broker_out(), "{err}");
+}

@@ -64,7 +64,9 @@ pub async fn connect(setting: &str, name: &str) -> AmqpResult<Connection> {
                 LAST_GOOD.store(i, Ordering::Relaxed);
                 return Ok(conn);
             }
-            Err(err @ (AmqpError::LoginRefused(_) | AmqpError::Tls(_))) => return Err(err),
+            Err(
+                err @ (AmqpError::LoginRefused(_) | AmqpError::Tls(_) | AmqpError::Certificate(_)),
+            ) => return Err(err),
             Err(err) => {
                 if nodes.len() > 1 {
                     tracing::warn!(node = i, error = %err, "broker node unreachable, trying the next");
@@ -105,7 +107,8 @@ pub async fn close_bounded(conn: &Connection, code: u16, reason: &str) {
     let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(code, reason)).await;
 }
 
-/// A refused login (403) or vhost (530) is the caller's settings; anything else an outage.
+/// A refused login (403) or vhost (530), or a refused certificate, is the caller's settings;
+/// anything else an outage.
 fn connect_error(err: lapin::Error) -> AmqpError {
     use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
     let refused = matches!(&err, lapin::Error::ProtocolError(e) if matches!(
@@ -115,6 +118,8 @@ fn connect_error(err: lapin::Error) -> AmqpError {
     ));
     if refused {
         AmqpError::LoginRefused(err)
+    } else if crate::refused_certificate(&err) {
+        AmqpError::Certificate(err)
     } else {
         AmqpError::Unavailable(err)
     }

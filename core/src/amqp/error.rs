@@ -17,6 +17,9 @@ pub enum AmqpError {
     /// The URL's TLS settings cannot be used (its `cacertfile`).
     #[error("{0}")]
     Tls(String),
+    /// The broker's certificate was refused: the CA given does not match the broker's.
+    #[error("broker's certificate refused (check the CA setting): {0}")]
+    Certificate(#[source] lapin::Error),
     /// The broker setting names no node.
     #[error("no broker URL given")]
     NoUrl,
@@ -45,7 +48,7 @@ impl AmqpError {
     pub fn category(&self) -> &'static str {
         match self {
             AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_) => "unavailable",
-            AmqpError::Tls(_) => "tls_settings",
+            AmqpError::Tls(_) | AmqpError::Certificate(_) => "tls_settings",
             AmqpError::NoUrl => "no_url",
             AmqpError::LoginRefused(_) => "login_refused",
             AmqpError::NoQueue { .. } => "no_queue",
@@ -78,6 +81,7 @@ pub(super) fn clone_error(err: &AmqpError) -> AmqpError {
         },
         AmqpError::Encode(_) => AmqpError::Nacked,
         AmqpError::Tls(e) => AmqpError::Tls(e.clone()),
+        AmqpError::Certificate(e) => AmqpError::Certificate(e.clone()),
         AmqpError::NoUrl => AmqpError::NoUrl,
     }
 }

@@ -16,6 +16,13 @@ pub enum ManagementError {
         #[source]
         source: Arc<reqwest::Error>,
     },
+    /// The management API's certificate was refused: the CA given does not match it.
+    #[error("RabbitMQ management API at {url}: its certificate was refused (check the CA setting): {}", with_causes(source.as_ref()))]
+    Certificate {
+        url: String,
+        #[source]
+        source: Arc<reqwest::Error>,
+    },
     #[error("cannot make a client for the RabbitMQ management API: {}", with_causes(.0.as_ref()))]
     Client(#[source] Arc<reqwest::Error>),
     #[error("RabbitMQ management API answered {status} to {what}: {body}")]
@@ -51,6 +58,7 @@ impl ManagementError {
         match self {
             ManagementError::Unreachable { .. } => reasons::RABBITMQ_UNAVAILABLE,
             ManagementError::Client(_) => reasons::RABBITMQ_CLIENT,
+            ManagementError::Certificate { .. } => reasons::TLS_SETTINGS,
             ManagementError::Refused { .. } => reasons::RABBITMQ_REFUSED,
             ManagementError::QueueMissing { .. } => reasons::QUEUE_MISSING,
             ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {

@@ -96,9 +96,11 @@ impl ManagementApi {
     }
 
     fn unreachable(&self, err: reqwest::Error) -> ManagementError {
-        ManagementError::Unreachable {
-            url: self.base.clone(),
-            source: Arc::new(err),
+        let (url, source) = (self.base.clone(), Arc::new(err));
+        if conveyor_core::refused_certificate(source.as_ref()) {
+            ManagementError::Certificate { url, source }
+        } else {
+            ManagementError::Unreachable { url, source }
         }
     }
 

@@ -101,8 +101,7 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
         .timeout(ASK_TIMEOUT)
         .build()
         .unwrap_or_default();
-    let mut workers =
-        futures_util::future::join_all(live.iter().map(|pod| observe(&http, pod))).await;
+    let mut workers = observe_all(&http, &live).await;
     ctx.drains.remember(&live, &mut workers);
     let grace = Duration::from_secs(u64::from(pool.spec.drain_grace_seconds));
     // From the live pods, not the Deployment's count: pods the ReplicaSet still owes a
@@ -202,6 +201,11 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
         note,
         waiting,
     }
+}
+
+/// Asks every pod at once: hung workers cost a round one [`ASK_TIMEOUT`], not one each.
+async fn observe_all(http: &reqwest::Client, pods: &[Pod]) -> Vec<Worker> {
+    futures_util::future::join_all(pods.iter().map(|pod| observe(http, pod))).await
 }
 
 async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
@@ -304,5 +308,33 @@ async fn annotate(pods: &Api<Pod>, pod: &str, annotations: serde_json::Value) ->
             tracing::warn!(pod, error = %err, "cannot annotate pod");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn hung_workers_are_asked_at_once_not_one_after_another() {
+        // Four workers that take the connection and never answer (nobody accepts).
+        let mut listening = Vec::new();
+        let mut pods = Vec::new();
+        for i in 1..=4 {
+            let ip = format!("127.78.0.{i}");
+            listening.push(std::net::TcpListener::bind(format!("{ip}:{METRICS_PORT}")).unwrap());
+            let pod = json!({"metadata": {"name": format!("w{i}")}, "status": {"podIP": ip}});
+            pods.push(serde_json::from_value::<Pod>(pod).unwrap());
+        }
+        let http = reqwest::Client::builder()
+            .timeout(ASK_TIMEOUT)
+            .build()
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let workers = observe_all(&http, &pods).await;
+        assert!(workers.iter().all(|w| w.state.is_none()), "none answered");
+        // On tokio's paused clock: one after another would take four timeouts.
+        let took = started.elapsed();
+        assert!(took < ASK_TIMEOUT * 2, "a round took {took:?}");
     }
 }

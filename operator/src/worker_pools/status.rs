@@ -130,6 +130,19 @@ impl Status {
     }
 }
 
+/// Ready means serving, not settled: a scaling step is the Scaling condition's business, so
+/// GitOps health checks do not flap on every decision. A pool that may rest at zero
+/// (autoscaled from `minReplicas: 0`) is ready without a worker up, so its scale-up from
+/// zero, each time work arrives, is not a fall either.
+fn serving(pool: &WorkerPool, status: &Status, healthy: bool) -> bool {
+    let floor = pool
+        .spec
+        .autoscaling
+        .as_ref()
+        .map_or(status.wanted, |a| a.min_replicas);
+    healthy && (status.ready_replicas > 0 || floor == 0)
+}
+
 pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Result<()> {
     let previous = pool
         .status
@@ -138,6 +151,7 @@ pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Statu
         .unwrap_or_default();
     let generation = pool.meta().generation;
     let healthy = status.phase != phases::DEGRADED;
+    let ready = serving(pool, &status, healthy);
     let body = WorkerPoolStatus {
         observed_generation: generation,
         replicas: status.current,
@@ -151,12 +165,10 @@ pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Statu
         dead_lettered: status.load.map(|l| l.dead_lettered),
         phase: Some(status.phase.to_owned()),
         conditions: vec![
-            // Ready means serving, not settled: a scaling step is the Scaling condition's
-            // business, so GitOps health checks do not flap on every decision.
             condition(
                 &previous,
                 READY,
-                healthy && (status.ready_replicas > 0 || status.wanted == 0),
+                ready,
                 status.reason,
                 status.message.clone(),
                 generation,
@@ -207,4 +219,50 @@ pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Statu
     )
     .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(wanted: i32, ready_replicas: i32) -> Status {
+        Status {
+            metrics: None,
+            phase: phases::READY,
+            reason: "R",
+            message: String::new(),
+            wanted,
+            current: wanted,
+            ready_replicas,
+            draining: 0,
+            load: None,
+            last_scale: None,
+        }
+    }
+
+    #[test]
+    fn a_pool_that_may_rest_at_zero_stays_ready_while_it_scales_up_from_zero() {
+        let from_zero = WorkerPool::test().consumes("t").autoscaled(0, 4).build();
+        assert!(
+            serving(&from_zero, &with(2, 0), true),
+            "scaling up from zero"
+        );
+        let from_one = WorkerPool::test().consumes("t").autoscaled(1, 4).build();
+        assert!(
+            !serving(&from_one, &with(2, 0), true),
+            "no worker below its floor"
+        );
+        assert!(serving(&from_one, &with(2, 1), true), "one worker serves");
+        let fixed = WorkerPool::test().consumes("t").replicas(3).build();
+        assert!(!serving(&fixed, &with(3, 0), true));
+        assert!(serving(
+            &WorkerPool::test().consumes("t").replicas(0).build(),
+            &with(0, 0),
+            true
+        ));
+        assert!(
+            !serving(&from_zero, &with(2, 2), false),
+            "degraded is not ready"
+        );
+    }
 }
