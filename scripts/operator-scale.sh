@@ -36,12 +36,15 @@ apiserver_requests() {
 }
 # The operator's own requests from the apiserver's audit log (cluster/up.sh writes it; the
 # stack's operator acts as its service account): those completed since an audit time.
-AUDIT=$DEV/cluster/audit.log
+AUDIT=${CONVEYOR_CLUSTER_DIR:-$DEV/cluster}/audit.log
+[ -f "$AUDIT" ] || { log "no audit log at $AUDIT (cluster/up.sh writes it): restart the stack"; exit 1; }
 OPERATOR_USER=system:serviceaccount:conveyor-system:conveyor-operator
 audit_now() { date -u +%Y-%m-%dT%H:%M:%S.%6NZ; }
-operator_api_requests() { # since → count
+operator_api_requests() { # since, until → count
   cat "${AUDIT%.log}"*.log 2>/dev/null | { grep -F "\"$OPERATOR_USER\"" || true; } |
-    jq -r --arg since "$1" 'select(.stage == "ResponseComplete" and .stageTimestamp >= $since) | 1' | wc -l
+    jq -r --arg since "$1" --arg until "$2" \
+      'select(.stage == "ResponseComplete" and .stageTimestamp >= $since and .stageTimestamp < $until) | 1' |
+    wc -l
 }
 operator_counter() { # metric name
   curl -fsS "http://$OPERATOR/metrics" | awk -v m="$1" '$1 ~ "^"m"(\\{|$)" {sum += $NF} END {printf "%d\n", sum}'
@@ -50,7 +53,7 @@ queues_left() {
   # (grep finds nothing once every queue is gone: not a failure of the pipeline)
   "${CURL[@]}" "$MANAGEMENT/api/queues/%2F?columns=name" | { grep -o "\"conveyor\\.$NS\\.[^\"]*\"" || true; } | wc -l
 }
-# Pools whose status the operator wrote for their current spec.
+# Pools whose status the operator has written.
 pools_observed() {
   kubectl get workerpools -n "$NS" -o jsonpath='{range .items[*]}{.status.observedGeneration}{"\n"}{end}' \
     | grep -c . || true
@@ -63,13 +66,14 @@ ready_types() {
 # A steady window: CPU seconds, apiserver requests (all, and the operator's own) and broker
 # requests per minute.
 measure() { # seconds → "cpu_per_min api_per_min operator_api_per_min broker_per_min"
-  local c0 a0 b0 t0 c1 a1 b1 own
+  local c0 a0 b0 t0 c1 a1 b1 t1 own
   c0=$(cpu_seconds); a0=$(apiserver_requests); b0=$(operator_counter conveyor_operator_broker_requests_total)
   t0=$(audit_now)
   sleep "$1"
   c1=$(cpu_seconds); a1=$(apiserver_requests); b1=$(operator_counter conveyor_operator_broker_requests_total)
+  t1=$(audit_now)
   sleep 2 # the audit log is written in batches
-  own=$(operator_api_requests "$t0")
+  own=$(operator_api_requests "$t0" "$t1")
   awk -v c="$(minus "$c1" "$c0")" -v a=$((a1 - a0)) -v o="$own" -v b=$((b1 - b0)) -v s="$1" \
     'BEGIN {printf "%.2f %.0f %.0f %.0f\n", c * 60 / s, a * 60 / s, o * 60 / s, b * 60 / s}'
 }
@@ -104,7 +108,8 @@ done
 all_ready=$(date +%s.%N)
 ready=$(ready_types)
 pools=$(pools_observed)
-own_to_ready=$(operator_api_requests "$apply_audit")
+sleep 2 # the audit log is written in batches
+own_to_ready=$(operator_api_requests "$apply_audit" "$(audit_now)")
 to_ready=$(minus "$all_ready" "$started")
 cpu_to_ready=$(minus "$(cpu_seconds)" "$cpu_before")
 log "$ready of $N Ready after ${to_ready}s; steady window of ${STEADY}s"
@@ -146,7 +151,7 @@ operator's \`conveyor_operator_broker_requests_total\`
 |---|---|---|
 | \`kubectl apply\` of the $((2 * N)) objects | — | $(minus "$applied" "$started") s |
 | TaskTypes Ready | — | $ready of $N after ${to_ready} s (operator CPU ${cpu_to_ready} s) |
-| WorkerPools with a status for their spec, then | — | $pools of $N |
+| WorkerPools with a status written, then | — | $pools of $N |
 | the operator's apiserver requests from the apply until then | — | $own_to_ready |
 | queues declared | — | $queues |
 | operator CPU, s per minute (steady) | $base_cpu | $cpu |

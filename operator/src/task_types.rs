@@ -38,6 +38,9 @@ const REDECLARE_EVERY: Duration = Duration::from_secs(30 * 60);
 /// Longest the broker may take per queue of a type (connect included) before it counts as
 /// unavailable: a quorum queue starts a Raft member, which takes seconds on a busy node.
 const DECLARE_TIMEOUT_PER_QUEUE: Duration = Duration::from_secs(10);
+/// ... and for a whole type: well inside the controller's 60 s reconcile bound, which would
+/// end the reconcile before it writes a status or records the outage for the types waiting.
+const DECLARE_TIMEOUT_MAX: Duration = Duration::from_secs(40);
 
 #[tracing::instrument(skip_all, fields(task_type = %task_type.name_any()))]
 pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Action> {
@@ -135,13 +138,13 @@ fn resync(depths: Option<&QueueDepths>) -> Duration {
 }
 
 /// Declares again only when needed: the spec changed, the poller's queue list misses one of
-/// the type's queues (deleted by hand, or a broker that lost them), the broker refused the
-/// poller (stopped: the declaration finds it out and the type says so), or
-/// [`REDECLARE_EVERY`] passed (policies edited by hand). A thousand types must not mean a
-/// thousand declarations and policy writes every resync. A list that is slow or stale says
-/// nothing about the queues: had it counted as missing queues, a slow management API under
-/// load would make every type declare again at once, the declarations time out, and Ready
-/// types flap.
+/// the type's queues (deleted by hand, or a broker that lost them), the poller has had no
+/// list for [`crate::broker_stats::STALE_AFTER`] (a broker stopped or hung: the declaration
+/// finds it out and the type says so), or [`REDECLARE_EVERY`] passed (policies edited by
+/// hand). A thousand types must not mean a thousand declarations and policy writes every
+/// resync. An operator that has no list yet declares nothing it declared before: had that
+/// counted as missing queues, a slow start under load would make every type declare again
+/// at once, the declarations time out, and Ready types flap.
 async fn declare_unless_current(
     task_type: &TaskType,
     spec: &NamedTaskType,
@@ -153,8 +156,8 @@ async fn declare_unless_current(
     let declared = lock(&ctx.declared).get(&key).copied();
     let current = declared
         .is_some_and(|(seen, at)| seen == generation && at.elapsed() < redeclare_after(&key));
-    // A list that is missing a queue, or that the broker refused outright, is worth a
-    // declaration (which finds a stopped broker at once); a slow or stale list is not.
+    // A list that is missing a queue, or no list for a while (a broker stopped, hung or cut
+    // off), is worth a declaration, which finds the broker out; one slow answer is not.
     let look_again = match &listed {
         Err(ManagementError::QueueMissing { .. }) => true,
         Err(err) => err.says_broker_out(),
@@ -216,9 +219,10 @@ fn declared_key(task_type: &TaskType) -> String {
     })
 }
 
-/// Declares the queues (bounded by [`DECLARE_TIMEOUT_PER_QUEUE`]: a hung broker must not
-/// hold the reconcile), puts the policies, drops drained tiers and reads the depths. Depths
-/// the broker has not counted yet are unknown (`None`), which does not make the type unready.
+/// Declares the queues (bounded by [`DECLARE_TIMEOUT_PER_QUEUE`] and [`DECLARE_TIMEOUT_MAX`]:
+/// a hung broker must not hold the reconcile), puts the policies, drops drained tiers and
+/// reads the depths. Depths the broker has not counted yet are unknown (`None`), which does
+/// not make the type unready.
 /// A `refresh` that times out says nothing about an outage (the broker lists the queues).
 async fn declare(
     spec: &NamedTaskType,
@@ -235,7 +239,10 @@ async fn declare(
     let queues = spec.retry_tiers() + 2; // work, retry tiers, remediation
     let declared = ctx
         .publisher
-        .declare_task_type(spec, DECLARE_TIMEOUT_PER_QUEUE * queues)
+        .declare_task_type(
+            spec,
+            (DECLARE_TIMEOUT_PER_QUEUE * queues).min(DECLARE_TIMEOUT_MAX),
+        )
         .await
         .map_err(Error::Amqp);
     match &declared {

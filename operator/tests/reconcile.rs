@@ -271,9 +271,10 @@ async fn an_unchanged_type_reconciled_again_declares_nothing_and_writes_no_polic
 
 #[tokio::test]
 async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read() {
-    // Under load the management API times out now and then. That says nothing about the
-    // queues: had it counted as queues missing, every type would declare again over AMQP at
-    // once, the declarations time out, and Ready types flap to False.
+    // An operator that has no queue list yet (just started, under load) knows nothing
+    // about the queues: had that counted as queues missing, every type would declare again
+    // at once, the declarations time out, and Ready types flap to False. (One slow list
+    // never shows: the poller's snapshot is trusted for 30 s.)
     let name = testing::unique_type("unread");
     let tt = task_type(&name, TaskTypeSpec::default());
     let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
@@ -281,7 +282,7 @@ async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read
         expect(Method::PATCH, &path, 200, status_answer(&tt)),
         expect(Method::PATCH, &path, 200, status_answer(&tt)),
     ]);
-    // The poller has no list to read (it never polled: as stale as one that timed out).
+    // The poller has no list yet.
     let ctx = context(client, MANAGEMENT);
     task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
         .await
@@ -305,9 +306,31 @@ async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read
 
 #[tokio::test]
 async fn a_declared_type_reports_a_stopped_broker() {
-    // Declared a moment ago, then RabbitMQ stops: the management API refuses the poller's
-    // connection, which is not a slow answer, so the type must not go on saying Ready.
-    let name = testing::unique_type("stopped");
+    // RabbitMQ stopped: its management API and AMQP refuse connections.
+    declared_then_unanswered(
+        "stopped",
+        "https://127.0.0.1:1",
+        "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_declared_type_reports_a_hung_broker() {
+    // RabbitMQ paused or cut off: connections are taken and nothing answers.
+    let (amqp_url, _) = hung_broker().await;
+    let address = amqp_url
+        .rsplit_once('@')
+        .unwrap()
+        .1
+        .trim_end_matches("/%2f");
+    declared_then_unanswered("hungafter", &format!("https://{address}"), &amqp_url).await;
+}
+
+/// A type declared a moment ago, then its operator's broker answers nothing at these
+/// addresses: once the poller has no list, the type must not go on saying Ready.
+async fn declared_then_unanswered(prefix: &str, management_url: &str, amqp_url: &str) {
+    let name = testing::unique_type(prefix);
     let tt = task_type(&name, TaskTypeSpec::default());
     let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
     let (client, verifier) = api_server(vec![
@@ -318,24 +341,20 @@ async fn a_declared_type_reports_a_stopped_broker() {
     task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
         .await
         .unwrap();
-    // The same operator once the broker stopped: nobody answers at its addresses.
-    let stopped = context_with(
-        client,
-        "https://127.0.0.1:1",
-        "amqp://conveyor:conveyor@127.0.0.1:1/%2f",
-    );
-    *stopped.declared.lock().unwrap() = ctx.declared.lock().unwrap().clone();
-    assert!(stopped.broker.refresh(&stopped.management).await.is_err());
-    let err = task_types::reconcile(Arc::new(tt), stopped)
+    let unanswered = context_with(client, management_url, amqp_url);
+    *unanswered.declared.lock().unwrap() = ctx.declared.lock().unwrap().clone();
+    assert!(unanswered
+        .broker
+        .refresh(&unanswered.management)
+        .await
+        .is_err());
+    let err = task_types::reconcile(Arc::new(tt), unanswered)
         .await
         .unwrap_err();
     assert_eq!(err.category(), "RabbitMQUnavailable", "{err}");
     let seen = verifier.await.unwrap();
     let ready = &seen[1].2["status"]["conditions"][0];
-    assert_eq!(
-        ready["status"], "False",
-        "still Ready with the broker stopped"
-    );
+    assert_eq!(ready["status"], "False", "still Ready with the broker out");
     assert_eq!(ready["reason"], "RabbitMQUnavailable");
     testing::delete_queues(&in_video(&name).name).await;
 }

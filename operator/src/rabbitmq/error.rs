@@ -48,10 +48,14 @@ pub enum ManagementError {
 }
 
 impl ManagementError {
-    /// Whether this says the broker is out, not merely slow: its management API could not be
-    /// reached (a refused connection, say) other than by timing out.
+    /// Whether the broker may be out: the poller has had no list for a while (a snapshot is
+    /// trusted for [`crate::broker_stats::STALE_AFTER`], so one slow answer never shows here),
+    /// refused, timed out or unanswered. Not before a first list (an operator just started).
     pub fn says_broker_out(&self) -> bool {
-        matches!(self, ManagementError::Unreachable { source, .. } if !source.is_timeout())
+        matches!(
+            self,
+            ManagementError::Unreachable { .. } | ManagementError::Stale { age: Some(_) }
+        )
     }
 
     pub fn category(&self) -> &'static str {

@@ -130,17 +130,38 @@ impl Status {
     }
 }
 
+/// How long a pool that may rest at zero stays Ready with no worker up after a scale-up:
+/// time for a pod to start, short enough that workers that never start (a bad image, a
+/// crash loop) show as not Ready.
+const STARTING_GRACE: chrono::TimeDelta = chrono::TimeDelta::minutes(5);
+
 /// Ready means serving, not settled: a scaling step is the Scaling condition's business, so
 /// GitOps health checks do not flap on every decision. A pool that may rest at zero
-/// (autoscaled from `minReplicas: 0`) is ready without a worker up, so its scale-up from
-/// zero, each time work arrives, is not a fall either.
-fn serving(pool: &WorkerPool, status: &Status, healthy: bool) -> bool {
-    let floor = pool
+/// (autoscaled from `minReplicas: 0`) scales up from zero each time work arrives; it stays
+/// Ready while its first worker starts, for [`STARTING_GRACE`] after the step.
+fn serving(
+    pool: &WorkerPool,
+    status: &Status,
+    healthy: bool,
+    now: chrono::DateTime<chrono::Utc>,
+) -> bool {
+    if !healthy {
+        return false;
+    }
+    if status.ready_replicas > 0 || status.wanted == 0 {
+        return true;
+    }
+    let may_rest_at_zero = pool
         .spec
         .autoscaling
         .as_ref()
-        .map_or(status.wanted, |a| a.min_replicas);
-    healthy && (status.ready_replicas > 0 || floor == 0)
+        .is_some_and(|a| a.min_replicas == 0);
+    let starting = status.last_scale.as_ref().is_some_and(|step| {
+        step.to > step.from
+            && chrono::DateTime::parse_from_rfc3339(&step.time)
+                .is_ok_and(|at| now.signed_duration_since(at) < STARTING_GRACE)
+    });
+    may_rest_at_zero && starting
 }
 
 pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Status) -> Result<()> {
@@ -151,7 +172,7 @@ pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Statu
         .unwrap_or_default();
     let generation = pool.meta().generation;
     let healthy = status.phase != phases::DEGRADED;
-    let ready = serving(pool, &status, healthy);
+    let ready = serving(pool, &status, healthy, chrono::Utc::now());
     let body = WorkerPoolStatus {
         observed_generation: generation,
         replicas: status.current,
@@ -225,10 +246,11 @@ pub(super) async fn write_status(pool: &WorkerPool, ctx: &Context, status: Statu
 mod tests {
     use super::*;
 
-    fn with(wanted: i32, ready_replicas: i32) -> Status {
+    fn with(wanted: i32, ready_replicas: i32, scaled: Option<(i32, i32, i64)>) -> Status {
+        let now = chrono::Utc::now();
         Status {
             metrics: None,
-            phase: phases::READY,
+            phase: phases::SCALING,
             reason: "R",
             message: String::new(),
             wanted,
@@ -236,33 +258,41 @@ mod tests {
             ready_replicas,
             draining: 0,
             load: None,
-            last_scale: None,
+            last_scale: scaled.map(|(from, to, minutes_ago)| ScaleRecord {
+                time: (now - chrono::TimeDelta::minutes(minutes_ago)).to_rfc3339(),
+                from,
+                to,
+                reason: String::new(),
+                ready: None,
+                in_flight: None,
+                retrying: None,
+                processing_rate: None,
+                arrival_rate: None,
+            }),
         }
     }
 
     #[test]
-    fn a_pool_that_may_rest_at_zero_stays_ready_while_it_scales_up_from_zero() {
+    fn a_pool_that_may_rest_at_zero_stays_ready_while_its_first_worker_starts() {
+        let now = chrono::Utc::now();
         let from_zero = WorkerPool::test().consumes("t").autoscaled(0, 4).build();
+        let just_scaled = with(2, 0, Some((0, 2, 1)));
         assert!(
-            serving(&from_zero, &with(2, 0), true),
-            "scaling up from zero"
+            serving(&from_zero, &just_scaled, true, now),
+            "its first worker starting"
         );
+        let long_ago = with(2, 0, Some((0, 2, 10)));
+        assert!(
+            !serving(&from_zero, &long_ago, true, now),
+            "workers that never start show"
+        );
+        assert!(!serving(&from_zero, &with(2, 0, None), true, now));
+        assert!(serving(&from_zero, &with(0, 0, None), true, now), "at rest");
+        assert!(!serving(&from_zero, &just_scaled, false, now), "degraded");
         let from_one = WorkerPool::test().consumes("t").autoscaled(1, 4).build();
-        assert!(
-            !serving(&from_one, &with(2, 0), true),
-            "no worker below its floor"
-        );
-        assert!(serving(&from_one, &with(2, 1), true), "one worker serves");
+        assert!(!serving(&from_one, &with(2, 0, Some((1, 2, 1))), true, now));
+        assert!(serving(&from_one, &with(2, 1, Some((1, 2, 1))), true, now));
         let fixed = WorkerPool::test().consumes("t").replicas(3).build();
-        assert!(!serving(&fixed, &with(3, 0), true));
-        assert!(serving(
-            &WorkerPool::test().consumes("t").replicas(0).build(),
-            &with(0, 0),
-            true
-        ));
-        assert!(
-            !serving(&from_zero, &with(2, 2), false),
-            "degraded is not ready"
-        );
+        assert!(!serving(&fixed, &with(3, 0, Some((0, 3, 1))), true, now));
     }
 }
