@@ -101,6 +101,14 @@ fn context_with(client: Client, management_url: &str, amqp_url: &str) -> Arc<Con
     ))
 }
 
+/// Declarations the operator made over AMQP (its own counter of broker requests).
+fn amqp_declarations(ctx: &Context) -> u64 {
+    ctx.metrics
+        .broker_requests
+        .with_label_values(&["amqp"])
+        .get()
+}
+
 fn task_type(name: &str, spec: TaskTypeSpec) -> TaskType {
     TaskType::test(name).spec(spec).build()
 }
@@ -241,12 +249,7 @@ async fn an_unchanged_type_reconciled_again_declares_nothing_and_writes_no_polic
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    let declarations = || {
-        ctx.metrics
-            .broker_requests
-            .with_label_values(&["amqp"])
-            .get()
-    };
+    let declarations = || amqp_declarations(&ctx);
     let before = declarations();
     task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
         .await
@@ -287,12 +290,7 @@ async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read
     task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
         .await
         .unwrap();
-    let declarations = || {
-        ctx.metrics
-            .broker_requests
-            .with_label_values(&["amqp"])
-            .get()
-    };
+    let declarations = || amqp_declarations(&ctx);
     assert_eq!(declarations(), 1, "the first reconcile declares");
     assert!(ctx.broker.depths(&in_video(&name)).is_err());
     task_types::reconcile(Arc::new(tt), ctx.clone())
