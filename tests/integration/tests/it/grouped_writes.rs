@@ -267,6 +267,31 @@ async fn hot_statements_planned_on_a_small_table_do_not_scan_it_once_it_has_grow
         .execute(test.db.pool())
         .await
         .unwrap();
+    // The migrations' index builds count as scans of `tasks`, and their backend reports them
+    // when it gets to it: once it has exited, it has (a backend flushes its counters before
+    // it leaves `pg_stat_activity`), and no scan but this test's own can land later.
+    test.db.close().await;
+    let watcher = Db::connect(&DbOptions {
+        max_connections: 1,
+        ..DbOptions::new(&test.url)
+    })
+    .unwrap();
+    testing::wait_until(
+        "the migrating connections have left",
+        Duration::from_secs(60),
+        || async {
+            let others: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND backend_type = 'client backend'
+                     AND pid <> pg_backend_pid()",
+            )
+            .fetch_one(watcher.pool())
+            .await
+            .unwrap();
+            others == 0
+        },
+    )
+    .await;
     // One connection, so that the plans made now are the ones used later.
     let db = Db::connect(&DbOptions {
         max_connections: 1,
@@ -302,7 +327,7 @@ async fn hot_statements_planned_on_a_small_table_do_not_scan_it_once_it_has_grow
             "SELECT seq_scan, n_tup_ins, n_tup_upd FROM pg_stat_user_tables
              WHERE relname = 'tasks'",
         )
-        .fetch_one(test.db.pool())
+        .fetch_one(watcher.pool())
         .await
         .unwrap()
     };
