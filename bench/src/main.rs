@@ -64,6 +64,9 @@ struct Args {
     binaries: Option<PathBuf>,
     #[arg(long, default_value_t = 64)]
     concurrency: u16,
+    /// The gateway's and workers' `--publish-channels` (default: theirs).
+    #[arg(long)]
+    publish_channels: Option<u16>,
     /// The Markdown report (a .jsonl with one line per run goes beside it).
     #[arg(long, default_value = "target/bench/report.md")]
     report: PathBuf,
@@ -101,6 +104,7 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings {
         workers: args.workers,
         concurrency: args.concurrency,
+        publish_channels: args.publish_channels,
         binaries,
     };
     let system = System::start(&settings, &args.logs).await?;
@@ -112,6 +116,7 @@ async fn main() -> anyhow::Result<()> {
         "workers": args.workers, "concurrency": args.concurrency,
         "batch_size": args.batch_size, "batch_clients": args.batch_clients,
         "connections": &args.connections, "offered_rate": args.rate,
+        "publish_channels": args.publish_channels,
     });
 
     let measured = phases(&args, &system, &admin, db.pool(), &mut run).await;

@@ -18,8 +18,18 @@ pub const TOKEN: &str = "bench-token";
 pub struct Settings {
     pub workers: usize,
     pub concurrency: u16,
+    /// `--publish-channels` of the gateway and workers; `None`: their default.
+    pub publish_channels: Option<u16>,
     /// Where `conveyor-gateway` and `conveyor-worker` are.
     pub binaries: PathBuf,
+}
+
+impl Settings {
+    fn publish_channels_args(&self) -> Vec<String> {
+        self.publish_channels
+            .map(|n| vec!["--publish-channels".to_owned(), n.to_string()])
+            .unwrap_or_default()
+    }
 }
 
 pub struct System {
@@ -61,7 +71,9 @@ impl System {
         let port = free_port();
         let admin = format!("127.0.0.1:{}", free_port());
         let gateway_binary = settings.binaries.join("conveyor-gateway");
-        let gateway = Command::new(&gateway_binary)
+        let mut gateway = Command::new(&gateway_binary);
+        gateway.args(settings.publish_channels_args());
+        let gateway = gateway
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(["--admin-listen", &admin])
             .arg("--task-types")
@@ -85,6 +97,7 @@ impl System {
             let metrics = format!("127.0.0.1:{}", free_port());
             let name = format!("bench-w{i}");
             let child = Command::new(settings.binaries.join("conveyor-worker"))
+                .args(settings.publish_channels_args())
                 .arg("--task-types")
                 .arg(&types_file)
                 .args(["--consume", &task_type, "--handler", "noop"])

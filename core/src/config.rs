@@ -115,6 +115,15 @@ pub struct AmqpArgs {
         default_value_t = 10
     )]
     pub heartbeat_seconds: u16,
+    /// Confirm-mode channels a publisher spreads its batches over: the broker runs each
+    /// channel in one process, so one channel holds a busy gateway's confirms to one core.
+    #[arg(
+        long = "publish-channels",
+        env = "CONVEYOR_PUBLISH_CHANNELS",
+        default_value_t = crate::amqp::DEFAULT_PUBLISH_CHANNELS as u16,
+        value_parser = clap::value_parser!(u16).range(1..=64)
+    )]
+    pub publish_channels: u16,
 }
 
 impl AmqpArgs {

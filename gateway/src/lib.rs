@@ -66,6 +66,8 @@ pub struct GatewayConfig {
     pub database: DbOptions,
     pub amqp_url: String,
     pub confirm_timeout: Duration,
+    /// Channels the publisher spreads its batches over.
+    pub publish_channels: usize,
     pub task_types: TaskTypeSource,
     pub tokens: Tokens,
     pub client_limits: ClientLimits,
@@ -137,10 +139,11 @@ pub async fn run(
             checked => checked.context("checking the task database's schema")?,
         }
     }
-    let publisher = Arc::new(Publisher::new(
+    let publisher = Arc::new(Publisher::with_channels(
         &config.amqp_url,
         "conveyor-gateway",
         config.confirm_timeout,
+        config.publish_channels,
     ));
     let declared = Arc::new(AtomicBool::new(false));
     let types = match source {

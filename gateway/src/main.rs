@@ -174,6 +174,7 @@ async fn main() -> anyhow::Result<()> {
         database: args.database.options(),
         amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
+        publish_channels: args.amqp.publish_channels.into(),
         task_types: if args.task_types_from_cluster {
             TaskTypeSource::Cluster {
                 client: kube::Client::try_default()

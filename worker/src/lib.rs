@@ -13,6 +13,7 @@ pub mod progress;
 pub mod reaper;
 pub mod recovery;
 
+use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +25,7 @@ use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::NamedTaskType;
 use futures_util::stream::{select_all, SelectAll, StreamExt};
+use futures_util::FutureExt;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -49,6 +51,8 @@ pub struct WorkerConfig {
     pub database: DbOptions,
     pub amqp_url: String,
     pub confirm_timeout: Duration,
+    /// Channels the publisher of retries and re-queues spreads its batches over.
+    pub publish_channels: usize,
     /// After SIGTERM, how long in-flight tasks may run before they are released.
     pub drain_grace: Duration,
     /// The degraded-mode buffer file; keep it where the next process of this worker (same
@@ -109,10 +113,11 @@ pub async fn run(
     );
     let db = Db::connect(&database_options(&config.database, config.db_call_timeout))
         .context("database settings")?;
-    let publisher = Arc::new(Publisher::new(
+    let publisher = Arc::new(Publisher::with_channels(
         &config.amqp_url,
         format!("{}/publish", config.worker_id),
         config.confirm_timeout,
+        config.publish_channels,
     ));
     let buffer = Buffer::open(&config.buffer_path, config.buffer_max_bytes)?;
     buffer.report(&metrics);
@@ -342,6 +347,8 @@ async fn consume(
         retry_delay = Duration::from_millis(200);
         tracing::info!(?queues, missing, "consuming");
         let mut channel = channel;
+        // Deliveries are settled on the channel they came on (tags are per channel).
+        let mut settler = amqp::Settler::spawn(channel.clone());
         // Channels whose consumers a drain cancelled: their deliveries in flight still ack
         // on them, so they stay open until the connection closes.
         let mut retired = Vec::new();
@@ -386,9 +393,21 @@ async fn consume(
             match next {
                 Some(Ok(delivery)) => {
                     let processor = processor.clone();
+                    let settler = settler.clone();
                     let held = intake.handling();
                     running.spawn(async move {
-                        processor.handle(delivery).await;
+                        let tag = delivery.delivery_tag;
+                        let handled = AssertUnwindSafe(processor.handle(delivery, &settler))
+                            .catch_unwind()
+                            .await;
+                        if handled.is_err() {
+                            // Give the delivery back rather than hold it (and keep the
+                            // settler's acks one by one) for the channel's whole life. One
+                            // settled before the panic is refused by the settler.
+                            tracing::error!(tag, "a task's processing panicked; requeueing");
+                            let requeue = amqp::Settlement::Nack { requeue: true };
+                            let _ = settler.settle(tag, requeue).await;
+                        }
                         drop(held);
                         drop(permit);
                     });
@@ -407,6 +426,7 @@ async fn consume(
                     intake.set_stopped(false);
                     match amqp::consume(&conn, &present, per_type, &config.worker_id).await {
                         Ok((fresh, consumers)) => {
+                            settler = amqp::Settler::spawn(fresh.clone());
                             retired.push(std::mem::replace(&mut channel, fresh));
                             // Nothing in hand acks on the old channels any more.
                             if intake.state().in_flight == 0 {

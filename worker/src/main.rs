@@ -109,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
         database: args.database.options(),
         amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
+        publish_channels: args.amqp.publish_channels.into(),
         drain_grace: seconds(args.drain_grace_seconds),
         buffer_path: args.buffer_dir.join(format!("{}.jsonl", args.worker_name)),
         buffer_max_bytes: args.buffer_max_bytes,

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use conveyor_core::amqp;
+use conveyor_core::amqp::{Settlement, Settler};
 use conveyor_core::db::{Claim, DbError, Fence};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::requeue;
@@ -13,7 +14,6 @@ use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::trace::{SpanKind, TraceContext, Tracer};
 use conveyor_core::TaskState::{self, *};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use tracing::Instrument;
 
 use crate::buffer::{Outcome, Transition};
@@ -47,7 +47,10 @@ enum Settle {
 }
 
 impl Processor {
-    pub async fn handle(&self, delivery: Delivery) {
+    /// Settles the delivery through `settler`, its channel's (acks that come together are
+    /// sent as one).
+    pub async fn handle(&self, delivery: Delivery, settler: &Settler) {
+        let tag = delivery.delivery_tag;
         if let Some(probe) = amqp::probe_id(&delivery) {
             // Every message queued before this probe has now been handed out: the sweeper
             // learns that from the seen mark (decision 0011). A mark that cannot be written
@@ -60,7 +63,7 @@ impl Processor {
             {
                 tracing::debug!(%probe, error = %err, "cannot mark the probe seen");
             }
-            let _ = delivery.acker.ack(BasicAckOptions::default()).await;
+            let _ = settler.settle(tag, Settlement::Ack).await;
             return;
         }
         let task: TaskMessage = match serde_json::from_slice(&delivery.data) {
@@ -72,8 +75,8 @@ impl Processor {
                     .errors
                     .with_label_values(&["worker", "unreadable_message"])
                     .inc();
-                let reject = BasicRejectOptions { requeue: false };
-                let _ = delivery.acker.reject(reject).await;
+                let dead_letter = Settlement::Nack { requeue: false };
+                let _ = settler.settle(tag, dead_letter).await;
                 return;
             }
         };
@@ -98,15 +101,13 @@ impl Processor {
             .await;
         consumer.end(matches!(settle, Settle::Requeue).then_some("returned to the queue"));
         let acked = match settle {
-            Settle::Ack => delivery.acker.ack(BasicAckOptions::default()).await,
+            Settle::Ack => settler.settle(tag, Settlement::Ack).await,
             Settle::Requeue => {
                 // A short pause keeps a broken dependency from turning into a hot loop.
                 tokio::time::sleep(Duration::from_millis(500)).await;
-                let nack = BasicNackOptions {
-                    requeue: true,
-                    ..BasicNackOptions::default()
-                };
-                delivery.acker.nack(nack).await
+                settler
+                    .settle(tag, Settlement::Nack { requeue: true })
+                    .await
             }
         };
         if let Err(err) = acked {

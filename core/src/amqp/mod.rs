@@ -17,6 +17,7 @@ mod consume;
 mod error;
 mod names;
 mod publisher;
+mod settle;
 mod topology;
 
 pub use connection::{
@@ -25,7 +26,8 @@ pub use connection::{
 pub use consume::{consume, get_one, probe_id, traceparent, PROBE_KIND};
 pub use error::{AmqpError, AmqpResult};
 pub use names::QueueNames;
-pub use publisher::{Outgoing, Publisher, QueueObserver};
+pub use publisher::{Outgoing, Publisher, QueueObserver, DEFAULT_PUBLISH_CHANNELS};
+pub use settle::{Settlement, Settler};
 pub use topology::{
     declare_task_type, delete_exchange, delete_queues, queue_arguments, queue_exists, ready_count,
 };

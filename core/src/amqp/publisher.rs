@@ -7,7 +7,7 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
@@ -33,36 +33,54 @@ pub struct Outgoing {
     pub retry_tier: u32,
 }
 
-/// One lazily (re)opened connection and channel, counted so that tests and metrics can
-/// tell a reconnect from a reused link.
+/// One lazily (re)opened connection and its shared channels, counted so that tests and
+/// metrics can tell a reconnect from a reused link.
 struct Link {
     url: String,
     name: String,
     confirms: bool,
-    slot: Mutex<Option<(Connection, Channel)>>,
+    /// Shared channels on the connection. The broker runs each channel in one process, one
+    /// method after another: a publisher's confirms are spread over several to use more
+    /// than one of the broker's cores.
+    width: usize,
+    slot: Mutex<Option<Open>>,
     connects: AtomicU64,
 }
 
+struct Open {
+    conn: Connection,
+    channels: Vec<Channel>,
+}
+
 impl Link {
-    fn new(url: String, name: String, confirms: bool) -> Self {
+    fn new(url: String, name: String, confirms: bool, width: usize) -> Self {
         Link {
             url,
             name,
             confirms,
+            width: width.max(1),
             slot: Mutex::new(None),
             connects: AtomicU64::new(0),
         }
     }
 
-    /// The channel, reconnecting when the connection was lost, and opening a new channel
-    /// on the same connection when only the channel was closed (a 404 or 406 closes it).
+    /// The first shared channel (see [`Link::channels`]).
     async fn channel(&self) -> AmqpResult<Channel> {
+        let mut channels = self.channels().await?;
+        Ok(channels.swap_remove(0))
+    }
+
+    /// The shared channels, reconnecting when the connection was lost, and opening a new
+    /// channel on the same connection for one that was closed (a 404 or 406 closes it).
+    async fn channels(&self) -> AmqpResult<Vec<Channel>> {
         let mut slot = self.slot.lock().await;
-        let (conn, channel) = self.connected(&mut slot).await?;
-        if !channel.status().connected() {
-            *channel = self.open_channel(conn).await?;
+        let open = self.connected(&mut slot).await?;
+        for channel in &mut open.channels {
+            if !channel.status().connected() {
+                *channel = self.open_channel(&open.conn).await?;
+            }
         }
-        Ok(channel.clone())
+        Ok(open.channels.clone())
     }
 
     /// A plain channel of its own on the link's connection (reconnecting when it was lost):
@@ -70,24 +88,27 @@ impl Link {
     /// must not queue behind the shared channel, nor leave a late answer on it.
     async fn own_channel(&self) -> AmqpResult<Channel> {
         let mut slot = self.slot.lock().await;
-        let (conn, _) = self.connected(&mut slot).await?;
-        conn.create_channel().await.map_err(AmqpError::Unavailable)
+        let open = self.connected(&mut slot).await?;
+        open.conn
+            .create_channel()
+            .await
+            .map_err(AmqpError::Unavailable)
     }
 
-    /// The open connection and its shared channel, connecting afresh when it was lost.
-    async fn connected<'a>(
-        &self,
-        slot: &'a mut Option<(Connection, Channel)>,
-    ) -> AmqpResult<&'a mut (Connection, Channel)> {
+    /// The open connection and its shared channels, connecting afresh when it was lost.
+    async fn connected<'a>(&self, slot: &'a mut Option<Open>) -> AmqpResult<&'a mut Open> {
         if !slot
             .as_ref()
-            .is_some_and(|(conn, _)| conn.status().connected())
+            .is_some_and(|open| open.conn.status().connected())
         {
             *slot = None;
             let conn = connect(&self.url, &self.name).await?;
             self.connects.fetch_add(1, Ordering::Relaxed);
-            let channel = self.open_channel(&conn).await?;
-            *slot = Some((conn, channel));
+            let mut channels = Vec::with_capacity(self.width);
+            for _ in 0..self.width {
+                channels.push(self.open_channel(&conn).await?);
+            }
+            *slot = Some(Open { conn, channels });
         }
         Ok(slot.as_mut().expect("connected just above"))
     }
@@ -109,8 +130,8 @@ impl Link {
     /// Drops the connection so that the next call starts afresh (the close is bounded:
     /// every publish behind this link waits for it).
     async fn reset(&self) {
-        if let Some((conn, _)) = self.slot.lock().await.take() {
-            close_bounded(&conn, 0, "resetting the link").await;
+        if let Some(open) = self.slot.lock().await.take() {
+            close_bounded(&open.conn, 0, "resetting the link").await;
         }
     }
 }
@@ -119,14 +140,31 @@ impl Link {
 pub struct Publisher {
     link: Link,
     confirm_timeout: Duration,
+    /// Where the next batch starts among the channels, so that small batches spread too.
+    turn: AtomicUsize,
 }
 
+/// Publishing channels of a [`Publisher`] unless told otherwise.
+pub const DEFAULT_PUBLISH_CHANNELS: usize = 1;
+
 impl Publisher {
-    /// `name` is the connection name the broker shows.
+    /// `name` is the connection name the broker shows. One publishing channel.
     pub fn new(url: impl Into<String>, name: impl Into<String>, confirm_timeout: Duration) -> Self {
+        Self::with_channels(url, name, confirm_timeout, DEFAULT_PUBLISH_CHANNELS)
+    }
+
+    /// A publisher whose batches are spread over `channels` confirm-mode channels (at
+    /// least one) on its connection.
+    pub fn with_channels(
+        url: impl Into<String>,
+        name: impl Into<String>,
+        confirm_timeout: Duration,
+        channels: usize,
+    ) -> Self {
         Publisher {
-            link: Link::new(url.into(), name.into(), true),
+            link: Link::new(url.into(), name.into(), true, channels),
             confirm_timeout,
+            turn: AtomicUsize::new(0),
         }
     }
 
@@ -202,13 +240,20 @@ impl Publisher {
     }
 
     /// Publishes every message, pipelined, and returns once the broker confirmed each one.
-    /// The result per message is in input order; any failure also resets the channel.
+    /// The batch is cut into runs, one per channel; the result per message is in input
+    /// order; any failure also resets the link.
     pub async fn publish(&self, batch: &[Outgoing]) -> Vec<AmqpResult<()>> {
-        let channel = match self.channel().await {
-            Ok(channel) => channel,
+        let channels = match self.link.channels().await {
+            Ok(channels) => channels,
             Err(err) => return batch.iter().map(|_| Err(clone_error(&err))).collect(),
         };
-        let sends = batch.iter().map(|out| self.publish_one(&channel, out));
+        let start = self.turn.fetch_add(1, Ordering::Relaxed);
+        let runs = channels.len().min(batch.len()).max(1);
+        let sends = batch.iter().enumerate().map(|(i, out)| {
+            // Message i of n goes to run i·runs/n: contiguous runs of nearly equal length.
+            let run = i * runs / batch.len();
+            self.publish_one(&channels[(start + run) % channels.len()], out)
+        });
         let results = join_all(sends).await;
         if results.iter().any(|r| {
             matches!(
@@ -300,7 +345,7 @@ pub struct QueueObserver {
 impl QueueObserver {
     pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
         QueueObserver {
-            link: Link::new(url.into(), name.into(), false),
+            link: Link::new(url.into(), name.into(), false, 1),
         }
     }
 

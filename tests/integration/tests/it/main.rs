@@ -17,6 +17,7 @@ mod outages;
 mod progress;
 mod python_client;
 mod self_healing;
+mod settling;
 mod tenancy;
 mod tls;
 mod tracing;

@@ -62,6 +62,8 @@ fn gateway_config(db_url: &str, types: &[NamedTaskType]) -> GatewayConfig {
         database: conveyor_core::db::DbOptions::new(db_url),
         amqp_url: testing::amqp_url(),
         confirm_timeout: Duration::from_secs(5),
+        // More than one, so that every gateway test runs batches cut over channels.
+        publish_channels: 3,
         task_types: TaskTypeSource::File(task_types),
         tokens: Tokens::parse_pairs(&format!("tests={TOKEN}")).expect("token"),
         client_limits: ClientLimits {
@@ -289,6 +291,7 @@ impl Harness {
             database: conveyor_core::db::DbOptions::new(&self.db_url),
             amqp_url: testing::amqp_url(),
             confirm_timeout: Duration::from_secs(5),
+            publish_channels: 2,
             drain_grace: Duration::from_secs(10),
             buffer_max_bytes: 1 << 20,
             declare_queues: true,
