@@ -159,10 +159,12 @@ pub async fn fixed_rate(
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut sends = tokio::task::JoinSet::new();
+    let start = Utc::now();
     for i in 0..total {
         tick.tick().await;
-        // The scheduled time: a send delayed by a busy load generator counts as latency.
-        let sent = Utc::now();
+        // The scheduled time, not the moment of sending: a send delayed by a busy load
+        // generator (ticks that burst after a stall) counts as latency.
+        let sent = start + chrono::TimeDelta::microseconds(i as i64 * 1_000_000 / i64::from(rate));
         let (http, url, task_type) = (
             http.clone(),
             system.gateway_url.clone(),
