@@ -64,7 +64,12 @@ impl Direct {
         Ok(Direct {
             db: Db::connect(&database.options())?,
             amqp_url: amqp.connection_url(),
-            publisher: Publisher::new(amqp.connection_url(), "conveyorctl", amqp.confirm_timeout()),
+            publisher: Publisher::with_channels(
+                amqp.connection_url(),
+                "conveyorctl",
+                amqp.confirm_timeout(),
+                amqp.publish_channels.into(),
+            ),
         })
     }
 }

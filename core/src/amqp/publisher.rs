@@ -144,15 +144,16 @@ pub struct Publisher {
     turn: AtomicUsize,
 }
 
-/// Publishing channels of a [`Publisher`] unless told otherwise: with four, batch submits
-/// ran about a tenth faster than with one in `make bench` (decision 0026), single submits
-/// the same within the noise.
+/// `--publish-channels` unless told otherwise: with four, batch submits ran about a tenth
+/// faster than with one in `make bench` (decision 0026), single submits the same within
+/// the noise.
 pub const DEFAULT_PUBLISH_CHANNELS: usize = 4;
 
 impl Publisher {
-    /// `name` is the connection name the broker shows; [`DEFAULT_PUBLISH_CHANNELS`] channels.
+    /// `name` is the connection name the broker shows. One publishing channel: for a
+    /// publisher that sends little (the operator's declarations use channels of their own).
     pub fn new(url: impl Into<String>, name: impl Into<String>, confirm_timeout: Duration) -> Self {
-        Self::with_channels(url, name, confirm_timeout, DEFAULT_PUBLISH_CHANNELS)
+        Self::with_channels(url, name, confirm_timeout, 1)
     }
 
     /// A publisher whose batches are spread over `channels` confirm-mode channels (at

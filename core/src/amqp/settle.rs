@@ -55,12 +55,16 @@ impl Settler {
             sent,
         };
         if self.requests.send(request).is_err() {
-            return Err(lapin::Error::InvalidChannelState(ChannelState::Closed));
+            return Err(refused(ChannelState::Closed));
         }
-        answer
-            .await
-            .unwrap_or(Err(lapin::Error::InvalidChannelState(ChannelState::Closed)))
+        answer.await.unwrap_or(Err(refused(ChannelState::Closed)))
     }
+}
+
+/// The error of a settle that was not sent: the settler is gone (`Closed`), or the tag was
+/// settled already (`Error`).
+fn refused(state: ChannelState) -> lapin::Error {
+    lapin::Error::InvalidChannelState(state)
 }
 
 async fn settle_rounds(channel: Channel, mut received: mpsc::UnboundedReceiver<Request>) {
@@ -80,9 +84,7 @@ async fn settle_rounds(channel: Channel, mut received: mpsc::UnboundedReceiver<R
             // A tag settled twice would make the broker close the channel, and with it
             // every other delivery in hand: refused here instead.
             if window.is_settled(request.tag) || !in_round.insert(request.tag) {
-                let _ = request
-                    .sent
-                    .send(Err(lapin::Error::InvalidChannelState(ChannelState::Error)));
+                let _ = request.sent.send(Err(refused(ChannelState::Error)));
                 continue;
             }
             match request.how {
@@ -123,14 +125,14 @@ async fn settle_rounds(channel: Channel, mut received: mpsc::UnboundedReceiver<R
                 .map(|&tag| channel.basic_ack(tag, BasicAckOptions::default())),
         );
         let (multiple, singles) = tokio::join!(multiple, singles);
-        let mut singles: BTreeMap<u64, lapin::Result<()>> =
-            plan.singles.iter().copied().zip(singles).collect();
-        for (tag, sent) in acks {
-            // A tag not acked alone is covered by the `multiple` ack.
-            let result = singles.remove(&tag).or_else(|| multiple.clone());
-            let _ = sent.send(
-                result.unwrap_or(Err(lapin::Error::InvalidChannelState(ChannelState::Error))),
-            );
+        // The plan acks the first waiting tags with the `multiple` ack and the rest alone,
+        // in order.
+        let covered = waiting.len() - plan.singles.len();
+        let by_multiple = multiple
+            .into_iter()
+            .flat_map(|result| std::iter::repeat_n(result, covered));
+        for ((_, sent), result) in acks.into_iter().zip(by_multiple.chain(singles)) {
+            let _ = sent.send(result);
         }
     }
 }
