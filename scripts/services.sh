@@ -151,6 +151,9 @@ management.ssl.certfile = /etc/rabbitmq/tls/server.crt
 management.ssl.keyfile = /etc/rabbitmq/tls/server.key
 management.ssl.versions.1 = tlsv1.3
 management.ssl.versions.2 = tlsv1.2
+# The largest message: a task (a TaskType's maxPayloadBytes is at most 16 MiB) and its
+# envelope. A worker holds at most its prefetch times this, whoever published.
+max_message_size = 17825792
 CONF
   # The broker rewrites this file as its own user when plugins change.
   put_file /etc/rabbitmq/enabled_plugins "$owner" 644 <<<'[rabbitmq_management].'

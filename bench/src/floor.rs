@@ -134,8 +134,7 @@ const AUDIT_WRITERS: usize = 4;
 pub async fn audit_inserts(pool: &PgPool, rows: usize, batch: usize) -> anyhow::Result<f64> {
     sqlx::raw_sql(
         "CREATE TABLE bench_audit (LIKE task_events INCLUDING DEFAULTS);
-         CREATE INDEX ON bench_audit (task_id, at, seq);
-         CREATE INDEX ON bench_audit (task_type, at)",
+         CREATE INDEX ON bench_audit (task_id, at, seq)",
     )
     .execute(pool)
     .await

@@ -116,8 +116,10 @@ async fn main() -> anyhow::Result<()> {
         "workers": args.workers, "concurrency": args.concurrency,
         "batch_size": args.batch_size, "batch_clients": args.batch_clients,
         "connections": &args.connections, "offered_rate": args.rate,
-        "publish_channels": args.publish_channels,
+        "publish_channels": args.publish_channels
+            .map_or(conveyor_core::amqp::DEFAULT_PUBLISH_CHANNELS, usize::from),
     });
+    run.services = system::service_settings(admin.pool()).await;
 
     let measured = phases(&args, &system, &admin, db.pool(), &mut run).await;
     run.floor_broker = report::median(&run.floor_samples);

@@ -19,6 +19,9 @@ pub struct Run {
     pub machine: String,
     pub versions: BTreeMap<String, String>,
     pub settings: serde_json::Value,
+    /// PostgreSQL's and RabbitMQ's settings during the run.
+    #[serde(default)]
+    pub services: BTreeMap<String, String>,
     /// Messages/s: confirmed publish + consume + ack on a quorum queue, no application; the
     /// median of `floor_samples`.
     pub floor_broker: f64,
@@ -316,7 +319,13 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
         .map(|(k, v)| format!("{k} {v}"))
         .collect();
     md.push_str(&format!("Versions: {}.  \n", versions.join(", ")));
-    md.push_str(&format!("Settings: `{}`.\n\n", run.settings));
+    md.push_str(&format!("Settings: `{}`.  \n", run.settings));
+    let services: Vec<String> = run
+        .services
+        .iter()
+        .map(|(k, v)| format!("{k} `{v}`"))
+        .collect();
+    md.push_str(&format!("Services: {}.\n\n", services.join(", ")));
     md.push_str("```\n");
     md.push_str(&run.summary());
     md.push_str("\n```\n\n");

@@ -171,3 +171,57 @@ pub fn default_binaries() -> PathBuf {
         .map(Path::to_path_buf)
         .unwrap_or_default()
 }
+
+/// PostgreSQL settings that shape this load, as the server reports them.
+const POSTGRES_SETTINGS: &[&str] = &[
+    "autovacuum_naptime",
+    "autovacuum_vacuum_cost_limit",
+    "checkpoint_timeout",
+    "fsync",
+    "full_page_writes",
+    "max_connections",
+    "max_wal_size",
+    "shared_buffers",
+    "synchronous_commit",
+    "wal_buffers",
+    "wal_compression",
+    "work_mem",
+];
+
+/// The services' settings during the run: PostgreSQL's as it reports them, and RabbitMQ's
+/// as `scripts/services.sh` configured them (its listeners and TLS files left out).
+pub async fn service_settings(admin: &sqlx::PgPool) -> std::collections::BTreeMap<String, String> {
+    let mut settings = std::collections::BTreeMap::new();
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT name, current_setting(name) FROM pg_settings WHERE name = ANY($1) ORDER BY name",
+    )
+    .bind(POSTGRES_SETTINGS)
+    .fetch_all(admin)
+    .await
+    .unwrap_or_default();
+    for (name, value) in rows {
+        settings.insert(format!("postgresql {name}"), value);
+    }
+    let configured = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
+    for line in configured("/etc/rabbitmq/rabbitmq.conf").lines() {
+        let Some((key, value)) = line.split_once('=') else {
+            continue;
+        };
+        let key = key.trim();
+        let about_access = ["listeners", "ssl_options", "management"]
+            .iter()
+            .any(|prefix| key.starts_with(prefix));
+        if !key.starts_with('#') && !about_access {
+            settings.insert(format!("rabbitmq {key}"), value.trim().to_owned());
+        }
+    }
+    for line in configured("/etc/rabbitmq/rabbitmq-env.conf").lines() {
+        if let Some(args) = line.strip_prefix("SERVER_ADDITIONAL_ERL_ARGS=") {
+            settings.insert(
+                "rabbitmq erl args".to_owned(),
+                args.trim_matches('"').to_owned(),
+            );
+        }
+    }
+    settings
+}

@@ -38,6 +38,10 @@ pub struct RequestLimits {
     pub bytes_per_second: f64,
     /// Longest a request is served; a submission still finishes behind the answer.
     pub timeout: Duration,
+    /// Request body bytes the gateway reads and holds at once, over every client: its memory
+    /// bound whatever the number of tokens. A body is charged its declared length (or the
+    /// route's limit when it declares none) on admission; past this, 503 `gateway_busy`.
+    pub max_bytes_in_flight: usize,
 }
 
 impl Default for RequestLimits {
@@ -46,6 +50,7 @@ impl Default for RequestLimits {
             max_in_flight: 64,
             bytes_per_second: 64.0 * 1024.0 * 1024.0,
             timeout: Duration::from_secs(30),
+            max_bytes_in_flight: 256 * 1024 * 1024,
         }
     }
 }
@@ -59,6 +64,53 @@ pub struct ApiState {
     pub limits: RequestLimits,
     /// One semaphore per client, for [`RequestLimits::max_in_flight`].
     pub in_flight: Mutex<HashMap<String, Arc<Semaphore>>>,
+    /// Body bytes being read or held, for [`RequestLimits::max_bytes_in_flight`].
+    pub bodies: BodyBudget,
+}
+
+/// The gateway-wide budget of request body bytes, in permits of one byte.
+pub struct BodyBudget {
+    bytes: Arc<Semaphore>,
+    /// Charged to a body that does not say its length: the most its route reads.
+    max_body_bytes: usize,
+    max_batch_bytes: usize,
+}
+
+impl BodyBudget {
+    /// A budget of `limits.max_bytes_in_flight`, never less than one largest batch (or no
+    /// batch of that size could ever be admitted).
+    pub fn new(limits: &RequestLimits, max_body_bytes: usize, max_batch_bytes: usize) -> Self {
+        let bytes = limits
+            .max_bytes_in_flight
+            .max(max_batch_bytes)
+            .max(max_body_bytes)
+            .min(u32::MAX as usize);
+        BodyBudget {
+            bytes: Arc::new(Semaphore::new(bytes)),
+            max_body_bytes,
+            max_batch_bytes,
+        }
+    }
+
+    /// What a request's body is charged: no more than its route will read.
+    fn charge(&self, request: &Request, declared: Option<usize>) -> usize {
+        let route_limit = if request.uri().path().ends_with(":batch") {
+            self.max_batch_bytes
+        } else {
+            self.max_body_bytes
+        };
+        match declared {
+            Some(length) => length.min(route_limit),
+            None if request.method() == axum::http::Method::GET => 0,
+            None => route_limit,
+        }
+    }
+
+    fn take(&self, bytes: usize) -> Option<OwnedSemaphorePermit> {
+        // `new` keeps the budget within u32, and a charge within the budget.
+        let bytes = u32::try_from(bytes).unwrap_or(u32::MAX);
+        self.bytes.clone().try_acquire_many_owned(bytes).ok()
+    }
 }
 
 pub fn router(state: Arc<ApiState>, max_body_bytes: usize, max_batch_bytes: usize) -> Router {
@@ -133,6 +185,14 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
+    let Some(body) = state.bodies.take(state.bodies.charge(&request, declared)) else {
+        return ApiError::unavailable(
+            "gateway_busy",
+            "the gateway holds as many request body bytes as it may (--max-bytes-in-flight); \
+             retry with the same Idempotency-Key",
+        )
+        .into_response();
+    };
     if let Some(length) = declared {
         if let Err(refused) = state.charge_bytes(&client, length) {
             return refused.into_response();
@@ -140,9 +200,10 @@ async fn admit(State(state): State<Arc<ApiState>>, mut request: Request, next: N
         request.extensions_mut().insert(BodyCharged);
     }
     request.extensions_mut().insert(client);
-    // A submission outlives a timed-out request (`submit_detached`), and so does its permit.
+    // A submission outlives a timed-out request (`submit_detached`), and so does its permit,
+    // and the parsed body it holds.
     request.extensions_mut().insert(InFlight {
-        _permit: Arc::new(permit),
+        _permit: Arc::new((permit, body)),
     });
     match tokio::time::timeout(state.limits.timeout, next.run(request)).await {
         Ok(response) => response,
@@ -166,7 +227,8 @@ pub(crate) struct BodyCharged;
 /// submission it started are both done.
 #[derive(Clone)]
 pub(crate) struct InFlight {
-    _permit: Arc<OwnedSemaphorePermit>,
+    /// The client's request permit and the body's bytes in the gateway-wide budget.
+    _permit: Arc<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
 }
 
 impl ApiState {

@@ -131,6 +131,11 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "PostgreSQL cannot be reached; retry later",
     ),
     (
+        "gateway_busy",
+        503,
+        "the gateway holds its most request body bytes already; retry with the same key",
+    ),
+    (
         "request_timeout",
         503,
         "the request took too long; retry with the same Idempotency-Key",

@@ -226,6 +226,11 @@ pub async fn run(
         max_batch_tasks: config.max_batch_tasks,
         limits: config.requests.clone(),
         in_flight: Default::default(),
+        bodies: api::BodyBudget::new(
+            &config.requests,
+            config.max_body_bytes,
+            config.max_batch_bytes,
+        ),
     });
     let ready: admin::ReadinessCheck = Arc::new(move || {
         let db = db.clone();

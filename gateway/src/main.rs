@@ -91,6 +91,10 @@ struct Args {
     /// Request body bytes each client may send per second.
     #[arg(long, env = "CONVEYOR_CLIENT_BYTES_PER_SECOND", default_value_t = 64.0 * 1024.0 * 1024.0)]
     client_bytes_per_second: f64,
+    /// Request body bytes the gateway holds at once over all clients (more answer 503
+    /// `gateway_busy`); at least --max-batch-bytes.
+    #[arg(long, env = "CONVEYOR_MAX_BYTES_IN_FLIGHT", default_value_t = 256 * 1024 * 1024)]
+    max_bytes_in_flight: usize,
     /// Longest a request is served, in seconds.
     #[arg(long, env = "CONVEYOR_REQUEST_TIMEOUT_SECONDS", default_value_t = 30)]
     request_timeout_seconds: u64,
@@ -194,6 +198,7 @@ async fn main() -> anyhow::Result<()> {
             max_in_flight: args.client_max_in_flight.max(1),
             bytes_per_second: args.client_bytes_per_second,
             timeout: Duration::from_secs(args.request_timeout_seconds.max(1)),
+            max_bytes_in_flight: args.max_bytes_in_flight,
         },
         max_body_bytes: args.max_body_bytes,
         max_batch_bytes: args.max_batch_bytes,

@@ -234,6 +234,14 @@ async fn point_in_time_state_comes_from_the_audit_log() {
         .await
         .unwrap();
     assert_eq!(now.iter().filter(|(_, s, _)| *s == Completed).count(), 1);
+    // Every task at once: the whole log's pass, which holds this type's three too.
+    let all = db.states_at(queued_at, None, None).await.unwrap();
+    for id in &ids {
+        assert!(
+            all.iter().any(|(t, s, _)| t == id && *s == Queued),
+            "{id} missing"
+        );
+    }
     let one = db.states_at(queued_at, None, Some(ids[0])).await.unwrap();
     assert_eq!(one.len(), 1);
     assert_eq!(one[0].1, Queued);

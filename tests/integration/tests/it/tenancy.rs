@@ -241,6 +241,57 @@ async fn a_client_over_its_concurrent_requests_gets_429_and_other_clients_do_not
     harness.shutdown().await;
 }
 
+/// However many clients there are, the gateway holds at most its budget of body bytes: a
+/// request past it is answered 503 `gateway_busy` before its body is read, stores nothing,
+/// and goes through with the same key once the bodies ahead of it are gone.
+#[tokio::test]
+async fn the_gateway_bounds_the_body_bytes_it_holds_over_all_clients() {
+    let (harness, name) = two_tenants(|config| {
+        config.max_batch_bytes = 64 * 1024;
+        config.requests.max_bytes_in_flight = 128 * 1024;
+    })
+    .await;
+    // Alpha's two batches of 60 KiB, their bodies held back: 120 KiB of 128 taken.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(half_sent(&harness.gateway_url, Some(ALPHA), 60 * 1024).await);
+    }
+    let key = Uuid::new_v4();
+    let big = json!({"taskType": name, "payload": {"pad": "x".repeat(10 * 1024)}});
+    testing::wait_until(
+        "beta's 10 KiB request refused while alpha's bodies are held",
+        Duration::from_secs(30),
+        || async {
+            let (status, body) = submit(&harness, BETA, big.clone(), key).await;
+            status == StatusCode::SERVICE_UNAVAILABLE && body["error"]["code"] == "gateway_busy"
+        },
+    )
+    .await;
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM tasks WHERE idempotency_key = $1")
+        .bind(key)
+        .fetch_one(harness.db.pool())
+        .await
+        .unwrap();
+    assert_eq!(stored, 0, "a refused request stored a task");
+    // A small request still fits in what is left.
+    let (status, body) = submit(
+        &harness,
+        BETA,
+        json!({"taskType": name, "payload": {}}),
+        Uuid::new_v4(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    drop(held);
+    testing::wait_until(
+        "beta's request admitted with its key",
+        Duration::from_secs(30),
+        || async { submit(&harness, BETA, big.clone(), key).await.0 == StatusCode::CREATED },
+    )
+    .await;
+    harness.shutdown().await;
+}
+
 /// Bytes are a client's own budget too: a client over its byte rate gets 429 before its
 /// body is read, and another client's requests of the same size go through.
 #[tokio::test]
