@@ -288,11 +288,8 @@ async fn broker_stopped(stack: &Stack, failures: &mut Vec<String>) -> Instant {
             ),
         ])
     };
-    let stopped = Command::new("rabbitmqctl")
-        .args(["-q", "shutdown"])
-        .status();
-    if !stopped.is_ok_and(|s| s.success()) {
-        failures.push("rabbitmqctl shutdown failed".to_owned());
+    if let Err(e) = crate::faults::as_root("rabbitmqctl -q shutdown") {
+        failures.push(format!("rabbitmqctl shutdown failed: {e:#}"));
     }
     // Up to two minutes for the operator to notice (its statistics go stale after 30 s,
     // a TaskType looks again every 15 s), checking the pool's bounds all along.

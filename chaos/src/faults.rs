@@ -68,12 +68,14 @@ pub async fn inject(
         }
         Scenario::RabbitmqKill => {
             // This node's VM only: the cluster's nodes (scripts/cluster-services.sh) may run too.
-            sh("kill -KILL \"$(cat /var/lib/rabbitmq/mnesia/rabbit@localhost.pid)\"")?;
+            as_root("kill -KILL \"$(cat /var/lib/rabbitmq/mnesia/rabbit@localhost.pid)\"")?;
             pause(2.0).await;
             healed = Some(restart_services(observer, system, Service::Broker).await?);
         }
         Scenario::PostgresCrash => {
-            sh("pg_ctlcluster $(ls /etc/postgresql | sort -V | tail -1) main stop -m immediate")?;
+            as_root(
+                "pg_ctlcluster $(ls /etc/postgresql | sort -V | tail -1) main stop -m immediate",
+            )?;
             observe_for(observer, system, scale.outage).await;
             healed = Some(restart_services(observer, system, Service::Database).await?);
         }
@@ -128,7 +130,7 @@ pub async fn inject(
             // A watermark below what the broker uses raises the memory alarm: it blocks
             // every publishing connection until the alarm clears.
             let watermark =
-                |w: &str| sh(&format!("rabbitmqctl -q set_vm_memory_high_watermark {w}"));
+                |w: &str| as_root(&format!("rabbitmqctl -q set_vm_memory_high_watermark {w}"));
             watermark("0.000001")?;
             observe_for(observer, system, scale.outage.min(Duration::from_secs(15))).await;
             watermark("0.4")?;
@@ -355,8 +357,17 @@ pub fn degraded_failures(scenario: Scenario, system: &System, t: &Telemetry) -> 
     failures
 }
 
-fn sh(command: &str) -> anyhow::Result<()> {
-    let status = Command::new("sh").args(["-c", command]).status()?;
+/// Runs `command` as root: at once when this is root, else through sudo (as the scripts do,
+/// `scripts/lib/tools.sh`), since the services run as their own users.
+pub(crate) fn as_root(command: &str) -> anyhow::Result<()> {
+    let status = Command::new("sh")
+        .args([
+            "-c",
+            r#"if [ "$(id -u)" -eq 0 ]; then sh -c "$1"; else sudo sh -c "$1"; fi"#,
+            "as_root",
+            command,
+        ])
+        .status()?;
     anyhow::ensure!(status.success(), "`{command}` failed: {status}");
     Ok(())
 }

@@ -1292,14 +1292,36 @@ async fn an_autoscaled_pool_without_statistics_holds_within_its_bounds() {
 
 #[tokio::test]
 async fn a_paused_pool_holds_its_count() {
+    // A backlog of 1,000 ready tasks on every queue of the type, counted in full: unpaused,
+    // the pool would grow (to 6, a scale-up at most doubling).
+    let queues: Vec<Value> = QueueNames::of(&in_video("t").name)
+        .all(1)
+        .into_iter()
+        .map(|name| {
+            json!({"name": name, "consumers": 3, "messages": 1000, "messages_ready": 1000,
+                   "messages_unacknowledged": 0})
+        })
+        .collect();
+    let management = management_answering(json!(queues)).await;
     let wp = WorkerPool::test()
         .named("scaled")
         .consumes("t")
         .autoscaled(0, 10)
         .annotated("conveyor.dev/autoscaling-paused", "true")
         .build();
-    let seen = reconcile_without_statistics(wp, 3).await;
-    assert_eq!(*deployment_replicas(&seen), 3);
+    let (client, verifier) = api_server(without_statistics_script(&wp, 3));
+    let ctx = context(client, &management);
+    ctx.broker
+        .refresh(&ctx.management)
+        .await
+        .expect("the queues were read");
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(
+        *deployment_replicas(&seen),
+        3,
+        "paused, held despite the backlog"
+    );
     let ready = &pool_status(&seen)["conditions"][0];
     assert_eq!(ready["status"], "True", "serving while paused: {ready}");
     assert!(
