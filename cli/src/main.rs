@@ -543,3 +543,28 @@ fn parse_timeout(text: &str) -> Result<std::time::Duration, String> {
         .to_std()
         .map_err(|_| format!("{text:?}: a timeout is not negative"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+
+    /// The completion scripts name every command and the values of `-o`, for each shell.
+    #[test]
+    fn completions_name_the_commands_and_output_formats() {
+        let mut command = <Cli as clap::CommandFactory>::command();
+        command.clone().debug_assert();
+        for shell in [clap_complete::Shell::Bash, clap_complete::Shell::Zsh] {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut command, "conveyorctl", &mut script);
+            let script = String::from_utf8(script).expect("utf-8");
+            for word in [
+                "list", "get", "events", "wait", "watch", "retry", "cancel", "redrive",
+            ] {
+                assert!(script.contains(word), "{shell}: no {word}");
+            }
+            for format in ["table", "json", "yaml", "wide"] {
+                assert!(script.contains(format), "{shell}: no -o {format}");
+            }
+        }
+    }
+}

@@ -1095,6 +1095,19 @@ async fn reconcile_without_statistics(wp: WorkerPool, replicas: i32) -> Vec<Seen
     verifier.await.unwrap()
 }
 
+/// A pool of `replicas` workers reconciled once, with the queue list read first from the
+/// management API at `management` by the poller both controllers share.
+async fn reconcile_with_counts(wp: WorkerPool, management: &str, replicas: i32) -> Vec<Seen> {
+    let (client, verifier) = api_server(without_statistics_script(&wp, replicas));
+    let ctx = context(client, management);
+    ctx.broker
+        .refresh(&ctx.management)
+        .await
+        .expect("the queue list itself was read");
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    verifier.await.unwrap()
+}
+
 /// What a reconcile of [`reconcile_without_statistics`] asks of the API server.
 fn without_statistics_script(wp: &WorkerPool, replicas: i32) -> Vec<Expect> {
     let current = json!({
@@ -1207,12 +1220,20 @@ fn pool_status(seen: &[Seen]) -> &Value {
 /// A management API that answers every request with `queues` (a stand-in for a broker
 /// that lists its queues without some counters); returns its URL.
 async fn management_answering(queues: Value) -> String {
+    management_counting(queues).await.0
+}
+
+/// [`management_answering`], and how many requests it has been sent.
+async fn management_counting(queues: Value) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let body = queues.to_string();
+    let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = requests.clone();
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let mut request = Vec::new();
             let mut buf = [0u8; 4096];
             while !request.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -1229,7 +1250,48 @@ async fn management_answering(queues: Value) -> String {
             let _ = stream.write_all(answer.as_bytes()).await;
         }
     });
-    url
+    (url, requests)
+}
+
+/// Every queue of type `t` in namespace video, with `ready` tasks counted in full.
+fn counted_queues(ready: u64) -> Value {
+    let queues: Vec<Value> = QueueNames::of(&in_video("t").name)
+        .all(1)
+        .into_iter()
+        .map(|name| {
+            json!({"name": name, "consumers": 3, "messages": ready, "messages_ready": ready,
+                   "messages_unacknowledged": 0})
+        })
+        .collect();
+    json!(queues)
+}
+
+/// A pool's reconcile reads the broker's counts from the one poller both controllers share
+/// (issue 13, defect 4: it made four management requests per type it consumes).
+#[tokio::test]
+async fn a_pool_reconcile_asks_the_management_api_nothing_of_its_own() {
+    let (management, requests) = management_counting(counted_queues(0)).await;
+    let wp = WorkerPool::test()
+        .named("scaled")
+        .consumes("t")
+        .autoscaled(3, 10)
+        .build();
+    let (client, verifier) = api_server(without_statistics_script(&wp, 3));
+    let ctx = context(client, &management);
+    ctx.broker
+        .refresh(&ctx.management)
+        .await
+        .expect("the queues were read");
+    let polled = requests.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(polled > 0, "the poller asked nothing");
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    let seen = verifier.await.unwrap();
+    assert_eq!(*deployment_replicas(&seen), 3);
+    assert_eq!(
+        requests.load(std::sync::atomic::Ordering::SeqCst),
+        polled,
+        "the pool's reconcile asked the management API itself"
+    );
 }
 
 #[tokio::test]
@@ -1252,14 +1314,7 @@ async fn an_autoscaled_pool_whose_queues_lack_counters_is_not_scaled_to_zero() {
     let autoscaling = wp.spec.autoscaling.as_mut().unwrap();
     autoscaling.scale_down_stabilization_seconds = 0;
     autoscaling.scale_down_max_percent = 100;
-    let (client, verifier) = api_server(without_statistics_script(&wp, 3));
-    let ctx = context(client, &management);
-    ctx.broker
-        .refresh(&ctx.management)
-        .await
-        .expect("the queue list itself was read");
-    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
-    let seen = verifier.await.unwrap();
+    let seen = reconcile_with_counts(wp, &management, 3).await;
     assert_eq!(*deployment_replicas(&seen), 3, "held, not scaled down");
     let metrics = &pool_status(&seen)["conditions"][2];
     assert_eq!(metrics["type"], "MetricsAvailable");
@@ -1294,29 +1349,14 @@ async fn an_autoscaled_pool_without_statistics_holds_within_its_bounds() {
 async fn a_paused_pool_holds_its_count() {
     // A backlog of 1,000 ready tasks on every queue of the type, counted in full: unpaused,
     // the pool would grow (to 6, a scale-up at most doubling).
-    let queues: Vec<Value> = QueueNames::of(&in_video("t").name)
-        .all(1)
-        .into_iter()
-        .map(|name| {
-            json!({"name": name, "consumers": 3, "messages": 1000, "messages_ready": 1000,
-                   "messages_unacknowledged": 0})
-        })
-        .collect();
-    let management = management_answering(json!(queues)).await;
+    let management = management_answering(counted_queues(1000)).await;
     let wp = WorkerPool::test()
         .named("scaled")
         .consumes("t")
         .autoscaled(0, 10)
         .annotated("conveyor.dev/autoscaling-paused", "true")
         .build();
-    let (client, verifier) = api_server(without_statistics_script(&wp, 3));
-    let ctx = context(client, &management);
-    ctx.broker
-        .refresh(&ctx.management)
-        .await
-        .expect("the queues were read");
-    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
-    let seen = verifier.await.unwrap();
+    let seen = reconcile_with_counts(wp, &management, 3).await;
     assert_eq!(
         *deployment_replicas(&seen),
         3,

@@ -666,3 +666,56 @@ async fn a_followed_task_streams_each_change_and_the_stream_ends_when_it_settles
     assert_eq!(status, StatusCode::NOT_FOUND);
     harness.shutdown().await;
 }
+
+/// The first task type of `GET /v1/task-types`.
+async fn glance(h: &Harness) -> Value {
+    let (status, body) = h.get_json(TOKEN, "/v1/task-types").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    body["taskTypes"][0].clone()
+}
+
+/// Task types at a glance (`GET /v1/task-types`, the console's first page): the backlog the
+/// gateway reads from the broker, the rate work leaves it, and the dead letters, each held
+/// against what was submitted and what the workers did.
+#[tokio::test]
+async fn task_types_at_a_glance_show_backlog_rate_and_dead_letters() {
+    let mut spec = test_type("glance");
+    spec.max_retries = 0;
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let dead = dead_letters(&mut harness, &name, &[json!({}), json!({})]).await;
+    for _ in 0..40 {
+        harness.submit_ok(&name, json!({"sleepMs": 100})).await;
+    }
+    wait_until(
+        "a backlog of 40 at a glance",
+        Duration::from_secs(30),
+        || async { glance(&harness).await["backlog"] == 40 },
+    )
+    .await;
+    let seen = glance(&harness).await;
+    assert_eq!(seen["deadLetters"], dead.len(), "{seen}");
+    assert_eq!(seen["name"], harness.spec(&name).local_name(), "{seen}");
+    // Two slots of 100 ms: about 20 tasks a second leave the queue for two seconds.
+    harness.start_worker(&[&name], Handler::Sleep, 2);
+    wait_until(
+        "work seen leaving the queue",
+        Duration::from_secs(30),
+        || async {
+            let seen = glance(&harness).await;
+            seen["takenPerSecond"].as_f64().is_some_and(|r| r > 0.0)
+                && seen["backlog"].as_u64().is_some_and(|b| b < 40)
+        },
+    )
+    .await;
+    harness
+        .wait_for_state(&name, Completed, 40, Duration::from_secs(60))
+        .await;
+    wait_until(
+        "an empty backlog at a glance",
+        Duration::from_secs(30),
+        || async { glance(&harness).await["backlog"] == 0 },
+    )
+    .await;
+    harness.shutdown().await;
+}
