@@ -7,7 +7,7 @@
 #
 #   scripts/fresh-machine.sh [run|shell|clean]
 #
-# Needs root and debootstrap, and this machine's own PostgreSQL, RabbitMQ and local stack
+# Needs root (it installs debootstrap when missing), and this machine's own PostgreSQL, RabbitMQ and local stack
 # stopped (`scripts/stack.sh down`, `scripts/services.sh down`): the chroot shares the
 # network, so the same ports. What it is not: a fresh kernel, or a machine without this
 # one's sysctls; and it trusts this machine's extra CAs (an egress proxy's), as any machine
@@ -23,7 +23,9 @@ GOROOT_HOST=$(go env GOROOT)
 log() { echo "fresh-machine: $*" >&2; }
 
 [ "$(id -u)" = 0 ] || { log "run as root (debootstrap, chroot, mounts)"; exit 1; }
-command -v debootstrap >/dev/null || { log "needs debootstrap (apt-get install debootstrap)"; exit 1; }
+# shellcheck source=lib/tools.sh
+. "$REPO/scripts/lib/tools.sh"
+need_packages debootstrap=debootstrap
 
 mounted() { mountpoint -q "$1"; }
 
