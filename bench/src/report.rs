@@ -392,15 +392,24 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
         md.push_str(&format!("- {process}: {mib:.1}\n"));
     }
     md.push_str("\nStatements by database time, whole run (pg_stat_statements):\n\n| calls | mean ms | rows/call | total s | plans | mean plan ms | statement |\n|---|---|---|---|---|---|---|\n");
+    // pg_stat_statements counts plannings only with track_planning on (off by default: it
+    // costs every statement a lock); otherwise its zeros would read as measurements.
+    let plannings_counted = run
+        .services
+        .get("postgresql pg_stat_statements.track_planning")
+        .is_some_and(|v| v == "on");
     for st in &run.statements {
+        let (plans, mean_plan_ms) = if plannings_counted {
+            (st.plans.to_string(), format!("{:.3}", st.mean_plan_ms))
+        } else {
+            ("—".to_owned(), "—".to_owned())
+        };
         md.push_str(&format!(
-            "| {} | {:.3} | {:.1} | {:.1} | {} | {:.3} | `{}` |\n",
+            "| {} | {:.3} | {:.1} | {:.1} | {plans} | {mean_plan_ms} | `{}` |\n",
             st.calls,
             st.mean_ms,
             st.rows_per_call,
             st.total_seconds,
-            st.plans,
-            st.mean_plan_ms,
             st.query.replace('|', "\\|")
         ));
     }

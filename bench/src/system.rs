@@ -181,6 +181,7 @@ const POSTGRES_SETTINGS: &[&str] = &[
     "full_page_writes",
     "max_connections",
     "max_wal_size",
+    "pg_stat_statements.track_planning",
     "shared_buffers",
     "synchronous_commit",
     "wal_buffers",
