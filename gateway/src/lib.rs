@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
+pub mod admission;
 pub mod api;
 pub mod auth;
 pub mod backpressure;
