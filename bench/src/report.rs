@@ -392,11 +392,10 @@ fn markdown(run: &Run, runs: &[Run]) -> String {
         md.push_str(&format!("- {process}: {mib:.1}\n"));
     }
     md.push_str("\nStatements by database time, whole run (pg_stat_statements):\n\n| calls | mean ms | rows/call | total s | plans | mean plan ms | statement |\n|---|---|---|---|---|---|---|\n");
-    // pg_stat_statements counts plannings only with track_planning on (off by default: it
-    // costs every statement a lock); otherwise its zeros would read as measurements.
+    // Without track_planning, pg_stat_statements' zeros would read as measurements.
     let plannings_counted = run
         .services
-        .get("postgresql pg_stat_statements.track_planning")
+        .get(&crate::system::postgres_key(crate::system::TRACK_PLANNING))
         .is_some_and(|v| v == "on");
     for st in &run.statements {
         let (plans, mean_plan_ms) = if plannings_counted {

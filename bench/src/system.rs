@@ -172,6 +172,10 @@ pub fn default_binaries() -> PathBuf {
         .unwrap_or_default()
 }
 
+/// Whether pg_stat_statements counts plannings (off by default: it costs every statement a
+/// lock); the report shows its planning columns only when it does.
+pub const TRACK_PLANNING: &str = "pg_stat_statements.track_planning";
+
 /// PostgreSQL settings that shape this load, as the server reports them.
 const POSTGRES_SETTINGS: &[&str] = &[
     "autovacuum_naptime",
@@ -181,7 +185,7 @@ const POSTGRES_SETTINGS: &[&str] = &[
     "full_page_writes",
     "max_connections",
     "max_wal_size",
-    "pg_stat_statements.track_planning",
+    TRACK_PLANNING,
     "shared_buffers",
     "synchronous_commit",
     "wal_buffers",
@@ -201,7 +205,7 @@ pub async fn service_settings(admin: &sqlx::PgPool) -> std::collections::BTreeMa
     .await
     .unwrap_or_default();
     for (name, value) in rows {
-        settings.insert(format!("postgresql {name}"), value);
+        settings.insert(postgres_key(&name), value);
     }
     let configured = |path: &str| std::fs::read_to_string(path).unwrap_or_default();
     for line in configured("/etc/rabbitmq/rabbitmq.conf").lines() {
@@ -225,4 +229,9 @@ pub async fn service_settings(admin: &sqlx::PgPool) -> std::collections::BTreeMa
         }
     }
     settings
+}
+
+/// The key of a PostgreSQL setting in [`service_settings`].
+pub fn postgres_key(name: &str) -> String {
+    format!("postgresql {name}")
 }

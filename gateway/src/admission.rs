@@ -88,8 +88,8 @@ impl BodyBudget {
 }
 
 /// Runs before any extractor reads the body: an unauthenticated request is refused with
-/// its body unread, a client over its concurrent requests gets 429, and no request is
-/// served for longer than the timeout.
+/// its body unread, a client over its concurrent requests or byte rate gets 429, a body past
+/// the gateway's budget gets 503, and no request is served for longer than the timeout.
 pub(crate) async fn admit(
     State(state): State<Arc<ApiState>>,
     mut request: Request,
@@ -164,7 +164,7 @@ pub(crate) struct InFlight {
 }
 
 impl ApiState {
-    pub(crate) fn admit_one(&self, client: &Client) -> Option<OwnedSemaphorePermit> {
+    fn admit_one(&self, client: &Client) -> Option<OwnedSemaphorePermit> {
         let semaphore = {
             let mut all = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             all.entry(client.name.clone())

@@ -41,25 +41,28 @@ impl Db {
         // Every task: one pass over the log up to `at`. A type or a task: its rows in `tasks`
         // (by `tasks_listed` or the key), then each one's last event before `at` by
         // `task_events_task`; the log has no index by type (the hot path would pay for it).
-        let sql = if task_type.is_none() && id.is_none() {
-            "SELECT DISTINCT ON (task_id) task_id, to_state, at FROM task_events
-             WHERE at <= $1 AND $2::text IS NULL AND $3::uuid IS NULL
-             ORDER BY task_id, at DESC, seq DESC"
+        let query = if task_type.is_none() && id.is_none() {
+            sqlx::query(
+                "SELECT DISTINCT ON (task_id) task_id, to_state, at FROM task_events
+                 WHERE at <= $1 ORDER BY task_id, at DESC, seq DESC",
+            )
+            .bind(at)
         } else {
-            "SELECT t.id AS task_id, e.to_state, e.at FROM tasks t
-             CROSS JOIN LATERAL (
-                 SELECT to_state, at FROM task_events
-                 WHERE task_id = t.id AND at <= $1 ORDER BY at DESC, seq DESC LIMIT 1
-             ) e
-             WHERE ($2::text IS NULL OR t.task_type = $2) AND ($3::uuid IS NULL OR t.id = $3)
-             ORDER BY t.id"
-        };
-        let rows = sqlx::query(sql)
+            sqlx::query(
+                "SELECT t.id AS task_id, e.to_state, e.at FROM tasks t
+                 CROSS JOIN LATERAL (
+                     SELECT to_state, at FROM task_events
+                     WHERE task_id = t.id AND at <= $1 ORDER BY at DESC, seq DESC LIMIT 1
+                 ) e
+                 WHERE ($2::text IS NULL OR t.task_type = $2)
+                   AND ($3::uuid IS NULL OR t.id = $3)
+                 ORDER BY t.id",
+            )
             .bind(at)
             .bind(task_type)
             .bind(id)
-            .fetch_all(&self.pool)
-            .await?;
+        };
+        let rows = query.fetch_all(&self.pool).await?;
         rows.iter()
             .map(|row| {
                 Ok((
