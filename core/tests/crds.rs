@@ -116,3 +116,67 @@ fn task_type_ready_column_is_its_ready_condition() {
     );
     assert_eq!(columns[0]["name"], "Ready", "first, as for Deployments");
 }
+
+#[test]
+fn pod_template_rules_name_every_reserved_value_and_bound_their_lists() {
+    use conveyor_core::crd::worker_pool::{RESERVED_ENV, RESERVED_MOUNT_PATHS, RESERVED_VOLUMES};
+    let docs = crd_documents();
+    let crd: serde_json::Value = serde_yaml::from_str(&docs[1].1).unwrap();
+    let pod = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        ["properties"]["pod"];
+    let rules: Vec<(&str, &str)> = pod["x-kubernetes-validations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["rule"].as_str().unwrap(), r["message"].as_str().unwrap()))
+        .collect();
+    let named = |value: &str| {
+        rules
+            .iter()
+            .any(|(rule, message)| rule.contains(&format!("'{value}'")) && message.contains(value))
+    };
+    for value in RESERVED_ENV
+        .iter()
+        .chain(&RESERVED_VOLUMES)
+        .chain(&RESERVED_MOUNT_PATHS)
+    {
+        assert!(
+            named(value),
+            "no rule refuses {value} with a message naming it"
+        );
+    }
+    // CEL's cost estimate needs bounded lists and names.
+    for list in [
+        "env",
+        "envFrom",
+        "volumes",
+        "volumeMounts",
+        "initContainers",
+        "sidecars",
+        "imagePullSecrets",
+        "topologySpreadConstraints",
+    ] {
+        assert!(pod["properties"][list]["maxItems"].is_u64(), "{list}");
+    }
+    for list in ["volumes", "initContainers", "sidecars"] {
+        let name = &pod["properties"][list]["items"]["properties"]["name"];
+        assert_eq!(name["maxLength"], 63, "{list}");
+    }
+    let sidecar = &pod["properties"]["sidecars"]["items"];
+    assert!(sidecar["required"]
+        .as_array()
+        .unwrap()
+        .contains(&"image".into()));
+}
+
+#[test]
+fn every_crd_fits_a_client_side_apply() {
+    // `kubectl apply` without --server-side keeps the whole object in an annotation of at
+    // most 256 KiB (262,144 bytes): a larger CRD cannot be applied that way, and README's
+    // `kubectl apply -k manifests/base` would fail. Half of it leaves room to grow.
+    for (file, document) in crd_documents() {
+        let crd: serde_json::Value = serde_yaml::from_str(&document).unwrap();
+        let size = serde_json::to_string(&crd).unwrap().len();
+        assert!(size < 131_072, "{file}: {size} bytes of JSON");
+    }
+}

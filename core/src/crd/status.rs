@@ -39,6 +39,9 @@ pub mod reasons {
     pub const INVALID_OBJECT: &str = "InvalidObject";
     pub const UNKNOWN_TASK_TYPE: &str = "UnknownTaskType";
     pub const BUILD_FAILED: &str = "BuildFailed";
+    /// A pool's pod template cannot run: an init or sidecar container mounts a volume the
+    /// pod does not have, or the apiserver refused the Deployment built from it.
+    pub const INVALID_POD_TEMPLATE: &str = "InvalidPodTemplate";
     pub const RECONCILE_TIMEOUT: &str = "ReconcileTimeout";
 }
 

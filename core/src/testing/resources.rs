@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::crd::worker_pool::{Autoscaling, HandlerKind, HandlerSpec};
+use crate::crd::worker_pool::{Autoscaling, HandlerKind, HandlerSpec, PodOverrides};
 use crate::crd::{TaskType, TaskTypeSpec, WorkerPool, WorkerPoolSpec};
 
 const NAMESPACE: &str = "video";
@@ -82,6 +82,14 @@ impl PoolBuilder {
             scale_down_max_percent: 50,
             fallback: None,
         });
+        self
+    }
+
+    /// The pod template, as a user writes `spec.pod` (YAML).
+    pub fn pod(mut self, yaml: &str) -> Self {
+        let pod: PodOverrides = serde_yaml::from_str(yaml)
+            .unwrap_or_else(|err| panic!("spec.pod of a test pool: {err}\n{yaml}"));
+        self.pool.spec.pod = Some(pod);
         self
     }
 
