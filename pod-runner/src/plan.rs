@@ -162,7 +162,7 @@ pub enum PlanError {
     MissingConfigMap(String),
     #[error("env {var}: {what} is not supported by the local runner")]
     UnsupportedEnv { var: String, what: String },
-    #[error("volume {0:?}: only configMap, secret, emptyDir and service account token volumes are supported by the local runner")]
+    #[error("volume {0:?}: only configMap, secret, emptyDir and service account token volumes are supported by the local runner (or any volume mounted under a --map path)")]
     UnsupportedVolume(String),
 }
 
@@ -204,11 +204,35 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
     let container = container(pod)?;
     let spec = pod.spec.as_ref().ok_or(PlanError::NoSpec)?;
 
+    // A volume the container mounts only where the runner maps a directory of this machine
+    // (`--map /media=...`) is that directory, whatever its source: a claim or a hostPath
+    // means storage this machine does not have.
+    let mapped = |path: &str| {
+        host.path_maps.iter().any(|(prefix, _)| {
+            path.strip_prefix(prefix.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+        })
+    };
+    let mounts = container.volume_mounts.as_deref().unwrap_or_default();
+    let by_map: BTreeSet<&str> = spec
+        .volumes
+        .iter()
+        .flatten()
+        .map(|v| v.name.as_str())
+        .filter(|name| {
+            let mut its = mounts.iter().filter(|m| m.name == *name).peekable();
+            its.peek().is_some() && its.all(|m| mapped(&m.mount_path))
+        })
+        .collect();
+
     // Volumes become directories under the pod's own; config maps become files in them.
     let mut files = Vec::new();
     let mut dirs = Vec::new();
     let mut volume_dirs = BTreeMap::new();
     for volume in spec.volumes.iter().flatten() {
+        if by_map.contains(volume.name.as_str()) {
+            continue;
+        }
         let dir = host.pod_dir.join("volumes").join(&volume.name);
         if let Some(source) = &volume.config_map {
             let data = objects
@@ -615,6 +639,35 @@ mod tests {
         assert_eq!(
             plan(&pod, &objects(), &host()).unwrap_err(),
             PlanError::UnsupportedVolume("tmp".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_claim_mounted_under_a_mapped_path_is_the_mapped_directory() {
+        let mut pod = pod();
+        let spec = pod.spec.as_mut().unwrap();
+        spec.volumes.as_mut().unwrap().push(
+            serde_json::from_value(
+                serde_json::json!({"name": "media", "persistentVolumeClaim": {"claimName": "media"}}),
+            )
+            .unwrap(),
+        );
+        let worker = &mut spec.containers[0];
+        worker.volume_mounts.as_mut().unwrap().push(
+            serde_json::from_value(serde_json::json!({"name": "media", "mountPath": "/media"}))
+                .unwrap(),
+        );
+        worker.args.as_mut().unwrap().push("/media".to_owned());
+        let host = Host {
+            path_maps: vec![("/media".to_owned(), PathBuf::from("/src/media"))],
+            ..host()
+        };
+        let launch = plan(&pod, &objects(), &host).unwrap();
+        assert_eq!(launch.args.last().unwrap(), "/src/media");
+        // Not under a mapped path: the runner has no storage for it.
+        assert_eq!(
+            plan(&pod, &objects(), &self::host()).unwrap_err(),
+            PlanError::UnsupportedVolume("media".to_owned())
         );
     }
 
