@@ -5,15 +5,17 @@
 use std::collections::BTreeMap;
 
 use conveyor_core::crd::status::reasons;
-use conveyor_core::crd::worker_pool::HandlerKind;
+use conveyor_core::crd::worker_pool::{
+    HandlerKind, PodOverrides, RESERVED_VOLUMES, WORKER_CONTAINER,
+};
 use conveyor_core::crd::WorkerPool;
 use conveyor_core::task_type::NamedTaskType;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service, Toleration};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, Service, Toleration};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::{Resource, ResourceExt};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// The field manager of every server-side apply the operator makes.
 pub const FIELD_MANAGER: &str = "conveyor-operator";
@@ -46,6 +48,9 @@ pub enum BuildError {
     Missing(&'static str),
     #[error("WorkerPool consumes task type {0:?}, which does not exist in its namespace")]
     UnknownTaskType(String),
+    /// What the CRD's rules cannot check cheaply: the mounts of init and sidecar containers.
+    #[error("container {container:?} of spec.pod mounts volume {volume:?}, which is neither in spec.pod.volumes nor one of the operator's (config, tmp, buffer, tls)")]
+    UnknownVolume { container: String, volume: String },
     #[error("cannot build {kind}")]
     Serde {
         kind: &'static str,
@@ -60,6 +65,7 @@ impl BuildError {
         match self {
             BuildError::Missing(_) => reasons::INVALID_OBJECT,
             BuildError::UnknownTaskType(_) => reasons::UNKNOWN_TASK_TYPE,
+            BuildError::UnknownVolume { .. } => reasons::INVALID_POD_TEMPLATE,
             BuildError::Serde { .. } => reasons::BUILD_FAILED,
         }
     }
@@ -246,6 +252,7 @@ fn deployment(
     let (config_hash, secret) = (pod.config_hash, pod.secret);
     let spec = &pool.spec;
     let overrides = spec.pod.clone().unwrap_or_default();
+    check_mounts(&overrides)?;
     let mut pod_labels = overrides.labels.clone();
     pod_labels.extend(labels(name));
     let mut annotations = overrides.annotations.clone();
@@ -256,13 +263,33 @@ fn deployment(
         secret_env("CONVEYOR_DATABASE_URL", &secret.database_url_key),
         secret_env("CONVEYOR_AMQP_URL", &secret.amqp_url_key),
     ];
-    for var in &overrides.env {
-        env.push(
-            serde_json::to_value(var).map_err(|source| BuildError::Serde {
-                kind: "Deployment",
-                source,
-            })?,
-        );
+    env.extend(values(&overrides.env)?);
+    let mut mounts = vec![
+        json!({"name": "config", "mountPath": CONFIG_DIR, "readOnly": true}),
+        json!({"name": "tmp", "mountPath": "/tmp"}),
+        json!({"name": "buffer", "mountPath": BUFFER_DIR}),
+        json!({"name": "tls", "mountPath": WORKER_CA_DIR, "readOnly": true}),
+    ];
+    mounts.extend(values(&overrides.volume_mounts)?);
+    let mut volumes = vec![
+        json!({"name": "config", "configMap": {"name": format!("{name}-worker")}}),
+        json!({"name": "tmp", "emptyDir": {"sizeLimit": overrides.tmp_size_limit}}),
+        json!({"name": "buffer", "emptyDir": {"sizeLimit": overrides.buffer_size_limit}}),
+        // Optional: a Secret without the key mounts an empty directory.
+        json!({"name": "tls", "secret": {
+            "secretName": secret.name,
+            "optional": true,
+            "items": [{"key": WORKER_CA_KEY, "path": WORKER_CA_KEY}]
+        }}),
+    ];
+    volumes.extend(values(&overrides.volumes)?);
+    let mut pod_security = restricted_pod_security();
+    if let Some(own) = &overrides.security_context {
+        merge(&mut pod_security, value(own)?);
+    }
+    let mut worker_security = restricted_container_security();
+    if let Some(own) = &overrides.container_security_context {
+        merge(&mut worker_security, value(own)?);
     }
     let deployment = json!({
         "metadata": meta(pool, &format!("{name}-worker"), owner),
@@ -277,66 +304,156 @@ fn deployment(
                 "spec": {
                     "serviceAccountName": overrides.service_account_name,
                     "priorityClassName": overrides.priority_class_name,
+                    "runtimeClassName": overrides.runtime_class_name,
+                    "imagePullSecrets": non_empty(&overrides.image_pull_secrets),
                     "nodeSelector": overrides.node_selector,
                     "tolerations": tolerations(&overrides.tolerations),
                     "affinity": overrides.affinity,
-                    // Spread over nodes where the scheduler can (never blocking it), so that
-                    // a node lost takes a share of the pool, not all of it.
-                    "topologySpreadConstraints": [{
-                        "maxSkew": 1,
-                        "topologyKey": "kubernetes.io/hostname",
-                        "whenUnsatisfiable": "ScheduleAnyway",
-                        "labelSelector": {"matchLabels": {POOL_LABEL: name}}
-                    }],
+                    "topologySpreadConstraints": spread(&overrides, name)?,
                     "terminationGracePeriodSeconds": i64::from(spec.drain_grace_seconds) + 10,
                     "automountServiceAccountToken": false,
-                    "securityContext": {
-                        "runAsNonRoot": true,
-                        "runAsUser": 65532,
-                        "runAsGroup": 65532,
-                        "fsGroup": 65532,
-                        "seccompProfile": {"type": "RuntimeDefault"}
-                    },
+                    "securityContext": pod_security,
+                    "initContainers": init_containers(&overrides)?,
                     "containers": [{
-                        "name": "worker",
+                        "name": WORKER_CONTAINER,
                         "image": spec.image,
                         "command": ["conveyor-worker"],
                         "args": worker_args(pool, pod.consumed),
                         "env": env,
+                        "envFrom": non_empty(&overrides.env_from),
                         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
                         "resources": spec.resources,
                         "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"}, "periodSeconds": 5},
                         "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"}, "periodSeconds": 10, "failureThreshold": 6},
-                        "securityContext": {
-                            "allowPrivilegeEscalation": false,
-                            "readOnlyRootFilesystem": true,
-                            "runAsNonRoot": true,
-                            "capabilities": {"drop": ["ALL"]},
-                            "seccompProfile": {"type": "RuntimeDefault"}
-                        },
-                        "volumeMounts": [
-                            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": true},
-                            {"name": "tmp", "mountPath": "/tmp"},
-                            {"name": "buffer", "mountPath": BUFFER_DIR},
-                            {"name": "tls", "mountPath": WORKER_CA_DIR, "readOnly": true}
-                        ]
+                        "securityContext": worker_security,
+                        "volumeMounts": mounts
                     }],
-                    "volumes": [
-                        {"name": "config", "configMap": {"name": format!("{name}-worker")}},
-                        {"name": "tmp", "emptyDir": {}},
-                        {"name": "buffer", "emptyDir": {}},
-                        // Optional: a Secret without the key mounts an empty directory.
-                        {"name": "tls", "secret": {
-                            "secretName": secret.name,
-                            "optional": true,
-                            "items": [{"key": WORKER_CA_KEY, "path": WORKER_CA_KEY}]
-                        }}
-                    ]
+                    "volumes": volumes
                 }
             }
         }
     });
     typed("Deployment", strip_nulls(deployment))
+}
+
+/// The pods' default security context (Pod Security Standards' restricted profile);
+/// `spec.pod.securityContext` is merged over it.
+fn restricted_pod_security() -> Value {
+    json!({
+        "runAsNonRoot": true,
+        "runAsUser": 65532,
+        "runAsGroup": 65532,
+        "fsGroup": 65532,
+        "seccompProfile": {"type": "RuntimeDefault"}
+    })
+}
+
+/// Every container's default security context (restricted, and a read-only root
+/// filesystem); the worker's `spec.pod.containerSecurityContext`, and an init or sidecar
+/// container's own `securityContext`, are merged over it.
+fn restricted_container_security() -> Value {
+    json!({
+        "allowPrivilegeEscalation": false,
+        "readOnlyRootFilesystem": true,
+        "runAsNonRoot": true,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"}
+    })
+}
+
+/// `over` merged into `base` field by field: objects recursively, anything else (a list
+/// included) replaces what `base` has. Unset fields are absent from `over` (k8s-openapi
+/// does not serialize `None`), so they keep the default.
+fn merge(base: &mut Value, over: Value) {
+    match (base, over) {
+        (Value::Object(base), Value::Object(over)) => {
+            for (key, value) in over {
+                merge(base.entry(key).or_insert(Value::Null), value);
+            }
+        }
+        (base, over) => *base = over,
+    }
+}
+
+/// The user's init containers, then the sidecars as native sidecars (`restartPolicy:
+/// Always`): one-shot preparation is done before a sidecar starts, and every sidecar is
+/// started before the worker. Each gets the restricted container security context below
+/// its own. `None` when there are none, so that pools without any claim no field.
+fn init_containers(overrides: &PodOverrides) -> Result<Option<Vec<Value>>, BuildError> {
+    let prepare = |container: &Container, sidecar: bool| -> Result<Value, BuildError> {
+        let mut container = value(container)?;
+        let mut security = restricted_container_security();
+        if let Some(own) = container.get_mut("securityContext").map(Value::take) {
+            merge(&mut security, own);
+        }
+        container["securityContext"] = security;
+        if sidecar {
+            container["restartPolicy"] = "Always".into();
+        }
+        Ok(container)
+    };
+    let inits = overrides.init_containers.iter().map(|c| prepare(c, false));
+    let sidecars = overrides.sidecars.iter().map(|c| prepare(c, true));
+    let all = inits.chain(sidecars).collect::<Result<Vec<_>, _>>()?;
+    Ok((!all.is_empty()).then_some(all))
+}
+
+/// The pool's spread constraints (each without a selector gets the pool's), or else a soft
+/// spread over nodes where the scheduler can (never blocking it), so that a node lost takes
+/// a share of the pool, not all of it.
+fn spread(overrides: &PodOverrides, name: &str) -> Result<Vec<Value>, BuildError> {
+    let selector = json!({"matchLabels": {POOL_LABEL: name}});
+    if overrides.topology_spread_constraints.is_empty() {
+        return Ok(vec![json!({
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": selector
+        })]);
+    }
+    let mut constraints = values(&overrides.topology_spread_constraints)?;
+    for constraint in &mut constraints {
+        if constraint.get("labelSelector").is_none() {
+            constraint["labelSelector"] = selector.clone();
+        }
+    }
+    Ok(constraints)
+}
+
+/// Every volume an init or sidecar container mounts exists. (The worker's mounts are
+/// checked by the CRD's rules; the containers' own lists are too deep for them.)
+fn check_mounts(overrides: &PodOverrides) -> Result<(), BuildError> {
+    let known = |volume: &str| {
+        RESERVED_VOLUMES.contains(&volume) || overrides.volumes.iter().any(|v| v.name == volume)
+    };
+    let containers = overrides.init_containers.iter().chain(&overrides.sidecars);
+    for container in containers {
+        for mount in container.volume_mounts.iter().flatten() {
+            if !known(&mount.name) {
+                return Err(BuildError::UnknownVolume {
+                    container: container.name.clone(),
+                    volume: mount.name.clone(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `list`, or `None` when it is empty: a pool that sets nothing claims no field.
+fn non_empty<T>(list: &[T]) -> Option<&[T]> {
+    (!list.is_empty()).then_some(list)
+}
+
+fn value<T: serde::Serialize>(item: &T) -> Result<Value, BuildError> {
+    serde_json::to_value(item).map_err(|source| BuildError::Serde {
+        kind: "Deployment",
+        source,
+    })
+}
+
+fn values<T: serde::Serialize>(items: &[T]) -> Result<Vec<Value>, BuildError> {
+    items.iter().map(value).collect()
 }
 
 /// The pool's tolerations, and [`NODE_LOST_TOLERATION_SECONDS`] for the node-lost taints it

@@ -298,7 +298,7 @@ fn error_policy<K: Resource<DynamicType = ()>>(
 /// minutes after the broker is back); anything else after the object's own backoff.
 fn retry_after(error: &Error, backoff: &Backoff, key: &str) -> Duration {
     match error {
-        Error::InvalidSpec(_) | Error::Build(_) => INVALID_SPEC_RETRY,
+        Error::InvalidSpec(_) | Error::Build(_) | Error::DeploymentRefused(_) => INVALID_SPEC_RETRY,
         Error::BrokerDown { .. } => {
             crate::declarations::RETRY_AFTER.mul_f64(1.0 + rand::random::<f64>())
         }

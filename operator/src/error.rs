@@ -17,6 +17,10 @@ pub enum Error {
     Amqp(#[source] AmqpError),
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// The apiserver refused the Deployment built from the pool (422 Invalid): something in
+    /// its pod template the CRD's rules do not check, say a volume with two sources.
+    #[error("the apiserver refused the pool's Deployment: {}", refusal(.0))]
+    DeploymentRefused(#[source] kube::Error),
     #[error("invalid spec: {0}")]
     InvalidSpec(String),
     #[error("RabbitMQ did not answer within {1:?} while {0}")]
@@ -39,6 +43,7 @@ impl Error {
             // A configuration problem is not an outage.
             Error::Amqp(err) => amqp_category(err),
             Error::Build(err) => err.category(),
+            Error::DeploymentRefused(_) => reasons::INVALID_POD_TEMPLATE,
             Error::InvalidSpec(_) => reasons::INVALID_SPEC,
             Error::Timeout(..) | Error::BrokerDown { .. } => reasons::RABBITMQ_UNAVAILABLE,
             Error::ReconcileTimeout(_) => reasons::RECONCILE_TIMEOUT,
@@ -61,6 +66,14 @@ fn amqp_category(err: &AmqpError) -> &'static str {
         AmqpError::LoginRefused(_) | AmqpError::Nacked => reasons::RABBITMQ_REFUSED,
         AmqpError::NoQueue { .. } => reasons::QUEUE_MISSING,
         AmqpError::Encode(_) => reasons::RABBITMQ_CLIENT,
+    }
+}
+
+/// The apiserver's own words for a refusal (which field, and why).
+fn refusal(err: &kube::Error) -> String {
+    match err {
+        kube::Error::Api(status) => status.message.clone(),
+        other => other.to_string(),
     }
 }
 

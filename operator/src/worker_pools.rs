@@ -145,27 +145,7 @@ async fn observe(pool: &WorkerPool, ctx: &Context) -> Result<Seen> {
 async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: i32) -> Result<()> {
     let objects = match build::pool_objects(pool, &seen.task_types, replicas, &ctx.secret) {
         Ok(objects) => objects,
-        Err(err) => {
-            let message = err.to_string();
-            ctx.event(pool, true, err.category(), message.clone()).await;
-            let degraded =
-                Status::degraded(err.category(), message, seen.current, seen.ready_replicas);
-            write_status(
-                pool,
-                ctx,
-                Status {
-                    last_scale: last_scale(pool, ctx),
-                    // Drains under way stay known: the next round takes them up again.
-                    draining: pool
-                        .status
-                        .as_ref()
-                        .map_or(0, |s| usize::try_from(s.draining).unwrap_or(0)),
-                    ..degraded
-                },
-            )
-            .await?;
-            return Err(err.into());
-        }
+        Err(err) => return Err(degrade(pool, ctx, seen, err.into()).await),
     };
     // Unchanged objects are not applied again on every period: four writes per pool every
     // 10 s were most of the apiserver's load with a thousand pools. A Deployment edited by
@@ -186,7 +166,15 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     apply(&ctx.client, &namespace, &objects.config_map).await?;
     apply(&ctx.client, &namespace, &objects.service).await?;
     apply(&ctx.client, &namespace, &objects.pod_disruption_budget).await?;
-    let deployment = apply(&ctx.client, &namespace, &objects.deployment).await?;
+    let deployment = match apply(&ctx.client, &namespace, &objects.deployment).await {
+        Ok(deployment) => deployment,
+        // A pod template the apiserver refuses does not become valid by retrying: the pool
+        // says so in its status and an Event, and is tried again after an edit.
+        Err(Error::Kube(err @ kube::Error::Api(_))) if invalid(&err) => {
+            return Err(degrade(pool, ctx, seen, Error::DeploymentRefused(err)).await);
+        }
+        Err(err) => return Err(err),
+    };
     let applied = Applied {
         fingerprint,
         generation: deployment.metadata.generation,
@@ -194,6 +182,39 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     };
     lock(&ctx.applied).insert(key, applied);
     Ok(())
+}
+
+/// Reports `err` (the pool's objects could not be built, or were refused) as an Event and
+/// a Degraded status; the Deployment keeps its count. Returns `err`, or the failure to
+/// write the status.
+async fn degrade(pool: &WorkerPool, ctx: &Context, seen: &Seen, err: Error) -> Error {
+    let message = err.to_string();
+    ctx.event(pool, true, err.category(), message.clone()).await;
+    let degraded = Status::degraded(err.category(), message, seen.current, seen.ready_replicas);
+    let written = write_status(
+        pool,
+        ctx,
+        Status {
+            last_scale: last_scale(pool, ctx),
+            // Drains under way stay known: the next round takes them up again.
+            draining: pool
+                .status
+                .as_ref()
+                .map_or(0, |s| usize::try_from(s.draining).unwrap_or(0)),
+            ..degraded
+        },
+    )
+    .await;
+    match written {
+        Ok(()) => err,
+        Err(write) => write,
+    }
+}
+
+/// A refusal of the object itself (422 Invalid, or 400 for a body the apiserver cannot
+/// read), not of the request's circumstances.
+fn invalid(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(status) if status.code == 422 || status.code == 400)
 }
 
 /// A hash of everything applied for a pool.

@@ -215,6 +215,15 @@ fn the_video_pipeline_example_is_valid_and_builds() {
             .spec
             .unwrap()
             .containers[0];
+        // Every pool mounts the media volume where its handler's media root is.
+        let mounts = command.volume_mounts.as_ref().unwrap();
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m.name == "media" && m.mount_path == "/media"),
+            "{:?}",
+            pool.metadata.name
+        );
         // `-- <script> <media root>`: the script is the first word after `--`.
         let args = command.args.as_ref().unwrap();
         let after = args.iter().position(|a| a == "--").unwrap() + 1;
@@ -228,4 +237,233 @@ fn the_video_pipeline_example_is_valid_and_builds() {
             pool.metadata.name.unwrap()
         );
     }
+}
+
+/// The pod template of a pool on media work: every field `spec.pod` has beyond scheduling.
+const MEDIA_POD: &str = r#"
+volumes:
+  - {name: media, persistentVolumeClaim: {claimName: media}}
+  - {name: models, emptyDir: {}}
+volumeMounts:
+  - {name: media, mountPath: /media}
+initContainers:
+  - name: fetch-models
+    image: registry.example.com/models:1
+    args: [--into, /models]
+    volumeMounts: [{name: models, mountPath: /models}]
+sidecars:
+  - name: http-handler
+    image: registry.example.com/handler:1
+    securityContext: {readOnlyRootFilesystem: false}
+    volumeMounts: [{name: media, mountPath: /media}, {name: tmp, mountPath: /scratch}]
+imagePullSecrets: [{name: registry}]
+securityContext: {runAsUser: 1000, supplementalGroups: [44]}
+containerSecurityContext:
+  readOnlyRootFilesystem: false
+  capabilities: {add: [SYS_NICE]}
+runtimeClassName: nvidia
+envFrom: [{configMapRef: {name: encoder-settings}}]
+topologySpreadConstraints:
+  - {maxSkew: 2, topologyKey: topology.kubernetes.io/zone, whenUnsatisfiable: DoNotSchedule}
+tmpSizeLimit: 1Gi
+bufferSizeLimit: 256Mi
+"#;
+
+/// Pool `media`, consuming `transcode`, with [`MEDIA_POD`].
+fn media_pool() -> WorkerPool {
+    WorkerPool::test()
+        .named("media")
+        .consumes("transcode")
+        .pod(MEDIA_POD)
+        .build()
+}
+
+/// The Deployment's pod spec for `pool` (consuming `transcode`), as JSON.
+fn pod_spec_of(pool: &WorkerPool) -> serde_json::Value {
+    let types = [NamedTaskType::in_namespace(
+        "video",
+        "transcode",
+        Default::default(),
+    )];
+    let objects = pool_objects(pool, &types, 1, &ConnectionSecret::default()).unwrap();
+    serde_json::to_value(objects.deployment).unwrap()["spec"]["template"]["spec"].clone()
+}
+
+fn names(list: &serde_json::Value, field: &str) -> Vec<String> {
+    list.as_array()
+        .unwrap()
+        .iter()
+        .map(|item| item[field].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[test]
+fn a_media_pool_gets_its_volumes_containers_and_runtime() {
+    let pod = pod_spec_of(&media_pool());
+    // The pool's volumes come after the operator's own.
+    assert_eq!(
+        names(&pod["volumes"], "name"),
+        ["config", "tmp", "buffer", "tls", "media", "models"]
+    );
+    assert_eq!(
+        pod["volumes"][4]["persistentVolumeClaim"]["claimName"],
+        "media"
+    );
+    assert_eq!(pod["volumes"][1]["emptyDir"]["sizeLimit"], "1Gi");
+    assert_eq!(pod["volumes"][2]["emptyDir"]["sizeLimit"], "256Mi");
+    let worker = &pod["containers"][0];
+    assert_eq!(worker["name"], "worker");
+    assert_eq!(
+        names(&worker["volumeMounts"], "mountPath"),
+        [
+            "/etc/conveyor",
+            "/tmp",
+            "/var/lib/conveyor",
+            "/var/run/conveyor/tls",
+            "/media"
+        ]
+    );
+    assert_eq!(
+        worker["envFrom"],
+        serde_json::json!([{"configMapRef": {"name": "encoder-settings"}}])
+    );
+    // One-shot init containers first, then the sidecars as native sidecars.
+    let inits = &pod["initContainers"];
+    assert_eq!(names(inits, "name"), ["fetch-models", "http-handler"]);
+    assert!(inits[0].get("restartPolicy").is_none());
+    assert_eq!(inits[1]["restartPolicy"], "Always");
+    assert_eq!(pod["containers"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        pod["imagePullSecrets"],
+        serde_json::json!([{"name": "registry"}])
+    );
+    assert_eq!(pod["runtimeClassName"], "nvidia");
+    // The pool's spread replaces the default one, with the pool's selector filled in.
+    assert_eq!(
+        pod["topologySpreadConstraints"],
+        serde_json::json!([{
+            "maxSkew": 2,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {"matchLabels": {"conveyor.dev/pool": "media"}}
+        }])
+    );
+}
+
+#[test]
+fn security_contexts_merge_field_by_field_over_the_restricted_defaults() {
+    let pod = pod_spec_of(&media_pool());
+    assert_eq!(
+        pod["securityContext"],
+        serde_json::json!({
+            "runAsNonRoot": true,
+            "runAsUser": 1000,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "supplementalGroups": [44],
+            "seccompProfile": {"type": "RuntimeDefault"}
+        })
+    );
+    assert_eq!(
+        pod["containers"][0]["securityContext"],
+        serde_json::json!({
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": false,
+            "runAsNonRoot": true,
+            "capabilities": {"add": ["SYS_NICE"], "drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}
+        })
+    );
+    // Init containers and sidecars get the restricted default below their own context.
+    let restricted = serde_json::json!({
+        "allowPrivilegeEscalation": false,
+        "readOnlyRootFilesystem": true,
+        "runAsNonRoot": true,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"}
+    });
+    assert_eq!(pod["initContainers"][0]["securityContext"], restricted);
+    let mut sidecar = restricted;
+    sidecar["readOnlyRootFilesystem"] = false.into();
+    assert_eq!(pod["initContainers"][1]["securityContext"], sidecar);
+}
+
+#[test]
+fn without_a_pod_template_the_restricted_defaults_hold() {
+    let pool = WorkerPool::test()
+        .named("plain")
+        .consumes("transcode")
+        .build();
+    let pod = pod_spec_of(&pool);
+    assert_eq!(
+        pod["securityContext"],
+        serde_json::json!({
+            "runAsNonRoot": true,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"}
+        })
+    );
+    assert_eq!(
+        pod["containers"][0]["securityContext"],
+        serde_json::json!({
+            "allowPrivilegeEscalation": false,
+            "readOnlyRootFilesystem": true,
+            "runAsNonRoot": true,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"}
+        })
+    );
+    // Nothing claimed that the pool does not set.
+    for field in ["initContainers", "imagePullSecrets", "runtimeClassName"] {
+        assert!(pod.get(field).is_none(), "{field}: {}", pod[field]);
+    }
+    assert!(pod["containers"][0].get("envFrom").is_none());
+    assert_eq!(pod["volumes"][1]["emptyDir"], serde_json::json!({}));
+    assert_eq!(
+        pod["topologySpreadConstraints"][0]["topologyKey"],
+        "kubernetes.io/hostname"
+    );
+}
+
+/// The CRD refuses what clashes with the operator's own names (`RESERVED_*`): they must be
+/// the names the builder uses.
+#[test]
+fn the_reserved_names_are_the_operators_own() {
+    use conveyor_core::crd::worker_pool::{RESERVED_ENV, RESERVED_MOUNT_PATHS, RESERVED_VOLUMES};
+    let pod = pod_spec_of(&WorkerPool::test().named("p").consumes("transcode").build());
+    assert_eq!(names(&pod["volumes"], "name"), RESERVED_VOLUMES);
+    let worker = &pod["containers"][0];
+    assert_eq!(
+        names(&worker["volumeMounts"], "mountPath"),
+        RESERVED_MOUNT_PATHS
+    );
+    assert_eq!(names(&worker["env"], "name"), RESERVED_ENV);
+}
+
+#[test]
+fn a_sidecar_mounting_a_volume_the_pod_lacks_is_a_clear_error() {
+    let pool = WorkerPool::test()
+        .named("media")
+        .consumes("transcode")
+        .pod(
+            "sidecars: [{name: shipper, image: x, volumeMounts: [{name: logs, mountPath: /logs}]}]",
+        )
+        .build();
+    let types = [NamedTaskType::in_namespace(
+        "video",
+        "transcode",
+        Default::default(),
+    )];
+    let err = pool_objects(&pool, &types, 1, &ConnectionSecret::default())
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, BuildError::UnknownVolume { ref container, ref volume }
+            if container == "shipper" && volume == "logs"),
+        "{err}"
+    );
+    assert_eq!(err.category(), "InvalidPodTemplate");
+    assert!(err.to_string().contains("spec.pod.volumes"), "{err}");
 }

@@ -1543,3 +1543,49 @@ async fn a_scale_down_waits_while_the_replica_set_would_take_a_busy_unready_work
     let (replicas, note) = shrink_beside_a_busy_unready_worker(false, 2).await;
     assert_eq!(replicas, 1, "{note}");
 }
+
+/// A pod template the CRD's rules let through but the apiserver refuses in the Deployment
+/// (a volume with two sources): the pool says so in its status and an Event, in the
+/// apiserver's words, and the error is not retried as an outage.
+#[tokio::test]
+async fn a_deployment_the_apiserver_refuses_degrades_the_pool_in_its_words() {
+    let wp = WorkerPool::test()
+        .named("media")
+        .consumes("transcode")
+        .replicas(1)
+        .pod("volumes: [{name: two, emptyDir: {}, configMap: {name: x}}]")
+        .build();
+    let refusal = "Deployment.apps \"media-worker\" is invalid: spec.template.spec.volumes[4].configMap: Forbidden: may not specify more than 1 volume type";
+    // The rounds of a new pool (its Event is the refusal's, not a scaling one), with the
+    // Deployment's apply (the fourth) answered 422.
+    let mut script = scaling_round(&wp, Some(&["transcode"]), no_deployment("media"));
+    script[5].status = 422;
+    script[5].answer = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "reason": "Invalid", "code": 422, "message": refusal});
+    let (client, verifier) = api_server(script);
+    let err = worker_pools::reconcile(Arc::new(wp), context(client, MANAGEMENT))
+        .await
+        .unwrap_err();
+    assert_eq!(err.category(), "InvalidPodTemplate");
+    let seen = verifier.await.unwrap();
+    let event = &seen[6].2;
+    assert_eq!(
+        (event["type"].as_str(), event["reason"].as_str()),
+        (Some("Warning"), Some("InvalidPodTemplate"))
+    );
+    assert!(event["note"]
+        .as_str()
+        .unwrap()
+        .contains("may not specify more than 1 volume type"));
+    let status = &seen[7].2["status"];
+    assert_eq!(status["phase"], "Degraded");
+    let ready = &status["conditions"][0];
+    assert_eq!(ready["reason"], "InvalidPodTemplate");
+    assert!(
+        ready["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.template.spec.volumes[4]"),
+        "{ready}"
+    );
+}
