@@ -14,7 +14,7 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all toolchains build browser-tools services services-down cluster-services stack lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
+.PHONY: all toolchains build browser-tools services services-down cluster-services stack images real-node lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
 
 all: build
 
@@ -47,11 +47,24 @@ lint:
 stack: build
 	scripts/stack.sh up
 
+# The container images (scripts/images.sh; Dockerfile), from release binaries, on a Debian 12
+# base made here from Debian packages. Needs root once (debootstrap, and dockerd when none runs).
+images:
+	$(CARGO) build --release --locked -p conveyor-gateway -p conveyor-worker -p conveyor-operator -p conveyorctl
+	scripts/images.sh build
+
+# The local cluster's real node: a kubelet with containerd running pods as containers
+# (cluster/real-node.sh), from images of the debug binaries `make build` made (no second
+# compile). Needs root.
+real-node: stack
+	CONVEYOR_IMAGE_PROFILE=debug scripts/images.sh build
+	cluster/real-node.sh up
+
 # Unit tests need nothing; integration tests need the services and the built binaries
 # (they start real conveyor-worker processes and signal them); the e2e suite needs the
 # whole stack. The stack stays up afterwards (a rerun reuses it); `make down` stops it.
 # The console's browser test needs Chromium, ChromeDriver and Selenium (scripts/browser.sh).
-test: stack browser-tools
+test: stack browser-tools real-node
 	$(CARGO) test --workspace --exclude conveyor-e2e-tests -- --test-threads=4
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 	# make bench's short variant, on the debug build: proves the command works, asserts no time.
@@ -63,7 +76,7 @@ unit:
 integration: services build browser-tools
 	$(CARGO) test -p conveyor-integration-tests -- --test-threads=4
 
-e2e: stack
+e2e: stack real-node
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 
 # Every fault-injection scenario at full size (it kills and restarts the local RabbitMQ and

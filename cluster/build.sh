@@ -21,7 +21,7 @@ CACHE=${CONVEYOR_CACHE:-$HOME/.cache/conveyor}
 RECIPE=2
 BIN="$CACHE/control-plane/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-r$RECIPE/bin"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod
-K8S_COMMANDS="kube-apiserver kube-controller-manager kube-scheduler kubectl"
+K8S_COMMANDS="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet"
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 

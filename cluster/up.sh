@@ -5,7 +5,8 @@
 # marks the pods scheduled to it running; each node's pod runner (scripts/stack.sh) is its
 # kubelet. A node whose kwok stops is NotReady within the node monitor grace period below,
 # and its pods are evicted after their tolerations (the operator sets 30 s on worker pods).
-# All on 127.0.0.1; state, logs and the kubeconfig in $STATE. Idempotent (a component whose
+# All on 127.0.0.1; state, logs and the kubeconfig in $STATE. The real node beside them
+# (cluster/real-node.sh) is reached at its InternalIP, never by a name to look up. Idempotent (a component whose
 # command line changed is restarted); `cluster/down.sh` stops it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +73,7 @@ start kube-apiserver "$BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETC
   --token-auth-file "$STATE/tokens.csv" --authorization-mode RBAC \
   --service-account-issuer https://kubernetes.default.svc \
   --service-account-key-file "$STATE/sa.pub" --service-account-signing-key-file "$STATE/sa.key" \
-  --service-cluster-ip-range 10.96.0.0/16 \
+  --service-cluster-ip-range 10.96.0.0/16 --kubelet-preferred-address-types InternalIP \
   --requestheader-client-ca-file "$STATE/front-proxy-ca.crt" \
   --requestheader-allowed-names front-proxy-client --requestheader-username-headers X-Remote-User \
   --requestheader-group-headers X-Remote-Group --requestheader-extra-headers-prefix X-Remote-Extra- \

@@ -88,8 +88,10 @@ CNF
     as_root chmod 644 "$TLS_DIR/server.key"
     as_root rm -f "$TLS_DIR/server.crt"
   fi
-  # Re-issue when missing, within 30 days of expiry, or not signed by the current CA.
+  # Re-issue when missing, within 30 days of expiry, not signed by the current CA, or without
+  # the address the real node's pods reach the services at (cluster/real-node.sh).
   if ! as_root openssl x509 -checkend $((30 * 86400)) -noout -in "$TLS_DIR/server.crt" >/dev/null 2>&1 ||
+    ! as_root openssl x509 -noout -ext subjectAltName -in "$TLS_DIR/server.crt" 2>/dev/null | grep -q "IP Address:10.231.0.1" ||
     ! as_root openssl verify -CAfile "$TLS_DIR/ca.crt" "$TLS_DIR/server.crt" >/dev/null 2>&1; then
     log "issuing the loopback server certificate $TLS_DIR/server.crt"
     # v3 end-entity with a SAN and CA:FALSE: rustls/webpki refuse v1 or CA certs as servers.
@@ -98,7 +100,7 @@ CNF
 basicConstraints = critical, CA:FALSE
 keyUsage = critical, digitalSignature, keyEncipherment
 extendedKeyUsage = serverAuth
-subjectAltName = IP:127.0.0.1, DNS:localhost
+subjectAltName = IP:127.0.0.1, DNS:localhost, IP:10.231.0.1
 subjectKeyIdentifier = hash
 authorityKeyIdentifier = keyid
 EXT

@@ -120,6 +120,8 @@ down() {
   # Started by the e2e test that scales a pool with it; stopped here too if that test died.
   scripts/keda.sh down
   rm -rf "$DEV/pods"
+  # The real node (cluster/real-node.sh) before its control plane.
+  if [ -e /run/netns/conveyor-real ]; then cluster/real-node.sh down; fi
   cluster/down.sh
   log "RabbitMQ and PostgreSQL keep running; 'make services-down' stops them"
 }

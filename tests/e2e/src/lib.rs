@@ -23,6 +23,8 @@ use uuid::Uuid;
 
 pub use conveyor_core::testing::{assert_valid_chain, unique_type};
 
+pub mod real_node;
+
 /// The stack's addresses; `scripts/stack.sh` and the Makefile provide these defaults.
 fn env_or(var: &str, default: &str) -> String {
     std::env::var(var).unwrap_or_else(|_| default.to_owned())
@@ -268,6 +270,29 @@ impl Stack {
             "the gateway kept refusing {} {task_type} tasks",
             pending.len()
         );
+    }
+
+    /// The task as the gateway answers `GET /v1/tasks/{id}`, once it is COMPLETED or
+    /// DEAD_LETTER (panics when it is not within `timeout`).
+    pub async fn task_when_settled(&self, id: Uuid, timeout: Duration) -> Value {
+        let answer = std::cell::RefCell::new(Value::Null);
+        wait_until(&format!("task {id} settled"), timeout, || async {
+            let now: Value = self
+                .http
+                .get(format!("{}/v1/tasks/{id}", self.gateway))
+                .bearer_auth(&self.token)
+                .send()
+                .await
+                .expect("gateway reachable")
+                .json()
+                .await
+                .expect("a task is JSON");
+            let settled = matches!(now["state"].as_str(), Some("COMPLETED" | "DEAD_LETTER"));
+            *answer.borrow_mut() = now;
+            settled
+        })
+        .await;
+        answer.into_inner()
     }
 
     /// How many tasks of `task_type` are in `state`.

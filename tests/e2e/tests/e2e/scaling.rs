@@ -14,7 +14,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use serde_json::json;
 
-use crate::{pool_stack, pool_yaml, task_type_yaml, MINUTE};
+use crate::{pool_stack, pool_stack_on, pool_yaml, task_type_yaml, Node, MINUTE};
 
 #[tokio::test]
 async fn two_thousand_tasks_grow_and_shrink_the_pool_each_done_once() {
@@ -128,8 +128,13 @@ async fn an_operator_restarted_during_a_scale_up_finishes_it() {
 
 #[tokio::test]
 async fn a_scale_down_under_load_removes_no_worker_with_a_task_in_flight() {
+    scale_down_under_load(Node::Simulated).await;
+}
+
+/// Three busy workers scaled to one: the two removed finish what they hold first.
+pub async fn scale_down_under_load(node: Node) {
     let pool = "  replicas: 3\n  concurrency: 2\n  drainGraceSeconds: 120\n";
-    let (stack, t) = pool_stack("drain", "shrinking", pool, 3).await;
+    let (stack, t) = pool_stack_on(node, "drain", "shrinking", pool, 3).await;
     // Tasks of 4 s, more than the three workers can take at once.
     let ids = stack
         .submit_all(&t, vec![json!({"sleepMs": 4000}); 24])
