@@ -201,7 +201,6 @@ load_images() {
 }
 
 up() {
-  [ "$(id -u)" -eq 0 ] || { log "the real node needs root (namespaces, mounts, a kubelet)"; exit 1; }
   need_packages containerd=containerd runc=runc socat=socat nsenter=util-linux ip=iproute2 \
     iptables=iptables
   [ -x /usr/lib/cni/bridge ] || install_debian_packages containernetworking-plugins
@@ -261,6 +260,9 @@ down() {
   [ -e "/run/netns/$NETNS" ] && ip netns del "$NETNS"
   log "stopped"
 }
+
+# Namespaces, mounts and a kubelet need root: a sudoer's run goes through sudo.
+if [ "$(id -u)" -ne 0 ] && [ "${1:-up}" != env ]; then exec sudo -E "$0" "$@"; fi
 
 case "${1:-up}" in
   up) up ;;

@@ -258,9 +258,10 @@ async fn the_video_pipeline_runs_in_containers_with_its_media_on_a_volume() {
     let mut stack = Stack::on_real_node("video").await;
     // The media: a folder of this machine, a hostPath PersistentVolume bound to the claim
     // `media` the example pools mount.
-    let media = std::path::absolute(format!("../../.dev/real-node-media/{}", stack.namespace))
-        .expect("a path");
+    let media = format!("../../.dev/real-node-media/{}", stack.namespace);
     std::fs::create_dir_all(&media).unwrap();
+    // The apiserver takes a hostPath without `..` only.
+    let media = std::fs::canonicalize(media).unwrap();
     std::os::unix::fs::chown(&media, Some(65532), Some(65532)).unwrap();
     let volume = format!("media-{}", stack.namespace);
     stack.apply(&format!(
