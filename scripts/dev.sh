@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make dev` / `make down`: the whole stack on this machine (scripts/stack.sh: services, the
-# local control plane, operator, gateway, pod runner), the video pipeline of examples/ applied
-# to it, and a short generated clip transcoded, thumbnailed, probed and quality-checked by
-# real ffmpeg in the pool's workers. Safe to re-run.
+# local control plane, operator, gateway, pod runner), the real node (cluster/real-node.sh),
+# the video pipeline of examples/ applied to it (its pools as containers there), and a short
+# generated clip transcoded, thumbnailed, probed and quality-checked by real ffmpeg in the
+# pools' workers. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,16 +51,32 @@ up() {
   scripts/stack.sh up
   PATH=$(cluster/build.sh):$PATH
 
-  kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null
-  # The workers' connections, as the operator's pods expect them (local addresses here).
-  kubectl -n "$NS" create secret generic conveyor-connections --dry-run=client -o yaml \
-    --from-literal=database-url="$CONVEYOR_DATABASE_URL" --from-literal=amqp-url="$CONVEYOR_AMQP_URL" \
-    | kubectl apply -f - >/dev/null
-  kubectl apply -f examples/video-pipeline/
+  # The pipeline runs on the real node: containers of this build's images (debug binaries,
+  # no second compile), media on a hostPath volume (cluster/real-node.sh; decision 0030).
+  CONVEYOR_IMAGE_PROFILE=debug scripts/images.sh build >/dev/null
+  cluster/real-node.sh up
 
+  kubectl get namespace "$NS" >/dev/null 2>&1 || kubectl create namespace "$NS" >/dev/null
+  # The workers' connections as the real node's pods reach the services, with the CA.
+  local pods_ca=/var/run/conveyor/tls/ca.crt
+  kubectl -n "$NS" create secret generic conveyor-connections --dry-run=client -o yaml \
+    --from-literal=database-url="$(echo "$CONVEYOR_DATABASE_URL" | sed "s#127.0.0.1#10.231.0.1#; s#$TLS/ca.crt#$pods_ca#")" \
+    --from-literal=amqp-url="$(echo "$CONVEYOR_AMQP_URL" | sed "s#127.0.0.1#10.231.0.1#; s#$TLS/ca.crt#$pods_ca#")" \
+    --from-file=ca.crt="$CONVEYOR_CA_FILE" | kubectl apply -f - >/dev/null
+
+  # The media volume is .dev/media here (the workers run as uid 65532).
   local media=$DEV/media clip
   clip=$media/clip.mp4
   mkdir -p "$media"
+  as_root chown 65532:65532 "$media"
+  kubectl apply -f examples/video-pipeline/tasktypes.yaml
+  sed "s#/srv/conveyor/media#$media#" examples/video-pipeline/media.yaml | kubectl apply -f -
+  kubectl apply -f examples/video-pipeline/workerpools.yaml
+  local pool
+  for pool in transcode media-light quality; do
+    kubectl -n "$NS" patch workerpool "$pool" --type merge -p \
+      '{"spec":{"pod":{"nodeSelector":{"conveyor.dev/node":"real"},"tolerations":[{"key":"conveyor.dev/real-node","operator":"Exists","effect":"NoSchedule"}]}}}' >/dev/null
+  done
   [ -s "$clip" ] || ffmpeg -nostdin -loglevel error -y -f lavfi -i testsrc2=duration=4:size=640x360:rate=25 \
     -f lavfi -i sine=frequency=440:duration=4 -c:v libx264 -preset veryfast -pix_fmt yuv420p -c:a aac -shortest "$clip"
   log "test clip $clip"
@@ -84,7 +101,9 @@ up() {
   echo; kubectl get taskpools -n "$NS"; echo; kubectl get tasktypes -n "$NS"
   cat <<MSG
 
-Conveyor is running on the local cluster (logs in .dev/, worker logs in .dev/pods/):
+Conveyor is running on the local cluster (logs in .dev/). The pipeline's workers are
+containers on the real node conveyor-real-node, their media in .dev/media (outputs in out/):
+  kubectl get pods -n $NS -o wide; kubectl logs -n $NS <pod>; kubectl exec -n $NS <pod> -- ls /media
   eval "\$(scripts/stack.sh env)"   # KUBECONFIG, kubectl on PATH, gateway URL and token
   kubectl get taskpools -n $NS -w
   kubectl scale workerpool/media-light -n $NS --replicas=3

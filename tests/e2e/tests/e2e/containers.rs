@@ -15,6 +15,7 @@ use conveyor_e2e_tests::{assert_valid_chain, Stack};
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
+use crate::nodes::{readiness, ready_column};
 use crate::scaling::scale_down_under_load;
 use crate::{pool_yaml, rolling_update_under_load, task_type_yaml, Node, MINUTE};
 
@@ -408,4 +409,44 @@ async fn the_video_pipeline_runs_in_containers_with_its_media_on_a_volume() {
     ]);
     stack.finish().await;
     let _ = conveyor_e2e_tests::kubectl_with(&["delete", "pv", &volume, "--wait=false"], None);
+}
+
+/// A pool whose image the node does not have (no registry is reachable from it) shows the
+/// kubelet's reason and is not Ready; with an image the node has, the same pool starts.
+#[tokio::test]
+async fn a_pool_whose_image_is_missing_says_so_and_is_not_ready() {
+    let _node = real_node::shared().await;
+    let mut stack = Stack::on_real_node("noimage").await;
+    let t = stack.task_type("e2e-noimage");
+    stack.apply(&task_type_yaml(&t, ""));
+    let pool = pool_yaml("noimage", &t, &format!("  replicas: 1\n{}", placement("")))
+        .replace("image: conveyor:dev", "image: conveyor-absent:dev");
+    stack.apply(&pool);
+    wait_until("the pod waiting on its image", NODE_PATIENCE, || async {
+        let pods = readiness(&stack, "noimage").await;
+        pods.len() == 1
+            && pods[0].0 == "False"
+            && matches!(
+                pods[0].1.as_deref(),
+                Some("ErrImagePull" | "ImagePullBackOff")
+            )
+    })
+    .await;
+    assert_eq!(ready_column(&stack).as_deref(), Some("0"));
+    assert_eq!(stack.consumers(&stack.queue_of(&t, "")).await, 0);
+
+    stack.kubectl(&[
+        "patch",
+        "workerpool",
+        "noimage",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"image":"conveyor:dev"}}"#,
+    ]);
+    stack.wait_for_workers(&t, 1).await;
+    wait_until("the pool shows it ready", NODE_PATIENCE, || async {
+        ready_column(&stack).as_deref() == Some("1")
+    })
+    .await;
+    stack.finish().await;
 }

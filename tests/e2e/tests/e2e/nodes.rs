@@ -6,7 +6,7 @@ use conveyor_core::testing::wait_until;
 use conveyor_e2e_tests::{kubectl_with, Stack};
 
 /// The pool's pods' (Ready condition, container waiting reason), one per pod.
-async fn readiness(stack: &Stack, pool: &str) -> Vec<(String, Option<String>)> {
+pub async fn readiness(stack: &Stack, pool: &str) -> Vec<(String, Option<String>)> {
     stack
         .pool_pods(pool)
         .await
@@ -34,7 +34,7 @@ async fn readiness(stack: &Stack, pool: &str) -> Vec<(String, Option<String>)> {
 }
 
 /// The READY column of `kubectl get taskpools` for the pool.
-fn ready_column(stack: &Stack) -> Option<String> {
+pub fn ready_column(stack: &Stack) -> Option<String> {
     let table = stack.kubectl(&["get", "taskpools"]);
     let row: Vec<String> = table
         .lines()
