@@ -231,7 +231,7 @@ container_pids() {
 kill_node() {
   # As a machine losing power: nothing gets a signal it could act on.
   for name in kubelet containerd; do
-    [ -f "$STATE/$name.pid" ] && kill -KILL "$(cat "$STATE/$name.pid")" 2>/dev/null
+    if [ -f "$STATE/$name.pid" ]; then kill -KILL "$(cat "$STATE/$name.pid")" 2>/dev/null || true; fi
     rm -f "$STATE/$name.pid" "$STATE/$name.cmd"
   done
   pkill -KILL -f "containerd-shim-runc-v2 -namespace k8s.io .*-address $SOCK" 2>/dev/null || true
@@ -254,6 +254,13 @@ down() {
     nsenter --mount="$MNT" sh -c "grep -o ' $STATE/[^ ]*' /proc/self/mounts | sort -r | xargs -r umount -l" 2>/dev/null || true
     umount "$MNT" 2>/dev/null || true
   fi
+  if mountpoint -q "$RUN"; then umount -l "$RUN" 2>/dev/null || true; fi
+  # The pods' network namespaces, which containerd pins under /run/netns/cni-* (its own
+  # store: no other runtime here uses CNI).
+  local pinned
+  for pinned in /run/netns/cni-*; do
+    [ -e "$pinned" ] && { ip netns delete "${pinned#/run/netns/}" 2>/dev/null || rm -f "$pinned"; }
+  done
   ip route del "$POD_SUBNET" via "$NODE_IP" 2>/dev/null || true
   ip link del cvr-host 2>/dev/null || true
   # The namespace goes with its bridge, veths, iptables chains and forwarding setting.

@@ -111,6 +111,8 @@ build() {
       -t "$name:$VERSION" -t "$name:$TAG" "$CONTEXT" >"$CONTEXT/../build-$target.log" 2>&1 ||
       { tail -30 "$CONTEXT/../build-$target.log" >&2; log "building $name failed (log: $CONTEXT/../build-$target.log)"; exit 1; }
   done
+  # The images a rebuild replaced, untagged now: gone, so that rebuilds do not fill the disk.
+  docker image prune -f >/dev/null
   list
 }
 
