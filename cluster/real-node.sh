@@ -21,6 +21,7 @@
 #   cluster/real-node.sh stop-kubelet    the kubelet stops, its containers keep running
 #   cluster/real-node.sh kill            the node dies: kubelet, containerd and every container
 #   cluster/real-node.sh kill-container ID   a container killed (SIGKILL) through containerd
+#   cluster/real-node.sh stop-container ID   a container's main process stopped (SIGSTOP)
 #   cluster/real-node.sh down            stop it and remove its namespace, route and chains
 #   cluster/real-node.sh env             the addresses pods reach the services at
 set -euo pipefail
@@ -278,7 +279,12 @@ case "${1:-up}" in
   start-kubelet) BIN=$(cluster/build.sh --path); start_kubelet ;;
   kill) kill_node ;;
   kill-container) ctr --address "$SOCK" -n k8s.io tasks kill -s KILL "${2:?container id}" ;;
+  # A wedged process: the container's main process stopped (SIGSTOP), alive but answering nothing.
+  stop-container)
+    pid=$(ctr --address "$SOCK" -n k8s.io tasks ls | awk -v id="${2:?container id}" '$1 == id {print $2}')
+    [ -n "$pid" ] || { log "no running container $2"; exit 1; }
+    kill -STOP "$pid" ;;
   down) down ;;
   env) echo "CONVEYOR_REAL_NODE=$NODE CONVEYOR_REAL_NODE_SERVICES=$HOST_IP" ;;
-  *) echo "usage: $0 up|load-images|stop-kubelet|start-kubelet|kill|kill-container ID|down|env" >&2; exit 2 ;;
+  *) echo "usage: $0 up|load-images|stop-kubelet|start-kubelet|kill|kill-container ID|stop-container ID|down|env" >&2; exit 2 ;;
 esac

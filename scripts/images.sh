@@ -113,7 +113,18 @@ build() {
   done
   # The images a rebuild replaced, untagged now: gone, so that rebuilds do not fill the disk.
   docker image prune -f >/dev/null
+  check_versions
   list
+}
+
+# Each entrypoint image answers --version with its binary's name and the workspace version.
+check_versions() {
+  local name expected answer
+  for name in conveyor-gateway conveyor-operator conveyor-worker conveyorctl conveyor-video-worker; do
+    expected="${name/video-/} $VERSION"
+    answer=$(docker run --rm --network none "$name:$TAG" --version 2>&1) || true
+    [ "$answer" = "$expected" ] || { log "$name:$TAG --version answered '$answer', not '$expected'"; exit 1; }
+  done
 }
 
 list() {

@@ -178,8 +178,36 @@ async fn a_full_pod_template_is_accepted_and_becomes_the_deployment() {
         (security.run_as_user, security.run_as_non_root),
         (Some(1000), Some(true))
     );
+    let pulls: Vec<&str> = pod
+        .image_pull_secrets
+        .iter()
+        .flatten()
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(pulls, ["registry"]);
+    let worker = pod.containers.iter().find(|c| c.name == "worker").unwrap();
+    let env_from = worker.env_from.as_ref().unwrap();
+    assert_eq!(
+        env_from[0].config_map_ref.as_ref().map(|c| c.name.as_str()),
+        Some("encoder-settings")
+    );
+    let spread = pod.topology_spread_constraints.unwrap();
+    assert_eq!(
+        spread.len(),
+        1,
+        "the pool's spread replaces the default one"
+    );
+    assert_eq!(spread[0].topology_key, "topology.kubernetes.io/zone");
+    // Once the operator has written the pool's status, it is not Degraded.
+    wait_until("the pool's status written", MINUTE, || async {
+        !stack
+            .kubectl(&["get", "workerpool/media", "-o", "jsonpath={.status.phase}"])
+            .trim()
+            .is_empty()
+    })
+    .await;
     let phase = stack.kubectl(&["get", "workerpool/media", "-o", "jsonpath={.status.phase}"]);
-    assert_ne!(phase, "Degraded");
+    assert_ne!(phase.trim(), "Degraded");
     stack.finish().await;
 }
 

@@ -457,3 +457,51 @@ async fn a_pool_whose_image_is_missing_says_so_and_is_not_ready() {
     .await;
     stack.finish().await;
 }
+
+/// A worker that is alive but answers nothing (its process stopped) fails its liveness probe,
+/// and the kubelet replaces its container in the same pod.
+#[tokio::test]
+async fn a_wedged_worker_fails_its_liveness_probe_and_is_restarted() {
+    let _node = real_node::shared().await;
+    let mut stack = Stack::on_real_node("liveness").await;
+    let t = stack.task_type("e2e-liveness");
+    stack.apply(&task_type_yaml(&t, ""));
+    stack.apply(&pool_yaml(
+        "wedged",
+        &t,
+        &format!("  replicas: 1\n  drainGraceSeconds: 1\n{}", placement("")),
+    ));
+    let pod = ready_pod(&stack, "wedged").await;
+    let name = pod.metadata.name.clone().unwrap();
+    let before = container_id(&pod, "worker").expect("a container");
+    node_script(&["stop-container", &before]);
+
+    // Six failed probes 10 s apart, then the grace period: well inside the patience.
+    wait_until("the wedged container replaced", NODE_PATIENCE, || async {
+        let pods = stack.pool_pods("wedged").await.unwrap_or_default();
+        pods.iter().any(|p| {
+            p.metadata.name.as_deref() == Some(name.as_str())
+                && restarts(p, "worker") >= 1
+                && container_id(p, "worker").is_some_and(|c| c != before)
+        })
+    })
+    .await;
+    let events = stack.kubectl(&[
+        "get",
+        "events",
+        "--field-selector",
+        &format!("involvedObject.name={name}"),
+        "-o",
+        "jsonpath={.items[*].message}",
+    ]);
+    assert!(
+        events.contains("Liveness probe failed"),
+        "the kubelet says why it restarted the worker: {events}"
+    );
+    stack.wait_for_workers(&t, 1).await;
+    let ids = stack.submit_all(&t, vec![json!({"sleepMs": 10}); 5]).await;
+    stack
+        .wait_for_state(&t, TaskState::Completed, ids.len() as i64, 2 * MINUTE)
+        .await;
+    stack.finish().await;
+}
