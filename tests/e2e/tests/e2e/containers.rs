@@ -37,6 +37,24 @@ async fn ready_pod(stack: &Stack, pool: &str) -> Pod {
     found.into_inner().unwrap()
 }
 
+/// Waits until the kubelet has restarted `pod`'s worker in place: a new container where
+/// `before` was, in the same pod.
+async fn container_replaced(stack: &Stack, pool: &str, pod: &str, before: &str) {
+    wait_until(
+        "the worker container replaced in its pod",
+        NODE_PATIENCE,
+        || async {
+            let pods = stack.pool_pods(pool).await.unwrap_or_default();
+            pods.iter().any(|p| {
+                p.metadata.name.as_deref() == Some(pod)
+                    && restarts(p, "worker") >= 1
+                    && container_id(p, "worker").is_some_and(|c| c != before)
+            })
+        },
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn a_pool_on_the_real_node_runs_in_containers_with_logs_exec_probes_and_limits() {
     let _node = real_node::shared().await;
@@ -134,15 +152,7 @@ async fn a_container_killed_through_the_runtime_is_restarted_and_its_task_runs_a
     node_script(&["kill-container", &before]);
 
     // The kubelet restarts the container in place (same pod), and the task runs again.
-    wait_until("the worker container restarted", NODE_PATIENCE, || async {
-        let pods = stack.pool_pods("crashy").await.unwrap_or_default();
-        pods.iter().any(|p| {
-            p.metadata.name.as_deref() == Some(name.as_str())
-                && restarts(p, "worker") >= 1
-                && container_id(p, "worker").is_some_and(|c| c != before)
-        })
-    })
-    .await;
+    container_replaced(&stack, "crashy", &name, &before).await;
     stack
         .wait_for_state(&t, TaskState::Completed, 1, 3 * MINUTE)
         .await;
@@ -477,15 +487,7 @@ async fn a_wedged_worker_fails_its_liveness_probe_and_is_restarted() {
     node_script(&["stop-container", &before]);
 
     // Six failed probes 10 s apart, then the grace period: well inside the patience.
-    wait_until("the wedged container replaced", NODE_PATIENCE, || async {
-        let pods = stack.pool_pods("wedged").await.unwrap_or_default();
-        pods.iter().any(|p| {
-            p.metadata.name.as_deref() == Some(name.as_str())
-                && restarts(p, "worker") >= 1
-                && container_id(p, "worker").is_some_and(|c| c != before)
-        })
-    })
-    .await;
+    container_replaced(&stack, "wedged", &name, &before).await;
     let events = stack.kubectl(&[
         "get",
         "events",
