@@ -295,6 +295,18 @@ impl Stack {
         answer.into_inner()
     }
 
+    /// How many workers hold a task of `task_type` in PROCESSING now.
+    pub async fn busy_workers(&self, task_type: &str) -> usize {
+        sqlx::query_scalar::<_, String>(
+            "SELECT DISTINCT owner FROM tasks WHERE task_type = $1 AND state = 'PROCESSING'",
+        )
+        .bind(self.key(task_type))
+        .fetch_all(self.db.pool())
+        .await
+        .expect("busy workers")
+        .len()
+    }
+
     /// How many tasks of `task_type` are in `state`.
     pub async fn count(&self, task_type: &str, state: TaskState) -> i64 {
         testing::count_in_state(&self.db, &self.key(task_type), state).await

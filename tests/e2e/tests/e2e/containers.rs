@@ -211,14 +211,7 @@ async fn the_real_node_lost_under_load_loses_nothing_and_recovers() {
         .submit_all(&t, vec![json!({"sleepMs": 1500}); 80])
         .await;
     wait_until("both workers holding tasks", NODE_PATIENCE, || async {
-        let owners: Vec<String> = sqlx::query_scalar(
-            "SELECT DISTINCT owner FROM tasks WHERE task_type = $1 AND state = 'PROCESSING'",
-        )
-        .bind(stack.key(&t))
-        .fetch_all(stack.db.pool())
-        .await
-        .unwrap();
-        owners.len() == 2
+        stack.busy_workers(&t).await == 2
     })
     .await;
 

@@ -140,14 +140,7 @@ pub async fn scale_down_under_load(node: Node) {
         .submit_all(&t, vec![json!({"sleepMs": 4000}); 24])
         .await;
     wait_until("every worker busy", 2 * MINUTE, || async {
-        let owners: Vec<String> = sqlx::query_scalar(
-            "SELECT DISTINCT owner FROM tasks WHERE task_type = $1 AND state = 'PROCESSING'",
-        )
-        .bind(stack.key(&t))
-        .fetch_all(stack.db.pool())
-        .await
-        .unwrap();
-        owners.len() == 3
+        stack.busy_workers(&t).await == 3
     })
     .await;
     stack.kubectl(&["scale", "workerpool/shrinking", "--replicas=1"]);
