@@ -43,7 +43,7 @@ local_base() {
   need_packages debootstrap=debootstrap
   [ "$(id -u)" -eq 0 ] || { log "debootstrap needs root: run this as root (or sudo) once"; exit 1; }
   local root; root=$(mktemp -d /var/tmp/conveyor-base.XXXXXX)
-  trap 'rm -rf "$root"' RETURN
+  trap 'rm -rf "$root"; trap - RETURN' RETURN
   log "making $LOCAL_BASE with debootstrap from $MIRROR (about a minute)"
   debootstrap --variant=minbase --include=ca-certificates bookworm "$root" "$MIRROR" >"$root.log" 2>&1 ||
     { log "debootstrap failed; see $root.log"; exit 1; }
@@ -70,7 +70,7 @@ pause_image() {
   [ "$(label_of "$PAUSE_IMAGE" dev.conveyor.source)" = "$(md5sum <images/pause/pause.c | cut -c1-12)" ] && return 0
   need_packages gcc=gcc
   local dir; dir=$(mktemp -d)
-  trap 'rm -rf "$dir"' RETURN
+  trap 'rm -rf "$dir"; trap - RETURN' RETURN
   gcc -static -Os -Wall -Wextra -Werror -o "$dir/pause" images/pause/pause.c
   strip "$dir/pause"
   tar -C "$dir" --owner=0 --group=0 -c pause |

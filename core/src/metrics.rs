@@ -49,8 +49,18 @@ pub struct Metrics {
     pub republished: IntCounterVec,
     /// Upkeep: probes sent through the work queues.
     pub probes: IntCounterVec,
+    /// Upkeep: open tasks of a TaskType deleted with its queues, settled (decision 0033).
+    pub retired_settled: IntCounterVec,
+    /// Upkeep: settled tasks deleted after their retention (decision 0034).
+    pub tasks_expired: IntCounterVec,
     /// Worker: buffered outcomes the database refused for good, set aside for a human.
     pub quarantined: IntCounterVec,
+    /// Upkeep: days from today on whose audit partitions exist; below a week, upkeep has
+    /// failed for a week.
+    pub audit_partition_days_ahead: IntGauge,
+    /// Upkeep: audit partitions past the retention period, not dropped yet (a long reader
+    /// of the log holds them).
+    pub audit_partitions_overdue: IntGauge,
 }
 
 /// Registers a labelled counter named `conveyor_<name>`.
@@ -134,6 +144,16 @@ impl Metrics {
         let registry = Registry::new();
         let r = &registry;
         Metrics {
+            audit_partition_days_ahead: gauge(
+                r,
+                "audit_partition_days_ahead",
+                "Days from today on whose audit-log partitions exist (upkeep makes 14)",
+            ),
+            audit_partitions_overdue: gauge(
+                r,
+                "audit_partitions_overdue",
+                "Audit-log partitions past the retention period and not dropped yet",
+            ),
             in_flight: gauge(r, "in_flight_tasks", "Tasks this worker is processing"),
             draining: gauge(
                 r,
@@ -168,6 +188,18 @@ impl Metrics {
                 "tasks_republished_total",
                 "Waiting tasks re-published because a probe showed their message was lost",
                 &["task_type"],
+            ),
+            tasks_expired: counter(
+                r,
+                "tasks_expired_total",
+                "Settled tasks deleted (archived first, when an archive is set) after their retention",
+                &["task_type"],
+            ),
+            retired_settled: counter(
+                r,
+                "retired_tasks_settled_total",
+                "Open tasks of a TaskType deleted with its queues, cancelled or dead-lettered",
+                &["task_type", "outcome"],
             ),
             probes: counter(
                 r,

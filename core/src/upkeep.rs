@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::amqp::{AmqpError, Publisher};
+use crate::amqp::{AmqpError, Publisher, QueueCounts, QueueNames, QueueObserver};
 use crate::db::{Db, DbError, OrphanRule, ProbePolicy, Reap};
 use crate::metrics::Metrics;
 use crate::requeue::{publish_and_commit, RequeueError};
@@ -16,6 +16,9 @@ use crate::TaskState;
 /// Rows a pass takes at once; a pass repeats while it finds full batches.
 pub const BATCH: i64 = 100;
 
+/// Batches the sweeper re-publishes per type and pass, at most.
+pub const MAX_BATCHES_PER_PASS: usize = 50;
+
 #[derive(Debug, thiserror::Error)]
 pub enum UpkeepError {
     #[error(transparent)]
@@ -24,6 +27,18 @@ pub enum UpkeepError {
     Requeue(#[from] RequeueError),
     #[error("publishing a probe failed")]
     Probe(#[source] AmqpError),
+    #[error("writing the task archive {path} failed")]
+    Archive {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("reading queue {queue} failed")]
+    QueueRead {
+        queue: String,
+        #[source]
+        source: AmqpError,
+    },
 }
 
 impl UpkeepError {
@@ -108,10 +123,12 @@ pub struct Swept {
 }
 
 /// One sweep of `spec`: re-publishes tasks the last seen probe proved lost, then sends a
-/// new probe if one is due.
+/// new probe if one is due, unless the work queue has messages and no consumer (read
+/// through `observer`).
 pub async fn sweep_once(
     db: &Db,
     publisher: &Publisher,
+    observer: &QueueObserver,
     spec: &NamedTaskType,
     settings: &SweepSettings,
     metrics: &Metrics,
@@ -123,7 +140,11 @@ pub async fn sweep_once(
         retry_delay_cap: Duration::from_secs_f64(spec.backoff.max_seconds.clamp(0.0, 86_400.0)),
     };
     let mut swept = Swept::default();
-    while let Some(pending) = db.begin_republish(name, &rule, BATCH).await? {
+    // Bounded per pass, so that every type gets its turn whatever one type's rows say.
+    for _ in 0..MAX_BATCHES_PER_PASS {
+        let Some(pending) = db.begin_republish(name, &rule, BATCH).await? else {
+            break;
+        };
         let tasks = pending.tasks.clone();
         publish_and_commit(publisher, pending, spec).await?;
         metrics
@@ -140,6 +161,29 @@ pub async fn sweep_once(
         }
     }
     if let Some(probe) = db.record_probe_if_due(name, &settings.probe).await? {
+        // Nobody sees a probe in a queue without consumers: it only waits there and, once
+        // presumed lost, lets another in, without bound while the queue is unread. There
+        // a probe only wakes the autoscaler, which a message already waiting does too:
+        // into an unread queue a probe goes only when it is empty.
+        let main = QueueNames::of(name).main;
+        match observer.counts(&main).await {
+            Ok(QueueCounts {
+                consumers: 0,
+                ready: 1..,
+            }) => {
+                db.forget_probe(probe).await?;
+                tracing::debug!(task_type = name, "unread queue with messages: no probe");
+                return Ok(swept);
+            }
+            Ok(_) => {}
+            Err(source) => {
+                db.forget_probe(probe).await?;
+                return Err(UpkeepError::QueueRead {
+                    queue: main,
+                    source,
+                });
+            }
+        }
         if let Err(err) = publisher.publish_probe(name, probe).await {
             // An unpublished probe would hold the next one back until its timeout.
             let _ = db.forget_probe(probe).await;

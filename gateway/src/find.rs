@@ -92,14 +92,29 @@ pub fn filter(
     query: &ListQuery,
 ) -> Result<TaskFilter, ApiError> {
     let types = state.ingestor.types.snapshot();
+    // Types no TaskType defines any more are listed while they have open tasks (decision
+    // 0033): deleting a type hides none of its waiting work.
+    let retired = state.ingestor.types.retired();
     let keys: Vec<String> = match &query.task_type {
-        Some(name) => vec![resolve(&types, client, name, query.namespace.as_deref())?
-            .spec
-            .name
-            .clone()],
+        Some(name) => {
+            let namespace = query.namespace.as_deref();
+            match resolve(&types, client, name, namespace) {
+                Ok(known) => vec![known.spec.name.clone()],
+                Err(unknown) => {
+                    let tenant = namespace.or(client.implied_tenant());
+                    let found = retired.iter().find(|spec| {
+                        Some(spec.tenant.as_str()) == tenant
+                            && spec.local_name() == name
+                            && client.may_use(&spec.tenant)
+                    });
+                    vec![found.ok_or(unknown)?.name.clone()]
+                }
+            }
+        }
         None => types
             .values()
             .map(|known| &known.spec)
+            .chain(retired.iter())
             .filter(|spec| client.may_use(&spec.tenant))
             .filter(|spec| query.namespace.as_ref().is_none_or(|ns| *ns == spec.tenant))
             .map(|spec| spec.name.clone())

@@ -202,6 +202,7 @@ pub async fn run(
         tokio::spawn(upkeep::run(
             db.clone(),
             publisher.clone(),
+            observer.clone(),
             types.clone(),
             upkeep,
             metrics.clone(),

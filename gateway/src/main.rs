@@ -11,7 +11,7 @@ use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
 use conveyor_gateway::tls::TlsFiles;
-use conveyor_gateway::upkeep::UpkeepConfig;
+use conveyor_gateway::upkeep::{TaskRetention, UpkeepConfig};
 use conveyor_gateway::{GatewayConfig, Listeners, TaskTypeSource};
 use tokio_util::sync::CancellationToken;
 
@@ -139,6 +139,13 @@ struct Args {
     /// Audit partitions older than this many days are dropped (0 keeps them for ever).
     #[arg(long, env = "CONVEYOR_AUDIT_RETENTION_DAYS", default_value_t = 90)]
     audit_retention_days: i32,
+    /// COMPLETED and CANCELLED tasks (and their idempotency keys) are deleted this many days
+    /// after they settled, for types that do not set `settledRetentionDays` (0 keeps them).
+    #[arg(long, env = "CONVEYOR_TASK_RETENTION_DAYS", default_value_t = 30)]
+    task_retention_days: u32,
+    /// Expired tasks are appended here first, as `<day they settled>/<type>.ndjson`.
+    #[arg(long, env = "CONVEYOR_TASK_ARCHIVE_DIR")]
+    task_archive_dir: Option<std::path::PathBuf>,
     #[command(flatten)]
     database: DatabaseArgs,
     #[command(flatten)]
@@ -146,6 +153,11 @@ struct Args {
     #[command(flatten)]
     telemetry: TelemetryArgs,
 }
+
+/// How often the upkeep looks for open tasks of types no TaskType defines any more.
+const RETIRED_EVERY: Duration = Duration::from_secs(30);
+/// How often settled tasks past their retention are looked for.
+const TASKS_EVERY: Duration = Duration::from_secs(600);
 
 fn upkeep_config(args: &Args) -> UpkeepConfig {
     let mut sweep = SweepSettings::for_confirm_timeout(args.amqp.confirm_timeout());
@@ -157,6 +169,12 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
         interval: Duration::from_millis(args.upkeep_interval_ms.max(50)),
         sweep,
         partitions_every: Duration::from_secs(args.partitions_every_seconds.max(1)),
+        retired_every: RETIRED_EVERY,
+        tasks_every: TASKS_EVERY,
+        tasks: TaskRetention {
+            default_days: (args.task_retention_days > 0).then_some(args.task_retention_days),
+            archive: args.task_archive_dir.clone(),
+        },
         retention_days: (args.audit_retention_days > 0).then_some(args.audit_retention_days),
         name: format!("gateway-upkeep/{}", std::process::id()),
     }

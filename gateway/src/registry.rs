@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, TaskTypes};
@@ -21,6 +22,12 @@ pub type Known = HashMap<(String, String), KnownType>;
 #[derive(Default)]
 pub struct Registry {
     types: RwLock<Arc<Known>>,
+    /// Types no TaskType defines any more whose tasks are still open (found by the
+    /// upkeep): never served for submissions, still listed (decision 0033).
+    retired: RwLock<Arc<Vec<NamedTaskType>>>,
+    /// The last spec of each type that left the set while this process ran: its tasks
+    /// are reaped by its own heartbeat timeout, not a guess.
+    departed: RwLock<HashMap<String, (Instant, NamedTaskType)>>,
 }
 
 fn entry(spec: &NamedTaskType) -> (String, String) {
@@ -36,6 +43,8 @@ impl Registry {
         }
         Ok(Registry {
             types: RwLock::new(Arc::new(known)),
+            retired: RwLock::default(),
+            departed: RwLock::default(),
         })
     }
 
@@ -51,18 +60,68 @@ impl Registry {
             .collect()
     }
 
-    /// Replaces the set; a type that is invalid is left out (and logged), the rest serve.
+    /// Replaces the set. A type that is invalid is refused (and logged): a new one is left
+    /// out, an edited one keeps serving as it was, so that an edit that fails validation
+    /// does not take the type's tasks out of upkeep and lists. The rest serve.
     pub fn replace(&self, types: Vec<NamedTaskType>) {
+        let before = self.snapshot();
         let mut known = HashMap::new();
         for spec in types {
             match compile(&spec) {
                 Ok(k) => {
                     known.insert(entry(&spec), k);
                 }
-                Err(err) => tracing::warn!(task_type = spec.name, error = err, "TaskType refused"),
+                Err(err) => {
+                    let kept = before
+                        .get(&entry(&spec))
+                        .and_then(|k| compile(&k.spec).ok());
+                    tracing::warn!(
+                        task_type = spec.name,
+                        error = err,
+                        kept = kept.is_some(),
+                        "TaskType refused"
+                    );
+                    if let Some(kept) = kept {
+                        known.insert(entry(&spec), kept);
+                    }
+                }
             }
         }
+        let mut departed = self.departed.write().unwrap_or_else(|p| p.into_inner());
+        for (key, gone) in before.iter().filter(|(key, _)| !known.contains_key(*key)) {
+            departed.insert(gone.spec.name.clone(), (Instant::now(), gone.spec.clone()));
+            tracing::info!(task_type = gone.spec.name, key = ?key, "TaskType left the set");
+        }
+        for spec in known.values() {
+            departed.remove(&spec.spec.name);
+        }
         *self.types.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(known);
+    }
+
+    /// The last spec of `key` (`<namespace>.<name>`), if it left the set while this
+    /// process ran.
+    pub fn departed(&self, key: &str) -> Option<NamedTaskType> {
+        let departed = self.departed.read().unwrap_or_else(|p| p.into_inner());
+        departed.get(key).map(|(_, spec)| spec.clone())
+    }
+
+    /// Types no TaskType defines any more whose tasks are still open.
+    pub fn retired(&self) -> Arc<Vec<NamedTaskType>> {
+        self.retired
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Sets the retired types found by a look that began at `since`; departed specs of
+    /// types no longer retired are forgotten (not those that left after the look began).
+    pub fn set_retired(&self, retired: Vec<NamedTaskType>, since: Instant) {
+        let mut departed = self.departed.write().unwrap_or_else(|p| p.into_inner());
+        departed.retain(|key, (left, _)| {
+            *left >= since || retired.iter().any(|spec| spec.name == *key)
+        });
+        drop(departed);
+        *self.retired.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(retired);
     }
 }
 
@@ -96,6 +155,23 @@ mod tests {
         bad_timeout.heartbeat_timeout_seconds = 0.0;
         registry.replace(vec![good, bad_schema, bad_timeout]);
         assert_eq!(registry.names(), ["good"]);
+    }
+
+    #[test]
+    fn an_edit_that_fails_validation_keeps_the_type_as_it_was() {
+        let registry = Registry::default();
+        let mut spec = NamedTaskType::named("transcode");
+        spec.spec.max_retries = 7;
+        registry.replace(vec![spec.clone()]);
+        let mut broken = spec.clone();
+        broken.heartbeat_timeout_seconds = 0.0;
+        let mut new_and_broken = NamedTaskType::named("thumbnail");
+        new_and_broken.heartbeat_timeout_seconds = 0.0;
+        registry.replace(vec![broken, new_and_broken]);
+        assert_eq!(registry.names(), ["transcode"]);
+        let known = registry.snapshot();
+        let kept = &known[&("default".to_owned(), "transcode".to_owned())].spec;
+        assert_eq!(kept, &spec);
     }
 
     #[test]

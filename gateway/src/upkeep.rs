@@ -8,18 +8,30 @@
 //! - the orphan sweeper: probes through each work queue and re-publishes tasks whose
 //!   message is gone (decision 0011);
 //! - audit partitions made two weeks ahead, rows rescued from the default partition, and
-//!   old partitions dropped after the retention period.
+//!   old partitions dropped after the retention period (the history of open tasks kept),
+//!   none of it waiting on a long reader of the log (decision 0031);
+//! - the open tasks of types no TaskType defines any more (decision 0033): reaped and swept
+//!   like any while their queues are retained, settled with an audited reason once their
+//!   queues are deleted, and listed meanwhile;
+//! - settled tasks deleted after their retention, archived first when asked (decision 0034).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use conveyor_core::amqp::Publisher;
-use conveyor_core::db::Db;
+use conveyor_core::amqp::{Publisher, QueueObserver};
+use conveyor_core::db::{Db, PartitionsOwed};
 use conveyor_core::metrics::Metrics;
+use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::upkeep::{self, SweepSettings, UpkeepError, BATCH};
 use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
+
+mod expiry;
+mod retired;
+
+pub use expiry::TaskRetention;
 
 /// Settings of the upkeep loop.
 #[derive(Debug, Clone)]
@@ -31,6 +43,11 @@ pub struct UpkeepConfig {
     pub partitions_every: Duration,
     /// Audit partitions older than this many days are dropped; `None` keeps them all.
     pub retention_days: Option<i32>,
+    /// Between looks for the open tasks of types no TaskType defines any more.
+    pub retired_every: Duration,
+    /// Between passes of the settled tasks' retention.
+    pub tasks_every: Duration,
+    pub tasks: TaskRetention,
     /// Name recorded as the reaper in audit events.
     pub name: String,
 }
@@ -39,6 +56,7 @@ pub struct UpkeepConfig {
 pub async fn run(
     db: Db,
     publisher: Arc<Publisher>,
+    observer: Arc<QueueObserver>,
     types: Arc<Registry>,
     config: UpkeepConfig,
     metrics: Metrics,
@@ -50,22 +68,57 @@ pub async fn run(
     // The reaper waits until the database has answered for a whole heartbeat timeout: after
     // an outage (or at start) every owner's last beat may be stale through no fault of its.
     let mut reachable_since = Instant::now();
+    let mut retired_due = Instant::now();
+    let mut tasks_due = Instant::now();
+    // Retired types whose queues are still there: reaped and swept like the known ones.
+    let mut retained: Vec<NamedTaskType> = Vec::new();
+    let mut looks = retired::Looks::default();
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
         if Instant::now() >= partitions_due {
-            match partitions(&db, config.retention_days).await {
-                Ok(()) => partitions_due = Instant::now() + config.partitions_every,
+            match partitions(&db, config.retention_days, &metrics).await {
+                Ok(owed) => {
+                    // Work a long reader of the log held back is tried again soon.
+                    let every = if owed.any() {
+                        config.partitions_every.min(PARTITIONS_OWED_RETRY)
+                    } else {
+                        config.partitions_every
+                    };
+                    partitions_due = Instant::now() + every;
+                }
                 Err(err) => {
                     note_failure(&metrics, "partitions", &err, &mut reachable_since);
                     partitions_due = Instant::now() + Duration::from_secs(10);
                 }
             }
         }
-        for known in types.snapshot().values() {
-            let spec = &known.spec;
+        if Instant::now() >= tasks_due {
+            tasks_due = Instant::now() + config.tasks_every;
+            match expiry::pass(&db, &types, &config.tasks, looks.deleted(), &metrics).await {
+                Ok(0) => {}
+                Ok(deleted) => {
+                    tracing::info!(deleted, "settled tasks past their retention deleted")
+                }
+                Err(err) => note_failure(&metrics, "task_retention", &err, &mut reachable_since),
+            }
+        }
+        if Instant::now() >= retired_due {
+            retired_due = Instant::now() + config.retired_every;
+            let reachable_for = reachable_since.elapsed();
+            match retired::look(&db, &observer, &types, &metrics, reachable_for, &mut looks).await {
+                Ok(kept) => retained = kept,
+                Err(err) => note_failure(&metrics, "retired", &err, &mut reachable_since),
+            }
+        }
+        let known = types.snapshot();
+        // A retained type applied again since the last look goes by its own spec only.
+        let names: HashSet<&str> = known.values().map(|k| k.spec.name.as_str()).collect();
+        let retained = retained.iter().filter(|s| !names.contains(s.name.as_str()));
+        let specs = known.values().map(|k| &k.spec).chain(retained);
+        for spec in specs {
             if reachable_since.elapsed() >= spec.heartbeat_timeout() {
                 loop {
                     match upkeep::reap_once(&db, &publisher, spec, &config.name, &metrics).await {
@@ -79,7 +132,7 @@ pub async fn run(
                 }
             }
             if let Err(err) =
-                upkeep::sweep_once(&db, &publisher, spec, &config.sweep, &metrics).await
+                upkeep::sweep_once(&db, &publisher, &observer, spec, &config.sweep, &metrics).await
             {
                 note_failure(&metrics, "sweeper", &err, &mut reachable_since);
             }
@@ -87,7 +140,16 @@ pub async fn run(
     }
 }
 
-async fn partitions(db: &Db, retention_days: Option<i32>) -> Result<(), UpkeepError> {
+/// How soon partition upkeep comes back while it owes work.
+const PARTITIONS_OWED_RETRY: Duration = Duration::from_secs(60);
+
+/// One partition pass; returns what is still owed (each step waits at most 100 ms for a
+/// lock, so a long reader of the log can hold some of it back).
+async fn partitions(
+    db: &Db,
+    retention_days: Option<i32>,
+    metrics: &Metrics,
+) -> Result<PartitionsOwed, UpkeepError> {
     db.ensure_partitions().await?;
     if let Some(days) = retention_days {
         for dropped in db.drop_partitions(days).await? {
@@ -99,7 +161,21 @@ async fn partitions(db: &Db, retention_days: Option<i32>) -> Result<(), UpkeepEr
     }
     // Probe records are only needed until their sweep; a day is plenty.
     db.prune_probes(Duration::from_secs(86_400)).await?;
-    Ok(())
+    let owed = db.partitions_owed(retention_days, None).await?;
+    metrics
+        .audit_partition_days_ahead
+        .set(i64::from(owed.days_ahead));
+    metrics
+        .audit_partitions_overdue
+        .set(i64::from(owed.overdue));
+    if owed.any() {
+        tracing::info!(
+            days_ahead = owed.days_ahead,
+            overdue = owed.overdue,
+            "audit partition upkeep held back by a lock; trying again soon"
+        );
+    }
+    Ok(owed)
 }
 
 fn note_failure(metrics: &Metrics, what: &str, err: &UpkeepError, reachable_since: &mut Instant) {

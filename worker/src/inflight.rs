@@ -18,15 +18,37 @@ pub struct InFlight {
     tasks: Arc<Mutex<HashMap<(Uuid, i32), CancellationToken>>>,
 }
 
+/// One owned (task, attempt), heartbeated until this is dropped: however its processing
+/// ends, a panic included, the worker stops keeping the claim alive, so the reaper can give
+/// the task to another worker.
+pub struct Owned {
+    set: InFlight,
+    key: (Uuid, i32),
+    token: CancellationToken,
+}
+
+impl Owned {
+    /// Fires when the drain runs out and the task is to be released.
+    pub fn cancelled(&self) -> tokio_util::sync::WaitForCancellationFuture<'_> {
+        self.token.cancelled()
+    }
+}
+
+impl Drop for Owned {
+    fn drop(&mut self) {
+        self.set.lock().remove(&self.key);
+    }
+}
+
 impl InFlight {
-    pub fn insert(&self, id: Uuid, attempt: i32) -> CancellationToken {
+    pub fn insert(&self, id: Uuid, attempt: i32) -> Owned {
         let token = CancellationToken::new();
         self.lock().insert((id, attempt), token.clone());
-        token
-    }
-
-    pub fn remove(&self, id: Uuid, attempt: i32) {
-        self.lock().remove(&(id, attempt));
+        Owned {
+            set: self.clone(),
+            key: (id, attempt),
+            token,
+        }
     }
 
     /// Every owned (task, attempt).
@@ -104,15 +126,28 @@ mod tests {
         let id = Uuid::new_v4();
         // Attempt 1 ran long here, was presumed dead and re-queued; attempt 2 landed here too.
         let old = in_flight.insert(id, 1);
+        let old_token = old.token.clone();
         let new = in_flight.insert(id, 2);
-        in_flight.remove(id, 1);
+        drop(old);
         assert_eq!(
             in_flight.claims(),
             vec![(id, 2)],
             "attempt 2 is still heartbeated"
         );
         in_flight.cancel_all();
-        assert!(new.is_cancelled());
-        assert!(!old.is_cancelled(), "attempt 1 was no longer tracked");
+        assert!(new.token.is_cancelled());
+        assert!(!old_token.is_cancelled(), "attempt 1 was no longer tracked");
+    }
+
+    #[test]
+    fn a_panic_while_a_task_is_owned_stops_its_heartbeat() {
+        let in_flight = InFlight::default();
+        let owner = in_flight.clone();
+        let panicked = std::panic::catch_unwind(move || {
+            let _owned = owner.insert(Uuid::new_v4(), 0);
+            panic!("a bug after the claim");
+        });
+        assert!(panicked.is_err());
+        assert!(in_flight.is_empty(), "{:?}", in_flight.claims());
     }
 }

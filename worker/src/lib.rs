@@ -10,8 +10,10 @@ pub mod intake;
 pub mod outcome;
 pub mod process;
 pub mod progress;
+pub mod readiness;
 pub mod reaper;
 pub mod recovery;
+pub mod unseen;
 
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -38,6 +40,7 @@ use crate::inflight::InFlight;
 use crate::intake::Intake;
 use crate::outcome::Recorder;
 use crate::process::Processor;
+use crate::unseen::Unseen;
 
 /// Everything a worker needs, already parsed.
 #[derive(Debug, Clone)]
@@ -148,6 +151,7 @@ pub async fn run(
         metrics: metrics.clone(),
     };
     let in_flight = InFlight::default();
+    let unseen = Unseen::default();
     let intake = Intake::new(metrics.draining.clone());
     // http handlers report progress to the admin port, from beside the worker (a sidecar).
     let callback_base = admin_listener
@@ -166,31 +170,7 @@ pub async fn run(
     let background = CancellationToken::new();
 
     if let Some(listener) = admin_listener {
-        let recorder = recorder.clone();
-        let draining = intake.clone();
-        let ready: admin::ReadinessCheck = Arc::new(move || {
-            let recorder = recorder.clone();
-            let draining = draining.is_draining();
-            Box::pin(async move {
-                if draining {
-                    return Err("draining: chosen for removal, taking no new tasks".to_owned());
-                }
-                match recorder.breaker.state() {
-                    breaker::State::Closed { .. } => {}
-                    _ => {
-                        return Err(format!(
-                            "database circuit breaker open, {} outcomes buffered",
-                            recorder.buffer.len()
-                        ))
-                    }
-                }
-                recorder
-                    .db
-                    .ping()
-                    .await
-                    .map_err(|e| format!("database: {e}"))
-            })
-        });
+        let ready = readiness::check(recorder.clone(), intake.clone(), unseen.clone());
         let app = admin::router(metrics.registry.clone(), ready)
             .merge(intake::router(intake.clone()))
             .merge(progress::router(progress.clone(), in_flight.clone()));
@@ -243,6 +223,7 @@ pub async fn run(
         alone: Arc::default(),
         tracer: config.tracer.clone(),
         progress,
+        unseen,
     });
     tracing::info!(worker = config.worker_id, types = ?processor.recorder.types.keys().collect::<Vec<_>>(),
         concurrency = config.concurrency, "worker started");

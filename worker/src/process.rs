@@ -1,18 +1,20 @@
 //! One delivery, start to finish: claim, run, record, ack.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use conveyor_core::amqp;
 use conveyor_core::amqp::{Settlement, Settler};
-use conveyor_core::db::{Claim, DbError, Fence};
+use conveyor_core::db::{Claim, Claimed, DbError, Fence};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::requeue;
 use conveyor_core::task::TaskMessage;
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::trace::{SpanKind, TraceContext, Tracer};
 use conveyor_core::TaskState::{self, *};
+use futures_util::FutureExt;
 use lapin::message::Delivery;
 use tracing::Instrument;
 
@@ -20,6 +22,7 @@ use crate::buffer::{Outcome, Transition};
 use crate::handler::{Failure, Handler};
 use crate::inflight::InFlight;
 use crate::outcome::{Applied, Recorder};
+use crate::unseen::Unseen;
 
 /// Tries at writing an outcome before it goes to the degraded-mode buffer: enough to ride
 /// out one dropped connection (a terminated session, a reset at COMMIT).
@@ -37,6 +40,8 @@ pub struct Processor {
     pub tracer: Tracer,
     /// Where handlers' progress reports wait to be written.
     pub progress: crate::progress::ProgressBoard,
+    /// Types whose deliveries name tasks this worker cannot see (readiness reports them).
+    pub unseen: Unseen,
 }
 
 /// What happened to the message once the task's fate is recorded.
@@ -132,12 +137,26 @@ impl Processor {
             attempt: task.attempt,
         };
         match breaker.call(self.recorder.writes.claim(claim)).await {
-            Ok(true) => {}
-            Ok(false) => {
+            Ok(Claimed::Won) => self.unseen.seen(name),
+            Ok(Claimed::Redundant) => {
                 // Done, owned by someone else, or an older attempt: this copy is redundant.
+                self.unseen.seen(name);
                 self.metrics.duplicates.with_label_values(&[name]).inc();
                 tracing::debug!("duplicate or stale delivery dropped");
                 return Settle::Ack;
+            }
+            Ok(Claimed::Unseen) => {
+                // Not a copy to drop: a worker that may see the row must get the message.
+                self.unseen.hidden(name, task.id);
+                self.metrics
+                    .errors
+                    .with_label_values(&["worker", "task_not_visible"])
+                    .inc();
+                tracing::error!(
+                    "the database does not show this worker the task (another namespace's \
+                     database role?); returning the delivery to the queue"
+                );
+                return Settle::Requeue;
             }
             Err(err) => {
                 self.count_db_error(&err);
@@ -150,11 +169,11 @@ impl Processor {
         // Heartbeated from the claim on, also while a suspect waits to run alone: a claimed
         // task never sits unclaimed in a worker's hands, where the sweeper would take its
         // message for lost (decision 0011).
-        let cancel = self.in_flight.insert(task.id, task.attempt);
+        let owned = self.in_flight.insert(task.id, task.attempt);
         self.metrics.in_flight.set(self.in_flight.len() as i64);
         let outcome = tokio::select! {
             outcome = self.run_handler(spec, task, trace) => Some(outcome),
-            _ = cancel.cancelled() => None,
+            _ = owned.cancelled() => None,
         };
         self.last_progress(task).await;
         let settle = match outcome {
@@ -165,7 +184,7 @@ impl Processor {
             }
             None => self.release(spec, task).await,
         };
-        self.in_flight.remove(task.id, task.attempt);
+        drop(owned);
         self.metrics.in_flight.set(self.in_flight.len() as i64);
         settle
     }
@@ -211,9 +230,14 @@ impl Processor {
             ..task.clone()
         };
         let progress = self.progress.sink(task.id, task.attempt);
-        let outcome = tokio::time::timeout(spec.timeout(), self.handler.run(&traced, &progress))
-            .await
-            .unwrap_or_else(|_| Err(format!("timed out after {:?}", spec.timeout())));
+        // A panic in the handler is the attempt's failure (retried, then dead-lettered
+        // like any other), not the worker's: the task is not left owned by nobody.
+        let run = AssertUnwindSafe(self.handler.run(&traced, &progress)).catch_unwind();
+        let outcome = match tokio::time::timeout(spec.timeout(), run).await {
+            Ok(Ok(outcome)) => outcome,
+            Ok(Err(panic)) => Err(format!("the handler panicked: {}", panic_message(&panic))),
+            Err(_) => Err(format!("timed out after {:?}", spec.timeout())),
+        };
         span.end(outcome.as_ref().err().map(String::as_str));
         self.metrics
             .processing_seconds
@@ -338,4 +362,13 @@ impl Processor {
             .with_label_values(&["database", err.category()])
             .inc();
     }
+}
+
+/// What a panic said, when it said it with a string (as `panic!` and `expect` do).
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }

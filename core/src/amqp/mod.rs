@@ -29,5 +29,6 @@ pub use names::QueueNames;
 pub use publisher::{Outgoing, Publisher, QueueObserver, DEFAULT_PUBLISH_CHANNELS};
 pub use settle::{Settlement, Settler};
 pub use topology::{
-    declare_task_type, delete_exchange, delete_queues, queue_arguments, queue_exists, ready_count,
+    declare_task_type, delete_exchange, delete_queues, queue_arguments, queue_counts, queue_exists,
+    ready_count, QueueCounts,
 };

@@ -15,7 +15,7 @@ use super::connection::{close_bounded, connect};
 use super::consume::PROBE_KIND;
 use super::error::{clone_error, AmqpError, AmqpResult};
 use super::names::QueueNames;
-use super::topology::{declare_task_type, ready_count};
+use super::topology::{declare_task_type, queue_counts, ready_count, QueueCounts};
 use crate::task::{Requeue, TaskMessage};
 use crate::task_type::NamedTaskType;
 
@@ -356,12 +356,24 @@ impl QueueObserver {
     pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
         let channel = self.link.channel().await?;
         let result = ready_count(&channel, queue).await;
+        self.reset_after(&result).await;
+        result
+    }
+
+    /// Ready messages and consumers of a queue; a missing queue is [`AmqpError::NoQueue`].
+    pub async fn counts(&self, queue: &str) -> AmqpResult<QueueCounts> {
+        let channel = self.link.channel().await?;
+        let result = queue_counts(&channel, queue).await;
+        self.reset_after(&result).await;
+        result
+    }
+
+    async fn reset_after<T>(&self, result: &AmqpResult<T>) {
         if matches!(
             result,
             Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))
         ) {
             self.link.reset().await;
         }
-        result
     }
 }

@@ -91,6 +91,27 @@ pub async fn declare_task_type(channel: &Channel, spec: &NamedTaskType) -> AmqpR
 
 /// Ready messages in a queue, read with a passive declare. A missing queue is `NoQueue`.
 pub async fn ready_count(channel: &Channel, queue: &str) -> AmqpResult<u32> {
+    passive_declare(channel, queue)
+        .await
+        .map(|q| q.message_count())
+}
+
+/// A queue's ready messages and consumers right now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueCounts {
+    pub ready: u32,
+    pub consumers: u32,
+}
+
+/// [`QueueCounts`] of a queue, read with a passive declare. A missing queue is `NoQueue`.
+pub async fn queue_counts(channel: &Channel, queue: &str) -> AmqpResult<QueueCounts> {
+    passive_declare(channel, queue).await.map(|q| QueueCounts {
+        ready: q.message_count(),
+        consumers: q.consumer_count(),
+    })
+}
+
+async fn passive_declare(channel: &Channel, queue: &str) -> AmqpResult<lapin::Queue> {
     let options = QueueDeclareOptions {
         passive: true,
         ..QueueDeclareOptions::default()
@@ -98,7 +119,6 @@ pub async fn ready_count(channel: &Channel, queue: &str) -> AmqpResult<u32> {
     channel
         .queue_declare(queue, options, FieldTable::default())
         .await
-        .map(|q| q.message_count())
         .map_err(|source| match &source {
             lapin::Error::ProtocolError(e) if e.get_id() == 404 => AmqpError::NoQueue {
                 queue: queue.to_owned(),

@@ -58,9 +58,18 @@ pub struct TaskTypeSpec {
     #[serde(default)]
     pub rate_limit: Option<RateLimit>,
     /// What happens to the queues when the TaskType is deleted: Retain (default) keeps them
-    /// and their messages; Delete removes them.
+    /// and their messages, and the tasks wait for the type to come back; Delete removes
+    /// them, and the gateway then cancels the waiting tasks and dead-letters those whose
+    /// worker went silent.
     #[serde(default)]
     pub deletion_policy: DeletionPolicy,
+    /// Days a COMPLETED or CANCELLED task is kept after it settled, and with it its
+    /// idempotency key; absent means the gateway's `--task-retention-days`, 0 keeps them for
+    /// ever. Expired tasks are written to the gateway's `--task-archive-dir` (when set)
+    /// before they are deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 36500))]
+    pub settled_retention_days: Option<u32>,
 }
 
 /// Exponential backoff with jitter: `initialSeconds * multiplier^retry`, capped at `maxSeconds`.
@@ -174,6 +183,7 @@ impl Default for TaskTypeSpec {
             max_queue_depth: defaults::max_queue_depth(),
             rate_limit: None,
             deletion_policy: DeletionPolicy::Retain,
+            settled_retention_days: None,
         }
     }
 }

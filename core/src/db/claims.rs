@@ -27,6 +27,26 @@ pub struct Fence {
     pub owner: String,
 }
 
+/// What a claim found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimed {
+    /// The task is this worker's now, at the delivery's attempt.
+    Won,
+    /// The task is done, owned by someone else, or at another attempt: the delivery is a
+    /// redundant copy.
+    Redundant,
+    /// No row of this id is visible to this connection: row-level security hides it (the
+    /// worker holds another namespace's credentials) or it does not exist. Never a copy to
+    /// drop silently.
+    Unseen,
+}
+
+impl Claimed {
+    pub fn won(self) -> bool {
+        self == Claimed::Won
+    }
+}
+
 /// A finished attempt's result, for [`Db::complete_all`].
 #[derive(Debug, Clone)]
 pub struct Completion {
@@ -37,15 +57,16 @@ pub struct Completion {
 impl Db {
     /// The compare-and-set claim, for each of `claims`: QUEUED (or still INGESTED, when the
     /// delivery beat the gateway's own update) at exactly its attempt → CLAIMED →
-    /// PROCESSING, owned by `worker`. `false` means another delivery or owner has it, or the
-    /// message is stale; of two equal claims in one call only the first can win.
+    /// PROCESSING, owned by `worker`. [`Claimed::Redundant`]: another delivery or owner has
+    /// it, or the message is stale; of two equal claims in one call only the first can win.
+    /// [`Claimed::Unseen`]: this connection sees no such row.
     ///
     /// Rows are locked by id alone, and only then compared: a re-queue publishes its
     /// message before it commits, and a delivery that arrives in between must wait for that
     /// commit. Had the lock carried the attempt, PostgreSQL would have tested it against the
     /// version before the re-queue, skipped the row without waiting, and the claim would
     /// have dropped the only message of the task (found by the chaos suite's worker-pause).
-    pub async fn claim_all(&self, claims: &[Claim], worker: &str) -> DbResult<Vec<bool>> {
+    pub async fn claim_all(&self, claims: &[Claim], worker: &str) -> DbResult<Vec<Claimed>> {
         let path = edges(&[(Ingested, Queued), (Queued, Claimed), (Claimed, Processing)])?;
         let ids: Vec<Uuid> = claims.iter().map(|c| c.id).collect();
         let attempts: Vec<i32> = claims.iter().map(|c| c.attempt).collect();
@@ -70,7 +91,8 @@ impl Db {
                      ORDER BY c.id, p.ord
                  ) ordered
              )
-             SELECT id, attempt FROM claimed",
+             SELECT c.id, w.attempt AS won_attempt
+             FROM current c LEFT JOIN claimed w ON w.id = c.id",
         )
         .bind(&ids)
         .bind(&attempts)
@@ -82,21 +104,32 @@ impl Db {
         .bind(Processing.as_str())
         .fetch_all(&self.hot)
         .await?;
+        let mut seen = HashSet::with_capacity(rows.len());
         let mut won = HashSet::with_capacity(rows.len());
         for row in &rows {
-            won.insert(Claim {
-                id: row.try_get("id")?,
-                attempt: row.try_get("attempt")?,
-            });
+            let id: Uuid = row.try_get("id")?;
+            seen.insert(id);
+            if let Some(attempt) = row.try_get::<Option<i32>, _>("won_attempt")? {
+                won.insert(Claim { id, attempt });
+            }
         }
         // `remove`: a second equal claim in the same call is the duplicate.
-        Ok(claims.iter().map(|claim| won.remove(claim)).collect())
+        Ok(claims
+            .iter()
+            .map(
+                |claim| match (won.remove(claim), seen.contains(&claim.id)) {
+                    (true, _) => Claimed::Won,
+                    (false, true) => Claimed::Redundant,
+                    (false, false) => Claimed::Unseen,
+                },
+            )
+            .collect())
     }
 
     /// [`Db::claim_all`] for one delivery.
-    pub async fn claim(&self, id: Uuid, attempt: i32, worker: &str) -> DbResult<bool> {
+    pub async fn claim(&self, id: Uuid, attempt: i32, worker: &str) -> DbResult<Claimed> {
         let claimed = self.claim_all(&[Claim { id, attempt }], worker).await?;
-        Ok(claimed.first().copied().unwrap_or(false))
+        Ok(claimed.first().copied().unwrap_or(Claimed::Unseen))
     }
 
     /// Keeps claims alive (a worker heartbeats its own tasks and those its previous process

@@ -129,9 +129,9 @@ const GRANTS_LOCK: i64 = 0x6772_616e_7473;
 impl Db {
     /// Creates the tenant's role (or gives it a new password): it may read the tenant's
     /// tasks and update what a worker moves (claim, heartbeat, outcome, re-queue; not their
-    /// tenant, type, payload or key), read and append their audit
-    /// rows, and mark the tenant's probes seen; it cannot insert or delete tasks, nor see
-    /// another tenant's rows. Runs as the tables' owner, who needs CREATEROLE.
+    /// tenant, type, payload or key), read and append their audit rows (never choosing
+    /// their time), and mark the tenant's probes seen; it cannot insert or delete tasks,
+    /// lock a table against others, nor see another tenant's rows. Runs as the tables' owner, who needs CREATEROLE.
     pub async fn grant_tenant(&self, role: &TenantRole) -> DbResult<()> {
         let name = role.name();
         let tenant = &role.tenant;
@@ -141,9 +141,17 @@ impl Db {
                 "GRANT SELECT, UPDATE (state, attempt, retries, owner, heartbeat_at, result, \
                  error, updated_at, suspect, progress) ON tasks TO \"{name}\""
             ),
-            format!("GRANT SELECT, INSERT ON task_events TO \"{name}\""),
+            // An audit row's time and sequence number come from the database, and a probe
+            // is only marked seen (migration 20261205000001): revoked first, for a role
+            // granted the whole tables before.
+            format!("REVOKE INSERT, UPDATE ON task_events, queue_probes FROM \"{name}\""),
+            format!("GRANT SELECT ON task_events TO \"{name}\""),
+            format!(
+                "GRANT INSERT (task_id, task_type, from_state, to_state, attempt, worker_id, \
+                 detail) ON task_events TO \"{name}\""
+            ),
             format!("GRANT USAGE ON SEQUENCE task_events_seq_seq TO \"{name}\""),
-            format!("GRANT SELECT, UPDATE ON queue_probes TO \"{name}\""),
+            format!("GRANT SELECT, UPDATE (seen_at) ON queue_probes TO \"{name}\""),
             format!("DROP POLICY IF EXISTS \"{name}\" ON tasks"),
             format!(
                 "CREATE POLICY \"{name}\" ON tasks TO \"{name}\"

@@ -11,7 +11,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use super::claims::{Claim, Completion};
+use super::claims::{Claim, Claimed, Completion};
 use super::ingest::Recorded;
 use super::queued_marks::{QueuedMarks, SETTLE};
 use super::{Db, DbError, DbResult};
@@ -32,7 +32,7 @@ const MAX_REQUESTS: usize = 64;
 /// A worker's claims and completions.
 #[derive(Clone)]
 pub struct OwnerWrites {
-    claims: Batcher<Claim, DbResult<bool>>,
+    claims: Batcher<Claim, DbResult<Claimed>>,
     completions: Batcher<Completion, DbResult<bool>>,
 }
 
@@ -112,7 +112,7 @@ async fn record_requests(db: &Db, requests: Vec<Vec<NewTask>>) -> DbResult<Vec<V
 }
 
 impl OwnerWrites {
-    pub async fn claim(&self, claim: Claim) -> DbResult<bool> {
+    pub async fn claim(&self, claim: Claim) -> DbResult<Claimed> {
         self.claims.call(claim).await.unwrap_or_else(unanswered)
     }
 

@@ -23,7 +23,7 @@ const LIST_COLUMNS: &str = "id, tenant, idempotency_key, task_type, state, attem
 
 /// Ids are UUIDv7 made by the gateway's clock, `created_at` by the database's: a time bound
 /// on ids is widened by this much so that clock skew cannot hide a task.
-const CLOCK_SLACK_MINUTES: i64 = 5;
+pub(super) const CLOCK_SLACK_MINUTES: i64 = 5;
 
 /// Which tasks to list. Everything left empty or `None` is not filtered on.
 #[derive(Debug, Clone, Default)]
@@ -53,7 +53,7 @@ pub struct TaskPage {
 
 /// The smallest UUIDv7 of millisecond `at` (its random bits zero): every id made at or
 /// after `at` sorts at or above it.
-fn v7_floor(at: DateTime<Utc>) -> Uuid {
+pub(super) fn v7_floor(at: DateTime<Utc>) -> Uuid {
     let millis = at.timestamp_millis().max(0) as u64;
     let mut bytes = [0u8; 16];
     bytes[..6].copy_from_slice(&millis.to_be_bytes()[2..]);

@@ -20,6 +20,7 @@ use sqlx::PgPool;
 mod audit;
 mod claims;
 mod error;
+mod expiry;
 mod grants;
 mod grouped;
 mod ingest;
@@ -30,19 +31,23 @@ mod queued_marks;
 mod reads;
 mod remedies;
 mod requeue;
+mod retired;
 mod rows;
 mod sweep;
 mod tenancy;
 
-pub use claims::{Claim, Completion, Fence};
+pub use claims::{Claim, Claimed, Completion, Fence};
 pub use error::{DbError, DbResult};
+pub use expiry::PendingExpiry;
 pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
 pub use ingest::{Locked, Recorded};
 pub use listing::{TaskFilter, TaskPage};
+pub use partitions::PartitionsOwed;
 pub use queued_marks::QueuedMarks;
 pub use remedies::CancelOutcome;
 pub use requeue::{PendingRequeue, Reap, Requeued};
+pub use retired::{RetiredType, Settled};
 pub use sweep::{OrphanRule, ProbePolicy, MAX_PROBES_ON_THE_WAY};
 
 /// How far ahead audit partitions are made; the upkeep loop renews them hourly.

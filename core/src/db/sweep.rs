@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::Row;
 use uuid::Uuid;
 
 use super::audit::{append_events, EventRow};
@@ -103,15 +102,32 @@ impl Db {
         Ok(())
     }
 
-    /// Drops probe records older than `age`; returns how many.
+    /// Drops probe records older than `age`, in batches, skipping locked rows; returns
+    /// how many.
     pub async fn prune_probes(&self, age: Duration) -> DbResult<u64> {
-        Ok(sqlx::query(
-            "DELETE FROM queue_probes WHERE sent_at < now() - make_interval(secs => $1)",
-        )
-        .bind(age.as_secs_f64())
-        .execute(self.pool())
-        .await?
-        .rows_affected())
+        const BATCH: u64 = 10_000;
+        let mut pruned = 0;
+        // Up to a million a pass: an hour of probes of some thousands of busy types.
+        for _ in 0..100 {
+            // Rows someone holds (a tenant may lock its own probes) are left for a later
+            // pass rather than waited for: the upkeep loop serves every tenant.
+            let gone = sqlx::query(
+                "DELETE FROM queue_probes WHERE id IN (
+                     SELECT id FROM queue_probes
+                     WHERE sent_at < now() - make_interval(secs => $1)
+                     LIMIT $2 FOR UPDATE SKIP LOCKED)",
+            )
+            .bind(age.as_secs_f64())
+            .bind(BATCH as i64)
+            .execute(self.pool())
+            .await?
+            .rows_affected();
+            pruned += gone;
+            if gone < BATCH {
+                break;
+            }
+        }
+        Ok(pruned)
     }
 
     /// Re-queues, with attempt + 1, up to `limit` tasks of `task_type` that still wait
@@ -128,25 +144,35 @@ impl Db {
     ) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool().begin().await?;
         let waiting = waiting_states();
-        let rows = sqlx::query(&format!(
-            "WITH probe AS (
-                 SELECT id AS probe_id, sent_at AS probe_sent_at, seen_at AS probe_seen_at
-                 FROM queue_probes
-                 WHERE task_type = $1 AND seen_at < now() - make_interval(secs => $2)
-                 ORDER BY sent_at DESC LIMIT 1
-             )
-             SELECT {TASK_COLUMNS}, probe_id, probe_sent_at, probe_seen_at
-             FROM tasks, probe
-             WHERE tasks.task_type = $1 AND tasks.state IN ({waiting})
-               AND tasks.updated_at + CASE WHEN tasks.attempt > 0
-                       THEN make_interval(secs => $4) ELSE interval '0' END
-                   < probe_sent_at - make_interval(secs => $3)
-             ORDER BY tasks.updated_at
-             LIMIT $5
-             FOR UPDATE OF tasks SKIP LOCKED"
-        ))
+        // The probe first, on its own: its send time then bounds the range of
+        // tasks_waiting the second statement reads. Joined in one statement, the planner
+        // walked the type's whole waiting backlog in updated_at order on every pass.
+        let probe = sqlx::query_as::<_, (Uuid, DateTime<Utc>, DateTime<Utc>)>(
+            "SELECT id, sent_at, seen_at FROM queue_probes
+             WHERE task_type = $1 AND seen_at < now() - make_interval(secs => $2)
+               AND sent_at <= seen_at
+             ORDER BY sent_at DESC LIMIT 1",
+        )
         .bind(task_type)
         .bind(rule.grace.as_secs_f64())
+        .fetch_optional(&mut *tx)
+        .await?;
+        let Some((probe, sent, seen)) = probe else {
+            return Ok(None);
+        };
+        let rows = sqlx::query(&format!(
+            "SELECT {TASK_COLUMNS} FROM tasks
+             WHERE task_type = $1 AND state IN ({waiting})
+               AND updated_at < $2 - make_interval(secs => $3)
+               AND updated_at + CASE WHEN attempt > 0
+                       THEN make_interval(secs => $4) ELSE interval '0' END
+                   < $2 - make_interval(secs => $3)
+             ORDER BY updated_at
+             LIMIT $5
+             FOR UPDATE SKIP LOCKED"
+        ))
+        .bind(task_type)
+        .bind(sent)
         .bind(rule.margin.as_secs_f64())
         .bind(rule.retry_delay_cap.as_secs_f64())
         .bind(limit)
@@ -159,9 +185,6 @@ impl Db {
         let mut events = Vec::with_capacity(rows.len());
         for row in &rows {
             let task = task_from_row(row)?;
-            let probe: Uuid = row.try_get("probe_id")?;
-            let sent: DateTime<Utc> = row.try_get("probe_sent_at")?;
-            let seen: DateTime<Utc> = row.try_get("probe_seen_at")?;
             let (message, retries) =
                 advance(&mut tx, &task, Next::queued(RetryBudget::Keep)).await?;
             events.push(EventRow {

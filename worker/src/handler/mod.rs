@@ -28,6 +28,8 @@ pub enum Handler {
     Fail,
     /// Aborts the whole worker process (poison-message tests).
     Crash,
+    /// Panics inside the worker (tests of what a bug in a handler leaves behind).
+    Panic,
 }
 
 /// Why an attempt did not succeed.
@@ -41,6 +43,7 @@ impl Handler {
             "sleep" => Handler::Sleep,
             "fail" => Handler::Fail,
             "crash" => Handler::Crash,
+            "panic" => Handler::Panic,
             "exec" => {
                 let (command, args) = exec
                     .split_first()
@@ -58,7 +61,7 @@ impl Handler {
             },
             other => {
                 return Err(format!(
-                    "unknown handler {other:?} (exec, http, noop, sleep, fail, crash)"
+                    "unknown handler {other:?} (exec, http, noop, sleep, fail, crash, panic)"
                 ))
             }
         })
@@ -86,6 +89,7 @@ impl Handler {
                 tracing::error!(task = %task.id, "crash handler: aborting the worker");
                 std::process::abort()
             }
+            Handler::Panic => panic!("the panic handler panics (task {})", task.id),
             Handler::Exec { command, args } => exec::run(command, args, task, progress).await,
             Handler::Http { url, client } => run_http(client, url, task, progress).await,
         }

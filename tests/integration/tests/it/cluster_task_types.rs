@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use conveyor_core::crd::{TaskType, TaskTypeSpec};
 use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::TaskTypeSource;
 use http::{Request, Response};
@@ -90,5 +91,173 @@ async fn the_gateway_follows_task_type_resources() {
         },
     )
     .await;
+    harness.shutdown().await;
+}
+
+/// A gateway with upkeep following `listed` TaskTypes of namespace video (the mock cluster),
+/// serving `spec`, whose queues are declared (the operator's job).
+async fn upkeep_over(spec: &NamedTaskType, listed: Arc<Mutex<Vec<String>>>) -> Harness {
+    Harness::publisher_for_tests()
+        .declare_task_type(spec, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let client = mock_cluster(listed);
+    Harness::start_with(vec![spec.clone()], |config| {
+        config.task_types = TaskTypeSource::Cluster {
+            client,
+            refresh: Duration::from_millis(200),
+        };
+        config.tokens = Tokens::parse_pairs(&format!("tests@video={TOKEN}")).unwrap();
+        config.upkeep = Some(crate::self_healing::fast_upkeep());
+    })
+    .await
+}
+
+/// The TaskType is gone from the cluster: the gateway no longer takes its tasks (those it
+/// took while the test waited are the type's too).
+async fn wait_until_unserved(harness: &Harness, spec: &NamedTaskType) {
+    wait_until(
+        "the type no longer served",
+        Duration::from_secs(10),
+        || async {
+            harness.submit(spec.local_name(), json!({}), None).await.0 == StatusCode::NOT_FOUND
+        },
+    )
+    .await;
+}
+
+/// The owner of a claimed task died an hour ago.
+async fn silence_owner(harness: &Harness, id: uuid::Uuid) {
+    sqlx::query("UPDATE tasks SET heartbeat_at = now() - interval '1 hour' WHERE id = $1")
+        .bind(id)
+        .execute(harness.db.pool())
+        .await
+        .unwrap();
+}
+
+/// Deleting a TaskType under `deletionPolicy: Delete` used to leave its QUEUED and
+/// PROCESSING rows open for ever, reaped, swept and listed by nothing (issue 32).
+#[tokio::test]
+async fn a_task_type_deleted_with_its_queues_leaves_no_open_task_behind() {
+    let spec = NamedTaskType::in_namespace("video", &test_type("deleted").name, Default::default());
+    let listed = Arc::new(Mutex::new(vec![spec.local_name().to_owned()]));
+    let harness = upkeep_over(&spec, listed.clone()).await;
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(harness.submit_ok(spec.local_name(), json!({})).await);
+    }
+    // One is running on a pod, which dies with the type.
+    assert!(harness
+        .db
+        .claim(ids[0], 0, "pod-of-the-deleted-pool")
+        .await
+        .unwrap()
+        .won());
+
+    // The operator's finalizer deletes the queues, then the TaskType goes.
+    conveyor_core::testing::delete_queues(&spec.name).await;
+    listed.lock().unwrap().clear();
+    wait_until_unserved(&harness, &spec).await;
+    silence_owner(&harness, ids[0]).await;
+
+    wait_until("every task settled", Duration::from_secs(60), || async {
+        let mut settled = true;
+        for id in &ids {
+            settled &= harness
+                .db
+                .task(*id)
+                .await
+                .unwrap()
+                .unwrap()
+                .state
+                .is_settled();
+        }
+        settled
+    })
+    .await;
+    for (i, id) in ids.iter().enumerate() {
+        let events = harness.events(*id).await;
+        conveyor_core::testing::assert_valid_chain(&events);
+        let last = events.last().unwrap();
+        let expected = if i == 0 {
+            TaskState::DeadLetter
+        } else {
+            TaskState::Cancelled
+        };
+        assert_eq!(last.to_state, expected, "{events:?}");
+        let detail = last.detail.as_deref().unwrap_or("");
+        assert!(detail.contains("deleted with its queues"), "{detail}");
+    }
+    // The dead letter of the deleted type is still listed.
+    let (status, body) = harness
+        .get_json(TOKEN, "/v1/tasks?namespace=video&state=DEAD_LETTER")
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.to_string().contains(&ids[0].to_string()), "{body}");
+    harness.shutdown().await;
+}
+
+/// Under `deletionPolicy: Retain` the queues and tasks wait for the type to come back: its
+/// dead owners' tasks are still reaped, its tasks still listed, and a re-applied TaskType
+/// runs them.
+#[tokio::test]
+async fn a_retained_deleted_task_type_keeps_its_tasks_reaped_listed_and_resumed() {
+    let spec =
+        NamedTaskType::in_namespace("video", &test_type("retained").name, Default::default());
+    let listed = Arc::new(Mutex::new(vec![spec.local_name().to_owned()]));
+    let mut harness = upkeep_over(&spec, listed.clone()).await;
+    let running = harness.submit_ok(spec.local_name(), json!({})).await;
+    let waiting = harness.submit_ok(spec.local_name(), json!({})).await;
+    assert!(harness
+        .db
+        .claim(running, 0, "pod-that-died")
+        .await
+        .unwrap()
+        .won());
+
+    listed.lock().unwrap().clear();
+    wait_until_unserved(&harness, &spec).await;
+    silence_owner(&harness, running).await;
+    // Reaped into the retained queue (the reaper trusts owners' beats only after the
+    // database has answered for a whole heartbeat timeout, 30 s by default).
+    wait_until(
+        "the dead owner's task re-queued",
+        Duration::from_secs(90),
+        || async {
+            let task = harness.db.task(running).await.unwrap().unwrap();
+            task.state == TaskState::Queued && task.attempt == 1
+        },
+    )
+    .await;
+    for path in [
+        "/v1/tasks?namespace=video".to_owned(),
+        format!("/v1/tasks?namespace=video&type={}", spec.local_name()),
+    ] {
+        let (status, body) = harness.get_json(TOKEN, &path).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {body}");
+        let listed: Vec<&str> = body["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|t| t["id"].as_str())
+            .collect();
+        for id in [running, waiting] {
+            assert!(listed.contains(&id.to_string().as_str()), "{path}: {body}");
+        }
+    }
+
+    // The TaskType is applied again: a worker runs both.
+    listed.lock().unwrap().push(spec.local_name().to_owned());
+    harness.start_worker(&[&spec.name], conveyor_worker::handler::Handler::Noop, 2);
+    // Every task of the type, those the wait for the type to go submitted included.
+    wait_until("every task completed", Duration::from_secs(30), || async {
+        let completed = harness.count(&spec.name, TaskState::Completed).await;
+        completed == harness.total_tasks(&spec.name).await
+    })
+    .await;
+    for id in [running, waiting] {
+        let task = harness.db.task(id).await.unwrap().unwrap();
+        assert_eq!(task.state, TaskState::Completed, "{task:?}");
+    }
     harness.shutdown().await;
 }

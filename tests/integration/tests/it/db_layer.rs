@@ -28,7 +28,7 @@ async fn one_claimed_task(owner: &str) -> (conveyor_core::db::Db, String, NewTas
     let task = new_task(&task_type);
     db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
     db.mark_queued(&[task.id], Locked::Skip).await.unwrap();
-    assert!(db.claim(task.id, 0, owner).await.unwrap());
+    assert!(db.claim(task.id, 0, owner).await.unwrap().won());
     (db, task_type, task)
 }
 
@@ -57,9 +57,9 @@ async fn claim_is_a_compare_and_set_and_outcomes_are_fenced() {
     assert!(matches!(&recorded[0], Recorded::Existing(t) if t.id == task.id));
 
     // A claim may win before the gateway marks the task QUEUED; it writes QUEUED itself.
-    assert!(db.claim(task.id, 0, "w1").await.unwrap());
+    assert!(db.claim(task.id, 0, "w1").await.unwrap().won());
     assert!(
-        !db.claim(task.id, 0, "w2").await.unwrap(),
+        !db.claim(task.id, 0, "w2").await.unwrap().won(),
         "second claim must lose"
     );
     db.mark_queued(&[task.id], Locked::Skip).await.unwrap();
@@ -129,8 +129,8 @@ async fn silent_owners_are_reaped_once_and_then_fenced() {
         .complete(task.id, 0, "silent", &serde_json::json!({}))
         .await
         .unwrap());
-    assert!(!db.claim(task.id, 0, "w2").await.unwrap());
-    assert!(db.claim(task.id, 1, "w2").await.unwrap());
+    assert!(!db.claim(task.id, 0, "w2").await.unwrap().won());
+    assert!(db.claim(task.id, 1, "w2").await.unwrap().won());
     let record = db.task(task.id).await.unwrap().unwrap();
     assert_eq!((record.attempt, record.retries), (1, 1));
 }
@@ -151,7 +151,7 @@ async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
     // The attempt-1 message is out; the reaper has not committed yet.
     let claim = tokio::spawn({
         let db = db.clone();
-        async move { db.claim(task.id, 1, "fast").await.unwrap() }
+        async move { db.claim(task.id, 1, "fast").await.unwrap().won() }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
@@ -171,7 +171,7 @@ async fn a_claim_racing_an_uncommitted_requeue_waits_for_it_and_wins() {
 async fn reaped_tasks_use_a_retry_only_when_they_ran_alone() {
     let (db, task_type, ids) = three_queued_tasks().await;
     for (id, owner) in ids.iter().zip(["crowded", "crowded", "lonely"]) {
-        assert!(db.claim(*id, 0, owner).await.unwrap());
+        assert!(db.claim(*id, 0, owner).await.unwrap().won());
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     let pending = db
@@ -194,7 +194,7 @@ async fn a_rolled_back_requeue_leaves_the_task_to_the_reaper() {
     let task_type = unique_type("db");
     let task = new_task(&task_type);
     db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
-    assert!(db.claim(task.id, 0, "w1").await.unwrap());
+    assert!(db.claim(task.id, 0, "w1").await.unwrap().won());
     let pending = db
         .begin_failure(&fence(task.id, 0, "w1"), "boom", 3)
         .await
@@ -217,7 +217,7 @@ async fn point_in_time_state_comes_from_the_audit_log() {
     tokio::time::sleep(Duration::from_millis(20)).await;
     let queued_at = chrono::Utc::now();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    assert!(db.claim(ids[0], 0, "w").await.unwrap());
+    assert!(db.claim(ids[0], 0, "w").await.unwrap().won());
     assert!(db
         .complete(ids[0], 0, "w", &serde_json::json!({}))
         .await
@@ -386,7 +386,7 @@ async fn a_claim_the_worker_gave_up_on_does_not_commit_later() {
         // The server gave up first: a failure to retry (the breaker counts it), not a
         // refusal to quarantine.
         Ok(Err(err)) => assert!(err.is_unavailable() && !err.is_permanent(), "{err:?}"),
-        Ok(Ok(claimed)) => panic!("the claim returned {claimed} while the row was locked"),
+        Ok(Ok(claimed)) => panic!("the claim returned {claimed:?} while the row was locked"),
         Err(_) => {} // the worker gave up first
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -412,7 +412,7 @@ async fn a_heartbeat_for_an_older_attempt_does_not_keep_a_newer_claim_alive() {
         .await
         .unwrap();
     pending.expect("reaped").commit().await.unwrap();
-    assert!(db.claim(task.id, 1, "beater").await.unwrap());
+    assert!(db.claim(task.id, 1, "beater").await.unwrap().won());
     tokio::time::sleep(Duration::from_millis(400)).await;
     // Only the stale attempt is beaten: the claim of attempt 1 is not renewed.
     let renewed = db.heartbeat(&[fence(task.id, 0, "beater")]).await.unwrap();
@@ -533,7 +533,7 @@ async fn an_ingested_task_is_cancelled_and_neither_its_queued_mark_nor_a_claim_r
         CancelOutcome::Now
     ));
     db.mark_queued(&[task.id], Locked::Wait).await.unwrap();
-    assert!(!db.claim(task.id, 0, "worker-a").await.unwrap());
+    assert!(!db.claim(task.id, 0, "worker-a").await.unwrap().won());
     assert!(matches!(
         db.cancel(task.id, "client tests").await.unwrap(),
         CancelOutcome::TooLate(Cancelled)
@@ -565,7 +565,7 @@ async fn a_cancel_racing_a_claim_leaves_each_task_claimed_or_cancelled_never_bot
             let claim = db.claim(id, 0, "worker-a");
             let cancel = db.cancel(id, "client tests");
             let (claimed, cancelled) = tokio::join!(claim, cancel);
-            (id, claimed.unwrap(), cancelled.unwrap())
+            (id, claimed.unwrap().won(), cancelled.unwrap())
         }
     });
     let mut wins = (0, 0);

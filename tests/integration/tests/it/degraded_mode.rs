@@ -140,7 +140,7 @@ async fn replaying_an_outcome_twice_writes_and_publishes_it_once() {
     let completed = harness.submit_ok(&name, serde_json::json!({})).await;
     let failed = harness.submit_ok(&name, serde_json::json!({})).await;
     for id in [completed, failed] {
-        assert!(harness.db.claim(id, 0, "replayer").await.unwrap());
+        assert!(harness.db.claim(id, 0, "replayer").await.unwrap().won());
     }
     let metrics = conveyor_core::metrics::Metrics::new();
     let dir = std::env::temp_dir().join(format!("conveyor-replay-{}", Uuid::new_v4()));
@@ -224,7 +224,7 @@ async fn an_outcome_the_database_always_refuses_does_not_wedge_the_replay() {
     let no_queue = harness.submit_ok(&gone_name, serde_json::json!({})).await;
     let fine = harness.submit_ok(&name, serde_json::json!({})).await;
     for id in [nul_result, no_queue, fine] {
-        assert!(harness.db.claim(id, 0, "replayer").await.unwrap());
+        assert!(harness.db.claim(id, 0, "replayer").await.unwrap().won());
     }
     conveyor_core::testing::delete_queues(&gone_name).await;
     let metrics = conveyor_core::metrics::Metrics::new();

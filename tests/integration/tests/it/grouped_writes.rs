@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::{Claim, Completion, Db, DbOptions, Fence, Locked, QueuedMarks};
+use conveyor_core::db::{Claim, Claimed, Completion, Db, DbOptions, Fence, Locked, QueuedMarks};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::NewTask;
 use conveyor_core::testing::{self, unique_type, TestDatabase};
@@ -63,7 +63,8 @@ async fn one_claim_or_completion_statement_fences_each_row_on_its_own() {
         claim(Uuid::new_v4(), 0), // no such task
     ];
     let won = db.claim_all(&claims, "w").await.unwrap();
-    assert_eq!(won, [true, false, false, true, false]);
+    use Claimed::*;
+    assert_eq!(won, [Won, Redundant, Redundant, Won, Unseen]);
 
     let completions = [done(a, "w"), done(c, "someone-else"), done(a, "w")];
     let completed = db.complete_all(&completions).await.unwrap();
@@ -123,7 +124,7 @@ async fn concurrent_claims_and_queued_updates_never_deadlock() {
             .await
             .unwrap()
             .expect("no statement failed (no deadlock)");
-        claimed += won.into_iter().filter(|w| *w).count();
+        claimed += won.into_iter().filter(|w| w.won()).count();
     }
     assert_eq!(claimed, ids.len(), "each task claimed exactly once");
 }
@@ -139,7 +140,7 @@ async fn a_refused_result_fails_only_its_own_completion() {
         .await
         .unwrap()
         .into_iter()
-        .all(|w| w));
+        .all(Claimed::won));
     let writes = db.owner_writes("w", None);
     let calls = ids.iter().enumerate().map(|(i, &id)| {
         let writes = writes.clone();
@@ -226,7 +227,7 @@ async fn queued_marks_follow_the_answer_and_a_claim_that_came_first_is_not_marke
     // A claim that comes first writes INGESTED → QUEUED itself; the mark then finds it moved on.
     assert_eq!(
         db.claim_all(&[claim(claimed, 0)], "w").await.unwrap(),
-        [true]
+        [Claimed::Won]
     );
     marks.flush().await;
     assert!(!marks.is_pending(claimed) && !marks.is_pending(idle));
@@ -308,7 +309,10 @@ async fn hot_statements_planned_on_a_small_table_do_not_scan_it_once_it_has_grow
     let run_one = |id: Uuid| {
         let db = db.clone();
         async move {
-            assert_eq!(db.claim_all(&[claim(id, 0)], "w").await.unwrap(), [true]);
+            assert_eq!(
+                db.claim_all(&[claim(id, 0)], "w").await.unwrap(),
+                [Claimed::Won]
+            );
             assert_eq!(db.complete_all(&[done(id, "w")]).await.unwrap(), [true]);
         }
     };

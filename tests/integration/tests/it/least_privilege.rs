@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use conveyor_core::amqp;
-use conveyor_core::db::{Db, DbOptions};
+use conveyor_core::db::{Claimed, Db, DbOptions};
 use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
 use conveyor_core::testing;
 use conveyor_core::TaskState;
@@ -66,7 +66,10 @@ async fn a_namespaces_worker_credentials_reach_only_its_own_queues_and_rows() {
         db.task(their_task).await.unwrap().is_none(),
         "another namespace's row"
     );
-    assert!(!db.claim(their_task, 0, "intruder").await.unwrap());
+    assert_eq!(
+        db.claim(their_task, 0, "intruder").await.unwrap(),
+        Claimed::Unseen
+    );
     let refused = sqlx::query("DELETE FROM tasks").execute(db.pool()).await;
     assert!(refused.is_err(), "a worker's role deleted tasks");
     // The partition functions run as their owner: only the gateway's role may call them.
@@ -506,4 +509,87 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
             .send()
             .await;
     }
+}
+
+/// A pool given another namespace's database Secret cannot see its own tasks. Before, each
+/// delivery looked like a copy already claimed: acked and dropped, silently (issue 32).
+#[tokio::test]
+async fn a_worker_that_cannot_see_its_tasks_drops_nothing_and_says_why() {
+    let suffix = &uuid::Uuid::new_v4().simple().to_string()[..8];
+    let (mine, theirs) = (format!("blind-a-{suffix}"), format!("blind-b-{suffix}"));
+    let name = testing::unique_type("thumbnail");
+    let types: Vec<NamedTaskType> = [&mine, &theirs]
+        .map(|ns| {
+            // Redeliveries enough that the broker's delivery limit keeps the message in
+            // the work queue while the test looks (past it, on a slow machine, the message
+            // goes to remediation and the gateway's sweeper re-publishes the task).
+            let spec = TaskTypeSpec {
+                max_retries: 20,
+                ..TaskTypeSpec::default()
+            };
+            NamedTaskType::in_namespace(ns, &name, spec)
+        })
+        .to_vec();
+    let my_key = types[0].name.clone();
+    let mut harness = Harness::start_with(types, |config| {
+        config.tokens = Tokens::parse_pairs(&format!("tests@*={TOKEN}")).unwrap();
+        config.upkeep = Some(crate::self_healing::fast_upkeep());
+    })
+    .await;
+
+    // The other namespace's Secret, mounted by mistake in a pool of this one.
+    let secret = harness.conveyorctl(&["grant", "-n", &theirs]);
+    let mut config = harness.worker_config(&[&my_key], Handler::Noop, 2);
+    config.database = DbOptions::new(secret_value(&secret, "database-url"));
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listen = admin.local_addr().unwrap();
+    let blind = harness.start_serving(config, Some(admin));
+
+    let response = harness
+        .http
+        .post(format!("{}/v1/tasks", harness.gateway_url))
+        .bearer_auth(TOKEN)
+        .json(&json!({"taskType": name, "namespace": mine, "payload": {}}))
+        .send()
+        .await
+        .unwrap();
+    let body: serde_json::Value = response.json().await.unwrap();
+    let id: uuid::Uuid = body["id"].as_str().unwrap().parse().unwrap();
+
+    // It says why it is not ready, and counts it.
+    let http = testing::http_client();
+    testing::wait_until(
+        "the worker reports the task it cannot see",
+        Duration::from_secs(30),
+        || async {
+            let Ok(response) = http.get(format!("http://{listen}/readyz")).send().await else {
+                return false;
+            };
+            let status = response.status();
+            let text = response.text().await.unwrap_or_default();
+            status == reqwest::StatusCode::SERVICE_UNAVAILABLE
+                && text.contains(&id.to_string())
+                && text.contains("another namespace")
+        },
+    )
+    .await;
+    let errors = harness
+        .worker_metrics(&blind)
+        .errors
+        .with_label_values(&["worker", "task_not_visible"])
+        .get();
+    assert!(errors >= 1, "task_not_visible counted {errors} times");
+    let task = harness.db.task(id).await.unwrap().unwrap();
+    assert!(
+        matches!(task.state, TaskState::Ingested | TaskState::Queued) && task.owner.is_none(),
+        "{task:?}"
+    );
+
+    // Its message is still there for a worker that can see the row.
+    harness.take_worker(&blind).stop().await;
+    harness.start_worker(&[&my_key], Handler::Noop, 2);
+    harness
+        .wait_for_state(&my_key, TaskState::Completed, 1, Duration::from_secs(30))
+        .await;
+    harness.shutdown().await;
 }

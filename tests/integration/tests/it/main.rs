@@ -21,4 +21,5 @@ mod settling;
 mod tenancy;
 mod tls;
 mod tracing;
+mod unattended;
 mod worker_faults;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use conveyor_core::amqp::{Publisher, QueueNames, QueueObserver};
 use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
-use conveyor_core::task::TaskEvent;
+use conveyor_core::task::{NewTask, TaskEvent};
 use conveyor_core::task_type::{NamedTaskType, TaskTypes};
 use conveyor_core::testing::{self, TestDatabase};
 pub use conveyor_core::testing::{assert_valid_chain, states, wait_until};
@@ -118,6 +118,20 @@ async fn wait_ready(http: &reqwest::Client, admin_url: &str) {
         matches!(http.get(&url).send().await, Ok(r) if r.status().is_success())
     })
     .await;
+}
+
+/// A task of `task_type` in tenant `default` with an empty payload, keyed by its id, as a
+/// gateway would record it.
+pub fn new_task(task_type: &str, id: Uuid) -> NewTask {
+    NewTask {
+        id,
+        tenant: "default".into(),
+        idempotency_key: id,
+        task_type: task_type.to_owned(),
+        payload: serde_json::json!({}),
+        labels: Default::default(),
+        trace_id: None,
+    }
 }
 
 /// A type with short timeouts for tests.

@@ -256,3 +256,33 @@ async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes()
     worker.wait().unwrap();
     harness.shutdown().await;
 }
+
+/// A bug in a handler (a panic) used to leave its task owned by the worker for the worker's
+/// whole life: heartbeated, never reaped, its redelivery dropped by the claim (issue 32).
+#[tokio::test]
+async fn a_handler_that_panics_fails_its_attempt_and_strands_nothing() {
+    let mut spec = test_type("panics");
+    spec.max_retries = 1;
+    let name = spec.name.clone();
+    let mut harness = Harness::start(vec![spec]).await;
+    let worker = harness.start_worker(&[&name], Handler::Panic, 2);
+    let id = harness.submit_ok(&name, serde_json::json!({})).await;
+
+    harness
+        .wait_for_state(&name, DeadLetter, 1, Duration::from_secs(60))
+        .await;
+    let events = harness.events(id).await;
+    assert_valid_chain(&events);
+    let failures: Vec<_> = events.iter().filter(|e| e.to_state == Failed).collect();
+    assert_eq!(failures.len(), 2, "first try + 1 retry: {events:?}");
+    for failure in failures {
+        let detail = failure.detail.as_deref().unwrap_or("");
+        assert!(detail.contains("the handler panicked"), "{detail}");
+    }
+    // Nothing is left heartbeated: the worker owns no task.
+    wait_until("no task in flight", Duration::from_secs(10), || async {
+        harness.worker_metrics(&worker).in_flight.get() == 0
+    })
+    .await;
+    harness.shutdown().await;
+}

@@ -1,0 +1,496 @@
+//! Months unattended (issue 32): upkeep that never freezes the platform, retention that
+//! keeps what is still open, and tenant roles that cannot stall upkeep, on the real
+//! PostgreSQL.
+
+use std::time::Duration;
+
+use chrono::{Days, NaiveTime, Utc};
+use conveyor_core::db::{Db, DbOptions, Locked, OrphanRule, PartitionsOwed, TenantRole};
+use conveyor_core::task::NewTask;
+use conveyor_core::testing::{unique_type, TestDatabase};
+
+use crate::support::new_task;
+use uuid::Uuid;
+
+/// Noon UTC, `days` days before today.
+fn days_ago(days: u64) -> chrono::DateTime<Utc> {
+    (Utc::now().date_naive() - Days::new(days))
+        .and_time(NaiveTime::from_hms_opt(12, 0, 0).unwrap())
+        .and_utc()
+}
+
+/// An audit row for `task`, written by the tables' owner at a time of its choosing.
+async fn old_event(db: &Db, task: &NewTask, at: chrono::DateTime<Utc>) {
+    sqlx::query(
+        "INSERT INTO task_events (task_id, task_type, to_state, attempt, detail, at)
+         VALUES ($1, $2, 'INGESTED', 0, 'from long ago', $3)",
+    )
+    .bind(task.id)
+    .bind(&task.task_type)
+    .bind(at)
+    .execute(db.pool())
+    .await
+    .unwrap();
+}
+
+async fn set_state(db: &Db, id: Uuid, state: &str) {
+    sqlx::query("UPDATE tasks SET state = $2 WHERE id = $1")
+        .bind(id)
+        .bind(state)
+        .execute(db.pool())
+        .await
+        .unwrap();
+}
+
+/// Whether some session of this database waits for a lock now.
+async fn someone_waits_for_a_lock(db: &Db) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                        WHERE datname = current_database() AND wait_event_type = 'Lock')",
+    )
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_long_reader_of_the_audit_log_stalls_neither_writers_nor_partition_upkeep() {
+    let db = TestDatabase::create().await.db;
+    // Work for upkeep: two old days to drop, and a day ahead to make.
+    let today = Utc::now().date_naive();
+    db.ensure_partitions_around(0, Some(today - Days::new(40)))
+        .await
+        .unwrap();
+    let ahead = format!("task_events_{}", (today + Days::new(9)).format("%Y%m%d"));
+    sqlx::query(&format!("DROP TABLE {ahead}"))
+        .execute(db.pool())
+        .await
+        .unwrap();
+
+    // A long reader of the whole log (a pg_dump, an analytics query): its transaction holds
+    // every partition, the default one with them, until the test lets it go.
+    let mut reader = db.pool().begin().await.unwrap();
+    sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    sqlx::query("SELECT count(*) FROM task_events")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+
+    let upkeep = {
+        let db = db.clone();
+        tokio::spawn(async move {
+            let made = db.ensure_partitions_around(14, None).await.unwrap();
+            let dropped = db.drop_partitions_before(30, None).await.unwrap();
+            (made, dropped)
+        })
+    };
+    // Writers come once upkeep is at its locks (or done).
+    while !upkeep.is_finished() && !someone_waits_for_a_lock(&db).await {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let task_type = unique_type("reader");
+    let writes = async {
+        for _ in 0..10 {
+            let task = new_task(&task_type, Uuid::new_v4());
+            db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
+            db.mark_queued(&[task.id], Locked::Wait).await.unwrap();
+        }
+    };
+    // The reader stays for as long as this takes, up to a minute: before the fix, upkeep
+    // held the log in EXCLUSIVE mode while it waited for the reader, and the writers with it.
+    let (_, upkeep) = tokio::time::timeout(Duration::from_secs(60), async {
+        tokio::join!(writes, upkeep)
+    })
+    .await
+    .expect("writers and upkeep finished while a reader of the log was still open");
+    let (made, dropped) = upkeep.unwrap();
+    assert!(
+        made.is_empty() && dropped.is_empty(),
+        "nothing waiting on the reader can be done now: made {made:?}, dropped {dropped:?}"
+    );
+    let owed = db.partitions_owed(Some(30), None).await.unwrap();
+    assert_eq!(
+        owed,
+        PartitionsOwed {
+            days_ahead: 9,
+            overdue: 2
+        },
+        "upkeep says what it still owes"
+    );
+    reader.commit().await.unwrap();
+
+    // The next pass does it all.
+    let made = db.ensure_partitions_around(14, None).await.unwrap();
+    assert_eq!(made, [ahead]);
+    assert_eq!(db.drop_partitions_before(30, None).await.unwrap().len(), 2);
+    let owed = db.partitions_owed(Some(30), None).await.unwrap();
+    assert_eq!(
+        owed,
+        PartitionsOwed {
+            days_ahead: 15,
+            overdue: 0
+        }
+    );
+}
+
+#[tokio::test]
+async fn retention_keeps_the_history_of_a_task_still_open_until_it_settles() {
+    let db = TestDatabase::create().await.db;
+    let today = Utc::now().date_naive();
+    db.ensure_partitions_around(0, Some(today - Days::new(40)))
+        .await
+        .unwrap();
+    let task_type = unique_type("parked");
+    let parked = new_task(&task_type, Uuid::new_v4());
+    let done = new_task(&task_type, Uuid::new_v4());
+    db.record_tasks(&[parked.clone(), done.clone()])
+        .await
+        .unwrap();
+    for task in [&parked, &done] {
+        old_event(&db, task, days_ago(40)).await;
+    }
+    // One dead letter parked for 40 days, one task long completed.
+    set_state(&db, parked.id, "DEAD_LETTER").await;
+    set_state(&db, done.id, "COMPLETED").await;
+    let before = db.events(parked.id).await.unwrap();
+    assert_eq!(before.len(), 2);
+
+    let dropped = db.drop_partitions_before(30, None).await.unwrap();
+    assert_eq!(dropped.len(), 2, "{dropped:?}");
+    assert_eq!(
+        db.events(parked.id).await.unwrap(),
+        before,
+        "the open task's whole history is kept"
+    );
+    let done_events = db.events(done.id).await.unwrap();
+    assert!(
+        done_events.iter().all(|e| e.at > days_ago(31)),
+        "the settled task's old day went with its partition: {done_events:?}"
+    );
+    // The kept rows stay where they are: upkeep makes no partition for a dropped day.
+    db.ensure_partitions_around(14, None).await.unwrap();
+    assert_eq!(db.events(parked.id).await.unwrap(), before);
+    let old_day = format!("task_events_{}", (today - Days::new(40)).format("%Y%m%d"));
+    let remade: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(&old_day)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+    assert_eq!(remade, None, "a dropped day came back");
+
+    // Once the dead letter is settled, its old history goes at the next pass.
+    set_state(&db, parked.id, "CANCELLED").await;
+    db.drop_partitions_before(30, None).await.unwrap();
+    let left = db.events(parked.id).await.unwrap();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].at > days_ago(31));
+}
+
+/// A connection to the test database as `role`.
+fn connect_as(database: &TestDatabase, role: &TenantRole) -> Db {
+    let (scheme, rest) = database.url.split_once("://").unwrap();
+    let (_, server) = rest.split_once('@').unwrap();
+    let url = format!("{scheme}://{}:{}@{server}", role.name(), role.password());
+    Db::connect(&DbOptions::new(&url)).unwrap()
+}
+
+fn denied(result: &Result<sqlx::postgres::PgQueryResult, sqlx::Error>) -> bool {
+    matches!(result, Err(sqlx::Error::Database(err)) if err.code().as_deref() == Some("42501"))
+}
+
+#[tokio::test]
+async fn a_tenants_role_can_neither_forge_audit_times_nor_move_probes_nor_lock_tables() {
+    let database = TestDatabase::create().await;
+    let db = &database.db;
+    let tenant = format!("t-{}", &Uuid::new_v4().simple().to_string()[..8]);
+    let role = TenantRole::new(&tenant).unwrap();
+    // A role granted the whole tables, as before the fix, is narrowed by its next grant.
+    db.grant_tenant(&role).await.unwrap();
+    for table in ["INSERT ON task_events", "UPDATE ON queue_probes"] {
+        sqlx::query(&format!("GRANT {table} TO \"{}\"", role.name()))
+            .execute(db.pool())
+            .await
+            .unwrap();
+    }
+    let role = TenantRole::new(&tenant).unwrap();
+    db.grant_tenant(&role).await.unwrap();
+
+    let task_type = format!("{tenant}.transcode");
+    let task = NewTask {
+        tenant: tenant.clone(),
+        ..new_task(&task_type, Uuid::new_v4())
+    };
+    db.record_tasks(std::slice::from_ref(&task)).await.unwrap();
+    let probe: Uuid = sqlx::query_scalar(
+        "INSERT INTO queue_probes (id, task_type) VALUES (gen_random_uuid(), $1) RETURNING id",
+    )
+    .bind(&task_type)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+
+    let tenant_db = connect_as(&database, &role);
+    let pool = tenant_db.pool();
+    // An audit row in a day of its choosing: refused. One at the database's time: fine.
+    let forged = sqlx::query(
+        "INSERT INTO task_events (task_id, task_type, to_state, attempt, at)
+         VALUES ($1, $2, 'INGESTED', 0, now() + interval '300 days')",
+    )
+    .bind(task.id)
+    .bind(&task_type)
+    .execute(pool)
+    .await;
+    assert!(denied(&forged), "{forged:?}");
+    sqlx::query(
+        "INSERT INTO task_events (task_id, task_type, to_state, attempt)
+         VALUES ($1, $2, 'INGESTED', 0)",
+    )
+    .bind(task.id)
+    .bind(&task_type)
+    .execute(pool)
+    .await
+    .unwrap();
+    // A probe's send time: refused. Marking it seen: fine.
+    let moved =
+        sqlx::query("UPDATE queue_probes SET sent_at = now() + interval '1 year' WHERE id = $1")
+            .bind(probe)
+            .execute(pool)
+            .await;
+    assert!(denied(&moved), "{moved:?}");
+    tenant_db.probe_seen(probe).await.unwrap();
+    // No lock that keeps others out.
+    for table in ["queue_probes", "tasks", "task_events"] {
+        let mut tx = pool.begin().await.unwrap();
+        let locked = sqlx::query(&format!("LOCK TABLE {table} IN EXCLUSIVE MODE"))
+            .execute(&mut *tx)
+            .await;
+        assert!(denied(&locked), "{table}: {locked:?}");
+    }
+
+    // What it can still write cannot make the sweeper re-publish: a probe marked seen
+    // before it was sent proves nothing.
+    db.mark_queued(&[task.id], Locked::Wait).await.unwrap();
+    sqlx::query("UPDATE queue_probes SET seen_at = now() - interval '1 year' WHERE id = $1")
+        .bind(probe)
+        .execute(pool)
+        .await
+        .unwrap();
+    let rule = OrphanRule {
+        grace: Duration::ZERO,
+        margin: Duration::ZERO,
+        retry_delay_cap: Duration::ZERO,
+    };
+    assert!(db
+        .begin_republish(&task_type, &rule, 100)
+        .await
+        .unwrap()
+        .is_none());
+    tenant_db.close().await;
+}
+
+/// Index entries of `tasks_waiting` read, and scans of it, in this database so far.
+async fn waiting_index_reads(db: &Db) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT idx_scan, idx_tup_read FROM pg_stat_user_indexes
+         WHERE indexrelname = 'tasks_waiting'",
+    )
+    .fetch_one(db.pool())
+    .await
+    .unwrap()
+}
+
+/// After a probe came through, the sweeper read a type's whole waiting backlog on every
+/// pass (every 2 s): its filter could not bound the index scan (issue 32, item 6). It
+/// reads only what was queued before the probe.
+#[tokio::test]
+async fn the_sweeper_reads_what_waits_before_the_probe_not_the_backlog_behind_it() {
+    let db = TestDatabase::create().await.db;
+    let task_type = unique_type("behind");
+    sqlx::query(
+        "INSERT INTO queue_probes (id, task_type, sent_at, seen_at)
+         VALUES (gen_random_uuid(), $1, now() - interval '1 hour', now() - interval '59 minutes')",
+    )
+    .bind(&task_type)
+    .execute(db.pool())
+    .await
+    .unwrap();
+    // A healthy backlog, all of it queued after the probe went through.
+    const BACKLOG: usize = 5_000;
+    for _ in 0..5 {
+        let tasks: Vec<NewTask> = (0..BACKLOG / 5)
+            .map(|_| new_task(&task_type, Uuid::new_v4()))
+            .collect();
+        db.record_tasks(&tasks).await.unwrap();
+        let ids: Vec<Uuid> = tasks.iter().map(|t| t.id).collect();
+        db.mark_queued(&ids, Locked::Wait).await.unwrap();
+    }
+    sqlx::query("ANALYZE tasks")
+        .execute(db.pool())
+        .await
+        .unwrap();
+
+    let rule = OrphanRule {
+        grace: Duration::ZERO,
+        margin: Duration::from_secs(1),
+        retry_delay_cap: Duration::from_secs(60),
+    };
+    let (scans, read) = waiting_index_reads(&db).await;
+    const PASSES: i64 = 20;
+    for _ in 0..PASSES {
+        let found = db.begin_republish(&task_type, &rule, 100).await.unwrap();
+        assert!(found.is_none(), "a healthy task was taken for lost");
+    }
+    // Counters reach the view when a session flushes them: wait for the passes' scans.
+    conveyor_core::testing::wait_until(
+        "the passes' index scans counted",
+        Duration::from_secs(60),
+        || async { waiting_index_reads(&db).await.0 >= scans + PASSES },
+    )
+    .await;
+    let read = waiting_index_reads(&db).await.1 - read;
+    assert!(
+        read < PASSES * 10,
+        "{read} index entries read in {PASSES} passes over a healthy backlog of {BACKLOG}"
+    );
+}
+
+/// Settled tasks and their idempotency keys were kept for ever (issue 32, item 5). Past
+/// their retention they are archived, then deleted, and their key is free again;
+/// dead-lettered, open and recent ones stay.
+#[tokio::test]
+async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_rest_stay() {
+    use crate::support::{test_type, Harness};
+    use conveyor_gateway::upkeep::{TaskRetention, UpkeepConfig};
+    use reqwest::StatusCode;
+
+    let spec = test_type("expiring");
+    let name = spec.name.clone();
+    let archive = std::env::temp_dir().join(format!("conveyor-archive-{}", Uuid::new_v4()));
+    let harness = Harness::start_with(vec![spec], |config| {
+        config.upkeep = Some(UpkeepConfig {
+            tasks: TaskRetention {
+                default_days: Some(30),
+                archive: Some(archive.clone()),
+            },
+            ..crate::self_healing::fast_upkeep()
+        });
+    })
+    .await;
+    // Tasks made 40 days ago (their ids carry that time, as the gateway's do), and one now.
+    let made = |days: u64| {
+        let at = days_ago(days);
+        let ts = uuid::Timestamp::from_unix(
+            uuid::NoContext,
+            at.timestamp() as u64,
+            at.timestamp_subsec_nanos(),
+        );
+        new_task(&name, Uuid::new_v7(ts))
+    };
+    let (done, cancelled, dead, open, recent) = (made(40), made(40), made(40), made(40), made(0));
+    let all = [&done, &cancelled, &dead, &open, &recent];
+    harness
+        .db
+        .record_tasks(&all.map(|t| t.clone()))
+        .await
+        .unwrap();
+    for (task, state, days) in [
+        (&done, "COMPLETED", 40),
+        (&cancelled, "CANCELLED", 35),
+        (&dead, "DEAD_LETTER", 40),
+        (&open, "QUEUED", 40),
+        (&recent, "COMPLETED", 0),
+    ] {
+        sqlx::query("UPDATE tasks SET state = $2, created_at = $3, updated_at = $3 WHERE id = $1")
+            .bind(task.id)
+            .bind(state)
+            .bind(days_ago(days))
+            .execute(harness.db.pool())
+            .await
+            .unwrap();
+    }
+
+    wait_until_gone(&harness.db, &[done.id, cancelled.id]).await;
+    for kept in [&dead, &open, &recent] {
+        assert!(
+            harness.db.task(kept.id).await.unwrap().is_some(),
+            "{kept:?}"
+        );
+    }
+    // Archived, each once, in the file of the day it settled.
+    let mut archived = Vec::new();
+    for (task, days) in [(&done, 40), (&cancelled, 35)] {
+        let day = days_ago(days).format("%Y-%m-%d").to_string();
+        let file = archive.join(day).join(format!("{name}.ndjson"));
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file:?}: {e}"));
+        for line in text.lines() {
+            let record: conveyor_core::task::TaskRecord = serde_json::from_str(line).unwrap();
+            archived.push(record.id);
+        }
+        assert!(archived.contains(&task.id), "{text}");
+    }
+    archived.sort();
+    let mut expected = vec![done.id, cancelled.id];
+    expected.sort();
+    assert_eq!(archived, expected);
+    // The key of a deleted task is free again: the same key makes a new task.
+    let (status, body) = harness
+        .submit(&name, serde_json::json!({}), Some(done.idempotency_key))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_ne!(body["id"].as_str(), Some(done.id.to_string().as_str()));
+    let _ = std::fs::remove_dir_all(&archive);
+    harness.shutdown().await;
+}
+
+async fn wait_until_gone(db: &Db, ids: &[Uuid]) {
+    conveyor_core::testing::wait_until(
+        "expired tasks deleted",
+        Duration::from_secs(30),
+        || async {
+            for id in ids {
+                if db.task(*id).await.unwrap().is_some() {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+}
+
+/// A DROP holds the whole log until its statement ends, so retention drops one day per
+/// call, oldest first, and stops at the first day it cannot drop now (before, a pass went
+/// on past it: every day after the first drop was dropped with all writers held out, and
+/// a newer day dropped before an older one was remade by the next rescue).
+#[tokio::test]
+async fn retention_drops_days_oldest_first_and_stops_at_one_a_reader_holds() {
+    let db = TestDatabase::create().await.db;
+    let today = Utc::now().date_naive();
+    // Days 45 to 42 ago, past a 30-day retention.
+    db.ensure_partitions_around(2, Some(today - Days::new(44)))
+        .await
+        .unwrap();
+    let day = |n: u64| format!("task_events_{}", (today - Days::new(n)).format("%Y%m%d"));
+    let mut reader = db.pool().begin().await.unwrap();
+    sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    sqlx::query(&format!("SELECT count(*) FROM {}", day(44)))
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+
+    let dropped = db.drop_partitions_before(30, None).await.unwrap();
+    assert_eq!(
+        dropped,
+        [day(45)],
+        "the days after the held one wait for it"
+    );
+    reader.commit().await.unwrap();
+    let dropped = db.drop_partitions_before(30, None).await.unwrap();
+    assert_eq!(dropped, [day(44), day(43), day(42)]);
+}
