@@ -1,7 +1,10 @@
 //! Queue depth as the gateway sees it, and the drain rate that `Retry-After` comes from.
 //!
 //! A background loop reads each work queue's and retry queue's ready counts every interval
-//! (never per request); submissions compare the sum against the last reading.
+//! (never per request); submissions compare the sum against the last reading. Only the
+//! types with work are read each interval (submitted to since their last reading, or with
+//! messages waiting); an idle type is read once every [`IDLE_EVERY`], so five hundred idle
+//! types cost a few broker calls a second, not a thousand.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -12,6 +15,10 @@ use conveyor_core::metrics::Metrics;
 use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
+
+/// How often a type with nothing waiting and nothing submitted is read (its queue may still
+/// fill: retries coming back, or submissions to other gateway replicas).
+pub const IDLE_EVERY: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy)]
 struct Reading {
@@ -61,6 +68,15 @@ impl DepthMonitor {
         );
     }
 
+    /// Whether `task_type` is read this interval: never read, submitted to since, messages
+    /// waiting at the last reading, or idle for [`IDLE_EVERY`].
+    fn due(&self, task_type: &str) -> bool {
+        let readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        readings
+            .get(task_type)
+            .is_none_or(|r| r.published_since > 0 || r.depth > 0 || r.at.elapsed() >= IDLE_EVERY)
+    }
+
     /// `Some(wait)` when `task_type`'s queue holds more than `max_depth`: how long until it
     /// should have drained below the limit at the measured rate (1 s to 60 s).
     pub fn over_limit(&self, task_type: &str, max_depth: u64) -> Option<Duration> {
@@ -85,7 +101,7 @@ impl DepthMonitor {
         readings.get(task_type).map(|r| (r.depth, r.drain_rate))
     }
 
-    /// Polls every task type's work queue until `shutdown`.
+    /// Polls the work queues of the task types that are [`Self::due`] until `shutdown`.
     pub async fn run(
         self: Arc<Self>,
         observer: Arc<QueueObserver>,
@@ -103,6 +119,9 @@ impl DepthMonitor {
             }
             for known in task_types.snapshot().values() {
                 let task_type = &known.spec.name;
+                if !self.due(task_type) {
+                    continue;
+                }
                 let queues = QueueNames::of(task_type);
                 // Failed attempts waiting out their backoff come back as work: they count
                 // against maxQueueDepth too.
@@ -135,6 +154,27 @@ impl DepthMonitor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_types_with_work_are_read_every_interval() {
+        let monitor = DepthMonitor::default();
+        assert!(monitor.due("t"), "never read");
+        monitor.record("t", 0);
+        assert!(!monitor.due("t"), "idle: not read again this interval");
+        monitor.published("t", 1);
+        assert!(monitor.due("t"), "submitted to since");
+        monitor.record("t", 3);
+        assert!(monitor.due("t"), "messages waiting");
+        monitor.record("t", 0);
+        assert!(!monitor.due("t"));
+        let mut readings = monitor.readings.lock().unwrap();
+        let reading = readings.get_mut("t").unwrap();
+        if let Some(long_ago) = reading.at.checked_sub(IDLE_EVERY) {
+            reading.at = long_ago;
+            drop(readings);
+            assert!(monitor.due("t"), "idle for IDLE_EVERY: read again");
+        }
+    }
 
     #[test]
     fn limit_and_retry_after_follow_the_drain_rate() {

@@ -1,8 +1,10 @@
-//! One poller of the broker's queue statistics for the whole operator: a single list request
+//! One poller of the broker's queue statistics for the whole operator: a single paged list
 //! every [`POLL_EVERY`], whatever the number of TaskTypes and pools, instead of several
-//! requests per type in every reconcile. Both controllers read the latest snapshot. A
-//! snapshot older than [`STALE_AFTER`] is not used: the reader gets the poller's last error
-//! (or [`ManagementError::Stale`]), and an autoscaled pool holds.
+//! requests per type in every reconcile. Both controllers read the latest snapshot. A list
+//! that takes long (a large fleet, a busy broker) is paced, never repeated back to back: the
+//! poller pauses three times as long as the list took. A snapshot older than [`STALE_AFTER`]
+//! (or than two such pauses) is not used: the reader gets the poller's last error (or
+//! [`ManagementError::Stale`]), and an autoscaled pool holds.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, RwLock};
@@ -32,14 +34,41 @@ pub struct BrokerStats {
 struct State {
     snapshot: Option<(Arc<Queues>, Instant)>,
     last_error: Option<ManagementError>,
+    /// How long the last list took.
+    took: Duration,
+}
+
+/// The pause after a list that took `took`: the list costs the broker at most a quarter of
+/// the time.
+fn pause_after(took: Duration) -> Duration {
+    POLL_EVERY.max(took * 3)
+}
+
+/// How old a snapshot may be when lists take `took`: two pauses and a list, at least
+/// [`STALE_AFTER`].
+fn stale_after(took: Duration) -> Duration {
+    STALE_AFTER.max(pause_after(took) * 2 + took)
 }
 
 impl BrokerStats {
     /// Fetches the queue list once and keeps it (or the error).
     pub async fn refresh(&self, api: &ManagementApi) -> Result<(), ManagementError> {
-        self.store(api.list_queues().await)
+        self.fetch(api).await.map(drop)
     }
 
+    /// Fetches the list, keeps it with how long it took, and answers what changed.
+    /// Only a list that came through paces the next: a failed one (a hung broker takes the
+    /// whole client timeout) must not make an old snapshot trusted for longer.
+    async fn fetch(&self, api: &ManagementApi) -> Result<BTreeSet<String>, ManagementError> {
+        let started = Instant::now();
+        let fetched = api.list_queues().await;
+        if fetched.is_ok() {
+            self.state.write().unwrap_or_else(|p| p.into_inner()).took = started.elapsed();
+        }
+        self.store_changes(fetched)
+    }
+
+    #[cfg(test)]
     fn store(&self, fetched: Result<Queues, ManagementError>) -> Result<(), ManagementError> {
         self.store_changes(fetched).map(drop)
     }
@@ -77,7 +106,12 @@ impl BrokerStats {
         stop: CancellationToken,
     ) {
         loop {
-            match self.store_changes(api.list_queues().await) {
+            let fetched = self.fetch(api).await;
+            let pause = match &fetched {
+                Ok(_) => pause_after(self.state.read().unwrap_or_else(|p| p.into_inner()).took),
+                Err(_) => POLL_EVERY,
+            };
+            match fetched {
                 Ok(keys) if !keys.is_empty() => {
                     for listener in &changed {
                         let _ = listener.send(keys.clone());
@@ -90,7 +124,7 @@ impl BrokerStats {
             }
             tokio::select! {
                 () = stop.cancelled() => return,
-                () = tokio::time::sleep(POLL_EVERY) => {}
+                () = tokio::time::sleep(pause) => {}
             }
         }
     }
@@ -118,7 +152,7 @@ impl BrokerStats {
     fn latest(&self) -> Result<Arc<Queues>, ManagementError> {
         let state = self.state.read().unwrap_or_else(|p| p.into_inner());
         match &state.snapshot {
-            Some((queues, at)) if at.elapsed() < STALE_AFTER => Ok(queues.clone()),
+            Some((queues, at)) if at.elapsed() < stale_after(state.took) => Ok(queues.clone()),
             snapshot => Err(state.last_error.clone().unwrap_or(ManagementError::Stale {
                 age: snapshot.as_ref().map(|(_, at)| at.elapsed()),
             })),
@@ -214,6 +248,15 @@ mod tests {
         tokio::time::advance(STALE_AFTER).await;
         let err = stats.depths(&spec).unwrap_err();
         assert_eq!(err.category(), "RabbitMQUnavailable", "{err}");
+    }
+
+    #[test]
+    fn a_slow_list_is_paced_and_trusted_for_as_long() {
+        assert_eq!(pause_after(Duration::from_millis(200)), POLL_EVERY);
+        assert_eq!(stale_after(Duration::from_millis(200)), STALE_AFTER);
+        let slow = Duration::from_secs(20);
+        assert_eq!(pause_after(slow), Duration::from_secs(60));
+        assert_eq!(stale_after(slow), Duration::from_secs(140));
     }
 
     #[test]

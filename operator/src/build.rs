@@ -199,14 +199,19 @@ fn config_map(
 /// FNV-1a over the ConfigMap data: stable across builds, so pods roll exactly when the
 /// task type settings they run with change.
 fn config_hash(config_map: &ConfigMap) -> String {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for (key, value) in config_map.data.iter().flatten() {
-        for byte in key.bytes().chain([0]).chain(value.bytes()).chain([0]) {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-    }
-    format!("{hash:016x}")
+    let bytes = config_map
+        .data
+        .iter()
+        .flatten()
+        .flat_map(|(key, value)| key.bytes().chain([0]).chain(value.bytes()).chain([0]));
+    format!("{:016x}", fnv1a(bytes))
+}
+
+/// FNV-1a, 64 bits: a hash that stays the same across builds and processes.
+pub fn fnv1a(bytes: impl IntoIterator<Item = u8>) -> u64 {
+    bytes.into_iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// What a pool's pods run with besides the pool's spec.

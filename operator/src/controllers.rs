@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conveyor_core::crd::{TaskType, WorkerPool};
-use futures_util::StreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
@@ -58,8 +58,30 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             .await;
     });
 
+    // One watch of TaskTypes feeds both controllers: each TaskType it hands the TaskType
+    // controller is passed on to wake the pools that consume it (a second watch would hold
+    // a second copy of every TaskType).
     let (types, types_writer) = reflector::store::<TaskType>();
-    let type_changes = spec_changes(&client, types_writer);
+    let (to_pools, types_for_pools) = tokio::sync::mpsc::unbounded_channel();
+    let type_changes = edits(
+        watcher(
+            Api::<TaskType>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect(types_writer)
+        .inspect_ok(move |event| {
+            // Every TaskType the watch reports; on the pools' side `edits` passes on those
+            // created or edited.
+            if let watcher::Event::Apply(task_type)
+            | watcher::Event::InitApply(task_type)
+            | watcher::Event::Delete(task_type) = event
+            {
+                let _ = to_pools.send(task_type.clone());
+            }
+        })
+        .applied_objects(),
+    );
     let _ = ctx.task_types.set(types.clone());
     let types_for_gauges = types.clone();
     // Types at rest (empty queues) are looked at when their counts change, not every period.
@@ -93,6 +115,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         watcher::Config::default().labels(POOL_LABEL),
     )
     .default_backoff()
+    .modify(crate::scale_down::slim)
     .reflect(pods_writer)
     .take_until(stop.clone().cancelled_owned())
     .for_each(|_| async {});
@@ -105,12 +128,10 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     // filter as the pools' (its annotations carry nothing a pool reads, so an edit of them
     // costs one look).
     let type_edits = edits(
-        watcher(
-            Api::<TaskType>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .touched_objects(),
+        futures_util::stream::unfold(types_for_pools, |mut received| async move {
+            received.recv().await.map(|t| (t, received))
+        })
+        .map(Ok),
     );
     // Pools at rest are looked at when their queues' counts change, not every period.
     let (store, wake) = (pools.clone(), ctx.clone());

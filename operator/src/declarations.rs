@@ -3,6 +3,9 @@
 //! once; when one finds the broker unreachable or hung, the types waiting for a turn report
 //! that at once instead of each waiting out its own timeout: a thousand types behind a hung
 //! broker would otherwise hit the reconcile bound, write no status, and stay `Ready=True`.
+//! Without a recent queue list, one type at a time declares to find out whether the broker
+//! is out ([`Declarations::probe_due`]): had every type declared, a list that is slow because
+//! the fleet is large would bring a storm of declarations that slows the broker further.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -21,6 +24,8 @@ pub struct Declarations {
     turns: Semaphore,
     /// When the last declaration found the broker out, and why.
     outage: Mutex<Option<(Instant, String)>>,
+    /// When a type last declared to find out whether the broker is out.
+    last_probe: Mutex<Option<Instant>>,
 }
 
 impl Default for Declarations {
@@ -28,6 +33,7 @@ impl Default for Declarations {
         Declarations {
             turns: Semaphore::new(AT_ONCE),
             outage: Mutex::default(),
+            last_probe: Mutex::default(),
         }
     }
 }
@@ -46,7 +52,19 @@ impl Declarations {
         Ok(turn)
     }
 
-    fn not_out(&self) -> Result<()> {
+    /// Whether the caller should declare to find out if the broker is out (no queue list for
+    /// a while): yes for one caller per [`RETRY_AFTER`], whatever the number of types.
+    pub fn probe_due(&self) -> bool {
+        let mut last = lock(&self.last_probe);
+        if last.is_some_and(|at| at.elapsed() < RETRY_AFTER) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
+    }
+
+    /// [`Error::BrokerDown`] while an outage seen less than [`RETRY_AFTER`] ago holds.
+    pub fn not_out(&self) -> Result<()> {
         match lock(&self.outage).as_ref() {
             Some((at, cause)) if at.elapsed() < RETRY_AFTER => Err(Error::BrokerDown {
                 ago: at.elapsed(),
@@ -80,6 +98,16 @@ mod tests {
         assert!(err.to_string().contains("connection refused"), "{err}");
         declarations.found(None);
         assert!(declarations.turn().await.is_ok());
+    }
+
+    #[test]
+    fn one_probe_per_wait_however_many_types_ask() {
+        let declarations = Declarations::default();
+        let due = (0..1000).filter(|_| declarations.probe_due()).count();
+        assert_eq!(due, 1, "a thousand types without a list probe once");
+        *lock(&declarations.last_probe) = Instant::now().checked_sub(RETRY_AFTER);
+        assert!(declarations.probe_due(), "the wait has passed: one more");
+        assert!(!declarations.probe_due());
     }
 
     #[tokio::test]

@@ -99,7 +99,10 @@ pub async fn reconcile(task_type: Arc<TaskType>, ctx: Arc<Context>) -> Result<Ac
     // The broker's answer decides Ready: a type whose queues cannot be declared is not
     // ready, whatever it was before (the gateway would publish into nothing).
     let depths = match declare_unless_current(&task_type, &spec, &ctx).await {
-        Ok(depths) => depths,
+        Ok(Queues::Known(depths)) => depths,
+        // Another type's declaration is finding out whether the broker is out: the status
+        // stays as it was (neither Ready nor an outage nobody has seen), looked at again soon.
+        Ok(Queues::Asking) => return Ok(Action::requeue(crate::declarations::RETRY_AFTER)),
         Err(err) => {
             let message = conveyor_core::with_causes(&err);
             write_status(&api, &task_type, false, err.category(), message, None).await?;
@@ -139,49 +142,104 @@ fn resync(depths: Option<&QueueDepths>) -> Duration {
 
 /// Declares again only when needed: the spec changed, the poller's queue list misses one of
 /// the type's queues (deleted by hand, or a broker that lost them), the poller has had no
-/// list for [`crate::broker_stats::STALE_AFTER`] (a broker stopped or hung: the declaration
-/// finds it out and the type says so), or [`REDECLARE_EVERY`] passed (policies edited by
+/// list for [`crate::broker_stats::STALE_AFTER`] (a broker stopped or hung: one declaration
+/// at a time finds it out, see [`Next`]), or [`REDECLARE_EVERY`] passed (policies edited by
 /// hand). A thousand types must not mean a thousand declarations and policy writes every
-/// resync. An operator that has no list yet declares nothing it declared before: had that
-/// counted as missing queues, a slow start under load would make every type declare again
-/// at once, the declarations time out, and Ready types flap.
+/// resync, nor after a restart.
 async fn declare_unless_current(
     task_type: &TaskType,
     spec: &NamedTaskType,
     ctx: &Context,
-) -> Result<Option<QueueDepths>> {
+) -> Result<Queues> {
     let key = declared_key(task_type);
     let generation = task_type.meta().generation;
     let listed = ctx.broker.depths(spec);
     let declared = lock(&ctx.declared).get(&key).copied();
-    let current = declared
-        .is_some_and(|(seen, at)| seen == generation && at.elapsed() < redeclare_after(&key));
-    // A list that is missing a queue, or no list for a while (a broker stopped, hung or cut
-    // off), is worth a declaration, which finds the broker out; one slow answer is not.
-    let look_again = match &listed {
-        Err(ManagementError::QueueMissing { .. }) => true,
-        Err(err) => err.says_broker_out(),
-        Ok(_) => false,
-    };
-    if current && !look_again {
-        return Ok(listed.ok());
+    let ready = ready_at(task_type, generation);
+    match next(declared, &key, generation, ready, &listed, || {
+        ctx.declarations.probe_due()
+    }) {
+        Next::Keep => {
+            if declared.is_none() {
+                // Trusted from the status: due again like any declaration of now.
+                lock(&ctx.declared).insert(key, (generation, Instant::now()));
+            }
+            return Ok(Queues::Known(listed.ok()));
+        }
+        Next::AskOutage => {
+            ctx.declarations.not_out()?;
+            return Ok(Queues::Asking);
+        }
+        Next::Declare => {}
     }
     // Declaring again what this spec already declared, with every queue listed: a slow
     // answer is a busy broker, not a lost one, and the type stays as it was.
-    let refresh = listed.is_ok()
-        && (declared.is_some_and(|(seen, _)| seen == generation)
-            || ready_at(task_type, generation));
+    let refresh = listed.is_ok() && (declared.is_some_and(|(seen, _)| seen == generation) || ready);
     match declare(spec, ctx, refresh).await {
         Ok(depths) => {
             lock(&ctx.declared).insert(key, (generation, Instant::now()));
-            Ok(depths)
+            Ok(Queues::Known(depths))
         }
         Err(err @ Error::Amqp(AmqpError::DeclareTimeout(_))) if refresh => {
             tracing::info!(error = %err, "declaring again timed out; the broker lists every queue, so the type stays ready");
             lock(&ctx.declared).insert(key, (generation, Instant::now()));
-            Ok(listed.ok())
+            Ok(Queues::Known(listed.ok()))
         }
         Err(err) => Err(err),
+    }
+}
+
+/// What [`declare_unless_current`] found out about a type's queues.
+enum Queues {
+    /// Declared (now or before), with their depths when the broker counted them.
+    Known(Option<QueueDepths>),
+    /// Not known yet: another type's declaration is finding out whether the broker is out.
+    Asking,
+}
+
+/// What a reconcile does about a type's queues.
+#[derive(Debug, PartialEq)]
+enum Next {
+    /// They are as declared: nothing to send.
+    Keep,
+    /// Declare (and put the policies).
+    Declare,
+    /// No recent queue list, and another type's declaration is finding out why: report the
+    /// outage it found, if any, else leave the status as it is.
+    AskOutage,
+}
+
+/// Decides [`Next`]. A type is current when this process declared its generation less than
+/// [`redeclare_after`] ago or, with no memory of it (a restarted or newly elected operator),
+/// when its status says this generation is Ready: a restart re-declares nothing that did not
+/// change. A queue missing from the list is declared whatever the memory says. Without a
+/// recent list, a current type declares only when [`Declarations::probe_due`] says it is the
+/// one to find out (`probe`).
+///
+/// [`Declarations::probe_due`]: crate::declarations::Declarations::probe_due
+fn next(
+    declared: Option<(Option<i64>, Instant)>,
+    key: &str,
+    generation: Option<i64>,
+    ready: bool,
+    listed: &std::result::Result<QueueDepths, ManagementError>,
+    probe: impl FnOnce() -> bool,
+) -> Next {
+    let current = match declared {
+        Some((seen, at)) => seen == generation && at.elapsed() < redeclare_after(key),
+        None => ready,
+    };
+    match listed {
+        Err(ManagementError::QueueMissing { .. }) => Next::Declare,
+        _ if !current => Next::Declare,
+        Err(err) if err.says_broker_out() => {
+            if probe() {
+                Next::Declare
+            } else {
+                Next::AskOutage
+            }
+        }
+        _ => Next::Keep,
     }
 }
 
@@ -405,6 +463,64 @@ mod tests {
             redeclare_after("uid-7"),
             due[7],
             "the same key, the same turn"
+        );
+    }
+
+    #[test]
+    fn a_restart_declares_nothing_that_did_not_change() {
+        let listed = Ok(QueueDepths::default());
+        let never = || -> bool { panic!("no probe while the list is fresh") };
+        assert_eq!(next(None, "k", Some(2), true, &listed, never), Next::Keep);
+        assert_eq!(
+            next(None, "k", Some(2), false, &listed, never),
+            Next::Declare,
+            "not Ready at this generation"
+        );
+        let missing = Err(ManagementError::QueueMissing {
+            queue: "conveyor.ns.t".into(),
+        });
+        assert_eq!(
+            next(None, "k", Some(2), true, &missing, never),
+            Next::Declare
+        );
+        let no_list_yet = Err(ManagementError::Stale { age: None });
+        assert_eq!(
+            next(None, "k", Some(2), true, &no_list_yet, never),
+            Next::Keep
+        );
+        let long_ago = Instant::now().checked_sub(REDECLARE_EVERY * 2);
+        if let Some(at) = long_ago {
+            assert_eq!(
+                next(Some((Some(2), at)), "k", Some(2), true, &listed, never),
+                Next::Declare
+            );
+        }
+        let now = Some((Some(1), Instant::now()));
+        assert_eq!(
+            next(now, "k", Some(2), true, &listed, never),
+            Next::Declare,
+            "edited"
+        );
+    }
+
+    #[test]
+    fn without_a_list_only_the_probing_type_declares() {
+        let stale = Err(ManagementError::Stale {
+            age: Some(Duration::from_secs(40)),
+        });
+        let now = Some((Some(1), Instant::now()));
+        assert_eq!(
+            next(now, "k", Some(1), true, &stale, || true),
+            Next::Declare
+        );
+        assert_eq!(
+            next(now, "k", Some(1), true, &stale, || false),
+            Next::AskOutage
+        );
+        assert_eq!(
+            next(now, "k", Some(2), true, &stale, || false),
+            Next::Declare,
+            "an edit is declared whatever the list"
         );
     }
 

@@ -26,15 +26,13 @@ use crate::error::{Error, Result};
 use crate::scale_down;
 use crate::shared::{lock, synced};
 
+mod applied;
 mod status;
 use status::{last_scale, report, write_status, Status};
 
 /// How often an autoscaled pool is looked at again.
 const AUTOSCALE_PERIOD: Duration = Duration::from_secs(10);
 const RESYNC: Duration = Duration::from_secs(60);
-/// Objects unchanged since they were applied are applied again at least this often, which
-/// repairs hand edits of the ConfigMap, Service and PodDisruptionBudget.
-const REAPPLY_EVERY: Duration = Duration::from_secs(300);
 /// How often a pool with workers draining is looked at again, to remove each once idle.
 const DRAIN_POLL: Duration = Duration::from_secs(2);
 
@@ -58,8 +56,9 @@ struct Seen {
     /// The Deployment's count now, and how many of its workers are ready.
     current: i32,
     ready_replicas: i32,
-    /// Its generation (`None`: no Deployment): another writer's edit changes it.
-    deployment_generation: Option<i64>,
+    /// Its generation (`None`: no Deployment; another writer's edit changes it) and the
+    /// fingerprint it carries.
+    deployment: applied::Live,
 }
 
 #[tracing::instrument(skip_all, fields(pool = %pool.name_any()))]
@@ -136,31 +135,34 @@ async fn observe(pool: &WorkerPool, ctx: &Context) -> Result<Seen> {
         load,
         current,
         ready_replicas,
-        deployment_generation: deployment.as_ref().and_then(|d| d.metadata.generation),
+        deployment: applied::Live {
+            generation: deployment.as_ref().and_then(|d| d.metadata.generation),
+            carried: deployment.as_ref().and_then(applied::carried),
+        },
     })
 }
 
 /// Builds the pool's objects with `replicas` workers and applies them; when they cannot be
 /// built, the pool is Degraded and the Deployment keeps its count.
 async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: i32) -> Result<()> {
-    let objects = match build::pool_objects(pool, &seen.task_types, replicas, &ctx.secret) {
+    let mut objects = match build::pool_objects(pool, &seen.task_types, replicas, &ctx.secret) {
         Ok(objects) => objects,
         Err(err) => return Err(degrade(pool, ctx, seen, err.into()).await),
     };
     // Unchanged objects are not applied again on every period: four writes per pool every
-    // 10 s were most of the apiserver's load with a thousand pools. A Deployment edited by
-    // anyone else has a new generation and is repaired at once; the others at least every
-    // REAPPLY_EVERY.
-    let fingerprint = fingerprint(&objects);
+    // 10 s were most of the apiserver's load with a thousand pools (`applied.rs`).
+    let fingerprint = applied::stamp(&mut objects);
     let key = pool.uid().unwrap_or_default();
-    let unchanged = lock(&ctx.applied).get(&key).is_some_and(|last| {
-        last.fingerprint == fingerprint
-            && last.generation.is_some()
-            && last.generation == seen.deployment_generation
-            && last.at.elapsed() < REAPPLY_EVERY
-    });
-    if unchanged {
-        return Ok(());
+    {
+        let mut memories = lock(&ctx.applied);
+        let mut memory = memories.remove(&key);
+        let unchanged = applied::unchanged(&mut memory, &key, seen.deployment, fingerprint);
+        if let Some(memory) = memory {
+            memories.insert(key.clone(), memory);
+        }
+        if unchanged {
+            return Ok(());
+        }
     }
     let namespace = pool.namespace().unwrap_or_default();
     apply(&ctx.client, &namespace, &objects.config_map).await?;
@@ -215,21 +217,6 @@ async fn degrade(pool: &WorkerPool, ctx: &Context, seen: &Seen, err: Error) -> E
 /// read), not of the request's circumstances.
 fn invalid(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(status) if status.code == 422 || status.code == 400)
-}
-
-/// A hash of everything applied for a pool.
-fn fingerprint(objects: &build::PoolObjects) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    for object in [
-        serde_json::to_string(&objects.config_map),
-        serde_json::to_string(&objects.service),
-        serde_json::to_string(&objects.pod_disruption_budget),
-        serde_json::to_string(&objects.deployment),
-    ] {
-        object.unwrap_or_default().hash(&mut hasher);
-    }
-    hasher.finish()
 }
 
 /// A change of the worker count: counted, and an Event of its own (the recorder's series

@@ -1217,8 +1217,9 @@ fn pool_status(seen: &[Seen]) -> &Value {
     &seen.last().unwrap().2["status"]
 }
 
-/// A management API that answers every request with `queues` (a stand-in for a broker
-/// that lists its queues without some counters); returns its URL.
+/// A management API that answers every request with `queues` as the one page of the queue
+/// list (a stand-in for a broker that lists its queues without some counters); returns its
+/// URL.
 async fn management_answering(queues: Value) -> String {
     management_counting(queues).await.0
 }
@@ -1228,7 +1229,10 @@ async fn management_counting(queues: Value) -> (String, Arc<std::sync::atomic::A
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let body = queues.to_string();
+    let count = queues.as_array().map_or(0, Vec::len);
+    let body = json!({"items": queues, "page": 1, "page_size": 500, "page_count": 1,
+                      "item_count": count, "total_count": count, "filtered_count": count})
+    .to_string();
     let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = requests.clone();
     tokio::spawn(async move {

@@ -62,6 +62,9 @@ pub struct DbOptions {
     /// The server cancels a statement that runs longer (`statement_timeout`). Set it at or
     /// below the caller's own timeout: a call the client gave up on must not commit later.
     pub statement_timeout: Option<Duration>,
+    /// A connection unused this long is closed: a process at rest (an idle tenant's workers)
+    /// holds none, so the server's connections follow the work, not the fleet.
+    pub idle_timeout: Duration,
 }
 
 impl DbOptions {
@@ -71,6 +74,7 @@ impl DbOptions {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Some(Duration::from_secs(30)),
+            idle_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -128,6 +132,8 @@ impl Db {
             PgPoolOptions::new()
                 .test_before_acquire(false)
                 .max_connections(options.max_connections)
+                .min_connections(0)
+                .idle_timeout(options.idle_timeout)
                 .acquire_timeout(options.acquire_timeout)
         };
         // The hot path's array statements look up rows by id only. Planned afresh per call

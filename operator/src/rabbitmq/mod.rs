@@ -16,7 +16,10 @@ mod error;
 mod queues;
 
 pub use error::ManagementError;
-pub use queues::{consumers_in, depths_in, rates_in, QueueInfo, Queues, Rates};
+pub use queues::{
+    consumers_in, depths_in, rates_in, QueueInfo, QueuePage, Queues, Rates, LIST_ATTEMPTS,
+    LIST_PAGE,
+};
 
 /// Where the management API is and who talks to it: the same flags for the operator and
 /// `conveyorctl grant`.
@@ -302,23 +305,56 @@ impl ManagementApi {
             .unwrap_or_default())
     }
 
-    /// Every queue of the vhost in one request, with only the counters the operator reads:
-    /// what the shared poller ([`crate::broker_stats`]) fetches instead of four requests per
-    /// type per reconcile.
+    /// Every queue of the vhost, with only the counters the operator reads: what the shared
+    /// poller ([`crate::broker_stats`]) fetches instead of four requests per type per
+    /// reconcile. Page by page ([`LIST_PAGE`] queues each): one answer for ten thousand types
+    /// would be tens of megabytes, built at once by the broker and held at once here.
+    ///
+    /// The broker slices its sorted list afresh for each page, so a queue created or deleted
+    /// meanwhile shifts the rest: one could fall between two pages and read as missing (which
+    /// declares its type again), or the last page could go (400). Such a list is read again
+    /// from the first page, up to [`LIST_ATTEMPTS`] times; then the last one read is kept.
     pub async fn list_queues(&self) -> Result<Queues, ManagementError> {
-        let url = format!(
-            "{}/api/queues/{}?columns=name,messages,messages_ready,messages_unacknowledged,consumers,\
-             message_stats.ack_details.rate,message_stats.publish_details.rate",
-            self.base,
-            encode(&self.vhost)
-        );
-        let list: Vec<QueueInfo> = self
-            .send("the queue list".to_owned(), self.http.get(url))
-            .await?
-            .json()
-            .await
-            .map_err(|err| self.unreachable(err))?;
-        Ok(list.into_iter().map(|q| (q.name.clone(), q)).collect())
+        let mut attempt = 1;
+        loop {
+            match self.list_queues_once().await {
+                Ok((queues, true)) => return Ok(queues),
+                Ok((queues, false)) if attempt >= LIST_ATTEMPTS => return Ok(queues),
+                Err(ManagementError::Refused { status: 400, .. }) if attempt < LIST_ATTEMPTS => {}
+                Err(err) => return Err(err),
+                Ok(_) => {}
+            }
+            attempt += 1;
+        }
+    }
+
+    /// One pass over the pages; whether every page counted the same queues.
+    async fn list_queues_once(&self) -> Result<(Queues, bool), ManagementError> {
+        let mut queues = Queues::new();
+        let mut total = None;
+        let mut steady = true;
+        let mut page = 1;
+        loop {
+            let url = format!(
+                "{}/api/queues/{}?page={page}&page_size={LIST_PAGE}&columns=name,messages,\
+                 messages_ready,messages_unacknowledged,consumers,\
+                 message_stats.ack_details.rate,message_stats.publish_details.rate",
+                self.base,
+                encode(&self.vhost)
+            );
+            let answer: QueuePage = self
+                .send(format!("page {page} of the queue list"), self.http.get(url))
+                .await?
+                .json()
+                .await
+                .map_err(|err| self.unreachable(err))?;
+            steady &= *total.get_or_insert(answer.total_count) == answer.total_count;
+            queues.extend(answer.items.into_iter().map(|q| (q.name.clone(), q)));
+            if page >= answer.page_count {
+                return Ok((queues, steady));
+            }
+            page += 1;
+        }
     }
 
     /// Messages in each of a task type's queues, read now (one request per queue).

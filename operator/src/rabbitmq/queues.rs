@@ -59,6 +59,21 @@ impl QueueInfo {
     }
 }
 
+/// Queues per page of the queue list: RabbitMQ refuses more than 500.
+pub const LIST_PAGE: u64 = 500;
+/// Passes over the pages before a list that changed while it was read is kept as it is.
+pub const LIST_ATTEMPTS: u32 = 3;
+
+/// One page of the queue list (`?page=N&page_size=...`); a vhost without queues has no
+/// pages (`page_count` 0).
+#[derive(Debug, Deserialize)]
+pub struct QueuePage {
+    pub items: Vec<QueueInfo>,
+    pub page_count: u64,
+    /// Queues in the vhost when this page was cut.
+    pub total_count: u64,
+}
+
 /// Queues by name.
 pub type Queues = std::collections::HashMap<String, QueueInfo>;
 

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use conveyor_core::crd::WorkerPool;
 use conveyor_core::drain::{DrainState, DRAIN_PATH};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, PodSpec, PodStatus};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::ResourceExt;
 use serde_json::json;
@@ -245,6 +245,24 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
     }
 }
 
+/// What the pod watch keeps of a pool's pod: only what a scale-down reads (its metadata
+/// without managed fields, its node, phase, conditions and address). A whole pod is tens of
+/// kilobytes, most of it the spec and managed fields: a thousand pools' workers would fill
+/// the operator's memory.
+pub fn slim(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    pod.spec = pod.spec.take().map(|spec| PodSpec {
+        node_name: spec.node_name,
+        ..PodSpec::default()
+    });
+    pod.status = pod.status.take().map(|status| PodStatus {
+        phase: status.phase,
+        conditions: status.conditions,
+        pod_ip: status.pod_ip,
+        ..PodStatus::default()
+    });
+}
+
 /// The pool's pods: from the pod watch when `cached` and it has synced, else listed.
 async fn pool_pods(
     pool: &WorkerPool,
@@ -314,6 +332,43 @@ async fn annotate(pods: &Api<Pod>, pod: &str, annotations: serde_json::Value) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slim_pod_keeps_what_a_scale_down_reads() {
+        let mut pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "w1", "namespace": "video", "uid": "u1",
+                "labels": {POOL_LABEL: "p"}, "annotations": {DELETION_COST: "5", DRAINING_SINCE: "t"},
+                "managedFields": [{"manager": "kubelet", "operation": "Update"}]},
+            "spec": {"nodeName": "node-1", "containers": [{"name": "worker", "image": "w:1",
+                "env": [{"name": "A", "value": "x".repeat(2000)}]}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.7", "hostIP": "10.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+                "containerStatuses": [{"name": "worker", "image": "w:1", "imageID": "", "ready": true, "restartCount": 0}]},
+        }))
+        .unwrap();
+        let whole = serde_json::to_string(&pod).unwrap().len();
+        let before = (
+            ranking::rank(&pod),
+            pod.annotations().clone(),
+            pod.labels().clone(),
+        );
+        slim(&mut pod);
+        assert_eq!(
+            before,
+            (
+                ranking::rank(&pod),
+                pod.annotations().clone(),
+                pod.labels().clone()
+            )
+        );
+        assert_eq!(
+            pod.status.as_ref().unwrap().pod_ip.as_deref(),
+            Some("10.0.0.7")
+        );
+        assert_eq!(pod.metadata.uid.as_deref(), Some("u1"));
+        let kept = serde_json::to_string(&pod).unwrap().len();
+        assert!(kept * 5 < whole, "{kept} of {whole} bytes kept");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn hung_workers_are_asked_at_once_not_one_after_another() {

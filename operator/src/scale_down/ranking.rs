@@ -12,7 +12,7 @@ use kube::ResourceExt;
 use super::DELETION_COST;
 
 /// What the ReplicaSet sorts by, lowest deleted first.
-fn rank(pod: &Pod) -> (bool, u8, bool, i32) {
+pub(super) fn rank(pod: &Pod) -> (bool, u8, bool, i32) {
     let scheduled = pod
         .spec
         .as_ref()

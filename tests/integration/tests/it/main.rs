@@ -3,6 +3,7 @@
 
 mod support;
 
+mod bounded_costs;
 mod cluster_task_types;
 mod console;
 mod db_layer;
