@@ -25,3 +25,10 @@ where
 pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+/// `every` plus `key`'s own share of half of it (FNV-1a of the key, the same in every
+/// process): objects remembered together, at a start or a restart, come due spread out.
+pub fn spread(key: &str, every: Duration) -> Duration {
+    let half = (every.as_secs() / 2).max(1);
+    every + Duration::from_secs(crate::build::fnv1a(key.bytes()) % half)
+}

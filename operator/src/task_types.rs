@@ -246,11 +246,7 @@ fn next(
 /// When a declaration of `key` is due again: [`REDECLARE_EVERY`] plus the key's own share
 /// of half of it.
 fn redeclare_after(key: &str) -> Duration {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    key.hash(&mut hasher);
-    let spread = REDECLARE_EVERY.as_secs() / 2;
-    REDECLARE_EVERY + Duration::from_secs(hasher.finish() % spread)
+    crate::shared::spread(key, REDECLARE_EVERY)
 }
 
 /// Whether the status says this generation's queues were declared (an operator that

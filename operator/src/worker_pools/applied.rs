@@ -84,8 +84,7 @@ pub fn unchanged(memory: &mut Option<Applied>, key: &str, live: Live, fingerprin
 /// [`REAPPLY_EVERY`] plus the pool's own share of half of it: pools remembered together (at
 /// a restart) are applied again spread out.
 fn reapply_after(key: &str) -> Duration {
-    let spread = REAPPLY_EVERY.as_secs() / 2;
-    REAPPLY_EVERY + Duration::from_secs(fnv1a(key.bytes()) % spread)
+    crate::shared::spread(key, REAPPLY_EVERY)
 }
 
 #[cfg(test)]
