@@ -14,7 +14,7 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all toolchains build browser-tools services services-down cluster-services stack images real-node lint test unit integration e2e e2e-kind chaos chaos-cluster bench dev down
+.PHONY: all toolchains build browser-tools services services-down cluster-services stack images real-node lint test unit integration e2e e2e-kind chaos chaos-cluster soak bench dev down
 
 all: build
 
@@ -69,6 +69,8 @@ test: stack browser-tools real-node
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 	# make bench's short variant, on the debug build: proves the command works, asserts no time.
 	target/debug/conveyor-bench --short --report target/bench/short.md
+	# make soak's short variant (about two minutes): proves the command works, asserts no time.
+	$(E2E_ENV) target/debug/conveyor-soak --short --report target/soak/short.md
 
 unit:
 	$(CARGO) test --workspace --lib --bins
@@ -84,6 +86,13 @@ e2e: stack real-node
 chaos: stack
 	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md; \
 	  status=$$?; scripts/services.sh restart-broker; exit $$status
+
+# Months compressed into hours (about 75 minutes): a steady load for an hour while a
+# simulated day passes every 5 minutes (settled tasks expire after two of them, audit
+# partitions are made and dropped under a dump and a slow reader, a worker is rolled, the
+# stack's operator restarted or failed over, its fleet grown); writes docs/soak.md (+ .jsonl).
+soak: stack
+	$(E2E_ENV) $(CARGO) run -q -p conveyor-soak -- --report docs/soak.md
 
 # The cluster-scale scenarios (a RabbitMQ node killed, cut off, restarted in turn; the
 # PostgreSQL primary replaced by its standby), at 2,500 tasks each; their part of

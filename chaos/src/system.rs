@@ -39,6 +39,8 @@ pub struct Options {
     /// Against the RabbitMQ cluster and the PostgreSQL pair (`System::replicated`) instead
     /// of the single services.
     pub replicated: bool,
+    /// More of the gateway's settings, as environment variables (the soak's retention).
+    pub gateway_env: Vec<(String, String)>,
 }
 
 impl Default for Options {
@@ -54,6 +56,7 @@ impl Default for Options {
             max_retries: 3,
             start_workers: true,
             replicated: false,
+            gateway_env: Vec::new(),
         }
     }
 }
@@ -144,6 +147,7 @@ impl System {
             &types_file,
             &db_url,
             &amqp_url(&services, gateway_broker.as_ref()),
+            &options.gateway_env,
             &logs,
         )?;
         let mut system = System {
@@ -222,6 +226,7 @@ impl System {
             &self.types_file,
             &self.db_url,
             &amqp_url(&self.services, self.gateway_broker.as_ref()),
+            &self.options.gateway_env,
             &self.logs,
         )?;
         self.wait_gateway_ready().await
@@ -307,6 +312,25 @@ impl System {
         }
     }
 
+    /// Stops worker `i` as a rolling update would (SIGTERM: it drains), and waits for it.
+    pub async fn drain_worker(&mut self, i: usize) {
+        self.signal_worker(i, Signal::SIGTERM).await;
+        if let Some(child) = self.workers[i].as_mut() {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await;
+        }
+        self.workers[i] = None;
+    }
+
+    /// The gateway's process id (none once it has exited).
+    pub fn gateway_pid(&self) -> Option<u32> {
+        self.gateway.id()
+    }
+
+    /// The scenario's database, as the gateway and workers reach it.
+    pub fn database_url(&self) -> String {
+        self.db_url.clone()
+    }
+
     /// Stops every worker as a scale-down would (SIGTERM: each drains), and waits for them.
     pub async fn drain_workers(&mut self) {
         for i in 0..self.workers.len() {
@@ -381,6 +405,7 @@ fn spawn_gateway(
     types_file: &Path,
     db_url: &str,
     amqp_url: &str,
+    env: &[(String, String)],
     logs: &Path,
 ) -> anyhow::Result<Child> {
     Command::new(binary("conveyor-gateway"))
@@ -398,6 +423,7 @@ fn spawn_gateway(
         .env("CONVEYOR_CONFIRM_TIMEOUT_MS", "3000")
         .env("CONVEYOR_PARTITIONS_EVERY_SECONDS", "2")
         .env("RUST_LOG", "warn")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(log_file(logs, "gateway")?)
         .stderr(log_file(logs, "gateway")?)

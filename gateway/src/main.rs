@@ -146,6 +146,17 @@ struct Args {
     /// Expired tasks are appended here first, as `<day they settled>/<type>.ndjson`.
     #[arg(long, env = "CONVEYOR_TASK_ARCHIVE_DIR")]
     task_archive_dir: Option<std::path::PathBuf>,
+    /// How often settled tasks past their retention are looked for, in seconds.
+    #[arg(
+        long,
+        env = "CONVEYOR_TASK_RETENTION_EVERY_SECONDS",
+        default_value_t = 600
+    )]
+    task_retention_every_seconds: u64,
+    /// Seconds in a day of settled-task retention. Only a soak sets it (`make soak`, which
+    /// compresses months into hours); a real deployment keeps 86400.
+    #[arg(long, env = "CONVEYOR_RETENTION_DAY_SECONDS", default_value_t = 86_400)]
+    retention_day_seconds: u64,
     #[command(flatten)]
     database: DatabaseArgs,
     #[command(flatten)]
@@ -156,8 +167,6 @@ struct Args {
 
 /// How often the upkeep looks for open tasks of types no TaskType defines any more.
 const RETIRED_EVERY: Duration = Duration::from_secs(30);
-/// How often settled tasks past their retention are looked for.
-const TASKS_EVERY: Duration = Duration::from_secs(600);
 
 fn upkeep_config(args: &Args) -> UpkeepConfig {
     let mut sweep = SweepSettings::for_confirm_timeout(args.amqp.confirm_timeout());
@@ -170,10 +179,11 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
         sweep,
         partitions_every: Duration::from_secs(args.partitions_every_seconds.max(1)),
         retired_every: RETIRED_EVERY,
-        tasks_every: TASKS_EVERY,
+        tasks_every: Duration::from_secs(args.task_retention_every_seconds.max(1)),
         tasks: TaskRetention {
             default_days: (args.task_retention_days > 0).then_some(args.task_retention_days),
             archive: args.task_archive_dir.clone(),
+            day: Duration::from_secs(args.retention_day_seconds.max(1)),
         },
         retention_days: (args.audit_retention_days > 0).then_some(args.audit_retention_days),
         name: format!("gateway-upkeep/{}", std::process::id()),

@@ -31,7 +31,7 @@ use crate::registry::Registry;
 mod expiry;
 mod retired;
 
-pub use expiry::TaskRetention;
+pub use expiry::{TaskRetention, DAY};
 
 /// Settings of the upkeep loop.
 #[derive(Debug, Clone)]

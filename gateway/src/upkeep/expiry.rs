@@ -31,7 +31,13 @@ pub struct TaskRetention {
     pub default_days: Option<u32>,
     /// Expired tasks go to `<archive>/<day they settled>/<task type>.ndjson` first.
     pub archive: Option<PathBuf>,
+    /// How long a day of retention lasts: 24 hours, except in a soak, which compresses
+    /// months into hours (`--retention-day-seconds`).
+    pub day: Duration,
 }
+
+/// A real day.
+pub const DAY: Duration = Duration::from_secs(86_400);
 
 /// One pass over every task type the table holds, for at most [`BUDGET`] (the rest waits
 /// for the next pass, so that reaping and sweeping do not). A type goes by its own
@@ -67,7 +73,9 @@ pub(super) async fn pass(
         let Some(days) = days.filter(|d| *d > 0) else {
             continue;
         };
-        let cutoff = Utc::now() - chrono::Duration::days(i64::from(days));
+        let kept =
+            chrono::Duration::from_std(retention.day * days).unwrap_or(chrono::Duration::MAX);
+        let cutoff = Utc::now() - kept;
         let mut after = None;
         for _ in 0..MAX_BATCHES {
             if started.elapsed() > BUDGET {

@@ -12,7 +12,7 @@ use conveyor_core::db::ProbePolicy;
 use conveyor_core::testing;
 use conveyor_core::upkeep::SweepSettings;
 use conveyor_core::TaskState::*;
-use conveyor_gateway::upkeep::{TaskRetention, UpkeepConfig};
+use conveyor_gateway::upkeep::{TaskRetention, UpkeepConfig, DAY};
 use conveyor_worker::handler::Handler;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueuePurgeOptions};
 use tokio::io::AsyncWriteExt;
@@ -39,6 +39,7 @@ pub fn fast_upkeep() -> UpkeepConfig {
         tasks: TaskRetention {
             default_days: None,
             archive: None,
+            day: DAY,
         },
         retention_days: None,
         name: "test-upkeep".into(),

@@ -374,6 +374,7 @@ async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_re
             tasks: TaskRetention {
                 default_days: Some(30),
                 archive: Some(archive.clone()),
+                day: conveyor_gateway::upkeep::DAY,
             },
             ..crate::self_healing::fast_upkeep()
         });

@@ -1,0 +1,162 @@
+//! What the soak samples while it runs, all from outside the product's processes: their
+//! memory from `/proc`, PostgreSQL's view of the tables (sizes, dead tuples, autovacuum),
+//! and the latency of the tasks that completed since the last sample. All the soak's SQL is
+//! here.
+
+use std::collections::BTreeMap;
+
+use conveyor_core::db::Db;
+use conveyor_core::testing::proc_status_mib;
+
+/// Sizes and upkeep of one table (with its partitions), in MiB.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct Table {
+    pub data_mib: f64,
+    pub index_mib: f64,
+    pub rows: i64,
+    pub dead_rows: i64,
+    /// Autovacuum and autoanalyze runs so far.
+    pub autovacuums: i64,
+    pub autoanalyzes: i64,
+}
+
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct Database {
+    pub tasks: Table,
+    pub task_events: Table,
+    /// Partitions of the audit log, the default one included.
+    pub partitions: i64,
+    /// Tasks neither COMPLETED, CANCELLED nor DEAD_LETTER that were created over a minute
+    /// ago (a healthy one is done within a second here).
+    pub open_over_a_minute: i64,
+}
+
+/// Submit → COMPLETED of the tasks completed in a window, in milliseconds.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct Latency {
+    pub completed: i64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+pub async fn database(db: &Db) -> anyhow::Result<Database> {
+    let mut tasks = table(db, "tasks").await?;
+    let mut task_events = table(db, "task_events").await?;
+    // Counted, not estimated: the statistics lag behind by an autovacuum.
+    (tasks.rows, task_events.rows) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM tasks), (SELECT count(*) FROM task_events)")
+            .fetch_one(db.pool())
+            .await?;
+    let partitions: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_partition_tree('task_events') WHERE isleaf")
+            .fetch_one(db.pool())
+            .await?;
+    let open_over_a_minute: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM tasks
+         WHERE state NOT IN ('COMPLETED', 'CANCELLED', 'DEAD_LETTER')
+           AND created_at < now() - interval '1 minute'",
+    )
+    .fetch_one(db.pool())
+    .await?;
+    Ok(Database {
+        tasks,
+        task_events,
+        partitions,
+        open_over_a_minute,
+    })
+}
+
+/// A table with every partition it has.
+async fn table(db: &Db, name: &str) -> anyhow::Result<Table> {
+    let (data, index, dead, vacuums, analyzes): (i64, i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT coalesce(sum(pg_table_size(t.relid)), 0)::int8,
+                    coalesce(sum(pg_indexes_size(t.relid)), 0)::int8,
+                    coalesce(sum(s.n_dead_tup), 0)::int8,
+                    coalesce(sum(s.autovacuum_count), 0)::int8,
+                    coalesce(sum(s.autoanalyze_count), 0)::int8
+             FROM (SELECT relid FROM pg_partition_tree($1::regclass) WHERE isleaf
+                   UNION  -- a plain table has no tree: it is its own leaf
+                   SELECT oid FROM pg_class WHERE oid = $1::regclass AND relkind = 'r') t
+             LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid",
+    )
+    .bind(name)
+    .fetch_one(db.pool())
+    .await?;
+    let mib = |bytes: i64| bytes as f64 / (1024.0 * 1024.0);
+    Ok(Table {
+        data_mib: mib(data),
+        index_mib: mib(index),
+        rows: 0,
+        dead_rows: dead,
+        autovacuums: vacuums,
+        autoanalyzes: analyzes,
+    })
+}
+
+/// Submit → COMPLETED of the tasks that completed in the last `seconds`, from the rows'
+/// own times (created at the gateway's insert, updated by the completion).
+pub async fn latency(db: &Db, seconds: f64) -> anyhow::Result<Latency> {
+    let (completed, p50, p99): (i64, Option<f64>, Option<f64>) = sqlx::query_as(
+        "SELECT count(*),
+                percentile_cont(0.5) WITHIN GROUP (ORDER BY ms),
+                percentile_cont(0.99) WITHIN GROUP (ORDER BY ms)
+         FROM (SELECT extract(epoch FROM updated_at - created_at) * 1000 AS ms FROM tasks
+               WHERE state = 'COMPLETED'
+                 AND updated_at > now() - make_interval(secs => $1)) done",
+    )
+    .bind(seconds)
+    .fetch_one(db.pool())
+    .await?;
+    Ok(Latency {
+        completed,
+        p50_ms: p50.unwrap_or(0.0),
+        p99_ms: p99.unwrap_or(0.0),
+    })
+}
+
+/// Resident memory by process, in MiB: each of Conveyor's by name, and PostgreSQL's and
+/// RabbitMQ's as their proportional share (shared buffers counted once across backends).
+pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
+    let mut mib: BTreeMap<String, f64> = conveyor
+        .iter()
+        .map(|(name, pid)| (name.clone(), proc_status_mib(*pid, "VmRSS").unwrap_or(0.0)))
+        .collect();
+    for (service, comms) in [
+        ("postgresql", &["postgres"][..]),
+        (
+            "rabbitmq",
+            &["beam.smp", "epmd", "erl_child_setup", "inet_gethost"][..],
+        ),
+    ] {
+        let total: f64 = pids_named(comms).into_iter().filter_map(pss_mib).sum();
+        mib.insert(service.to_owned(), total);
+    }
+    mib
+}
+
+fn pids_named(comms: &[&str]) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| comms.contains(&c.trim()))
+        })
+        .collect()
+}
+
+/// Proportional set size (`/proc/<pid>/smaps_rollup`), in MiB.
+fn pss_mib(pid: u32) -> Option<f64> {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let kib: f64 = rollup
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
+}

@@ -1,0 +1,347 @@
+//! The soak's report: what held (the verdict, the stalls, flatness from the first quarter
+//! of the run to the last, bounded tables) and the samples over time, as Markdown, with a
+//! JSON line per run beside it.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use crate::calendar::Boundary;
+use crate::fleet::Operator;
+use crate::judge::Verdict;
+use crate::load::{Told, Window};
+use crate::observe::{Database, Latency};
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Sample {
+    pub elapsed_s: f64,
+    pub day: u32,
+    pub window: Window,
+    /// Completions per second over the window.
+    pub throughput: f64,
+    pub latency: Latency,
+    pub database: Database,
+    pub memory_mib: BTreeMap<String, f64>,
+    /// The local stack's operator, when it runs.
+    pub operator: Option<Operator>,
+}
+
+#[derive(Debug, Default, serde::Serialize)]
+pub struct Run {
+    pub started: String,
+    pub commit: String,
+    pub short: bool,
+    pub settings: serde_json::Value,
+    pub samples: Vec<Sample>,
+    pub boundaries: Vec<Boundary>,
+    pub restarts: Vec<String>,
+    pub verdict: Verdict,
+    pub refusals: BTreeMap<u16, usize>,
+    pub slowest_submit_ms: u64,
+    pub submits_over_one_second: usize,
+    pub longest_gap_ms: u64,
+    /// Tasks still open when the wait for quiet ended.
+    pub open_after_quiet: i64,
+    /// From when the first settled tasks have expired (their retention and one pass).
+    pub retention_reached_s: f64,
+    /// The operator once the load stopped.
+    pub operator_end: Option<Operator>,
+}
+
+impl Run {
+    pub fn told(&mut self, told: &Told) {
+        self.refusals = told.refusals.clone();
+        self.slowest_submit_ms = told.slowest_ms;
+        self.submits_over_one_second = told.over_one_second;
+        self.longest_gap_ms = told.longest_gap_ms;
+    }
+
+    /// What failed: what the clients were told did not happen. Times are reported, never
+    /// asserted (this machine is noisy); they are judged in the report's table.
+    pub fn failures(&self) -> Vec<String> {
+        let mut failures = self.verdict.failures();
+        let expired_by_now = self
+            .samples
+            .last()
+            .is_some_and(|s| s.elapsed_s >= self.retention_reached_s);
+        if expired_by_now && self.verdict.archived == 0 {
+            failures.push("no settled task expired into the archive (a gateway without --retention-day-seconds?)".to_owned());
+        }
+        let dumps_failed = self.boundaries.iter().filter(|b| !b.dump_ok).count();
+        if dumps_failed > 0 {
+            failures.push(format!("{dumps_failed} dumps of the audit log failed"));
+        }
+        failures
+    }
+
+    pub fn write(&self, path: &Path) -> anyhow::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(path, self.markdown())?;
+        let mut line = serde_json::to_string(self)?;
+        line.push('\n');
+        let jsonl = path.with_extension("jsonl");
+        let mut old = std::fs::read_to_string(&jsonl).unwrap_or_default();
+        old.push_str(&line);
+        std::fs::write(jsonl, old)?;
+        Ok(())
+    }
+
+    fn markdown(&self) -> String {
+        let mut md = String::new();
+        let _ = writeln!(md, "# Soak report\n");
+        let _ = writeln!(
+            md,
+            "Written by `make soak` (`conveyor-soak`) on {}, commit {}{}. Settings: `{}`.\n",
+            self.started,
+            self.commit,
+            if self.short { ", short variant" } else { "" },
+            self.settings
+        );
+        let v = &self.verdict;
+        let _ = writeln!(md, "## Verdict\n");
+        let _ = writeln!(md, "| submitted | accepted | completed | of which archived | lost | stranded | dead-lettered | completed without effect | duplicate effects | re-runs |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|");
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            v.submitted,
+            v.accepted,
+            v.completed,
+            v.archived,
+            v.lost,
+            v.stranded,
+            v.dead_lettered,
+            v.completed_without_effect,
+            v.duplicate_side_effects,
+            v.reruns
+        );
+        let _ = writeln!(md, "## What held\n");
+        let _ = writeln!(md, "| criterion | measured | holds |");
+        let _ = writeln!(md, "|---|---|---|");
+        let row = |md: &mut String, what: &str, measured: String, holds: bool| {
+            let _ = writeln!(
+                md,
+                "| {what} | {measured} | {} |",
+                if holds { "yes" } else { "**no**" }
+            );
+        };
+        row(
+            &mut md,
+            "0 lost, 0 stranded",
+            format!("{} lost, {} stranded", v.lost, v.stranded),
+            v.lost == 0 && v.stranded == 0,
+        );
+        row(
+            &mut md,
+            "no window where submissions stop for longer than a second",
+            format!(
+                "slowest answer {} ms, {} answers over 1 s, longest gap between acceptances {} ms",
+                self.slowest_submit_ms, self.submits_over_one_second, self.longest_gap_ms
+            ),
+            self.submits_over_one_second == 0 && self.longest_gap_ms <= 1000,
+        );
+        let (first, last) = self.quarters();
+        let p99 = |s: &[&Sample]| mean(s.iter().map(|s| s.latency.p99_ms));
+        let (p99_first, p99_last) = (p99(&first), p99(&last));
+        row(
+            &mut md,
+            "p99 submit → COMPLETED flat within 20 % (first quarter → last)",
+            format!(
+                "{p99_first:.0} ms → {p99_last:.0} ms ({:+.0} %)",
+                change(p99_first, p99_last)
+            ),
+            change(p99_first, p99_last) <= 20.0,
+        );
+        if let (Some(_), Some(b)) = (first.first(), last.last()) {
+            for name in b.memory_mib.keys() {
+                let rss =
+                    |s: &[&Sample]| mean(s.iter().filter_map(|s| s.memory_mib.get(name).copied()));
+                let (m0, m1) = (rss(&first), rss(&last));
+                row(
+                    &mut md,
+                    &format!("memory of {name} flat within 20 %"),
+                    format!("{m0:.1} MiB → {m1:.1} MiB ({:+.0} %)", change(m0, m1)),
+                    change(m0, m1) <= 20.0,
+                );
+            }
+            let size = |s: &Sample| s.database.tasks.data_mib + s.database.tasks.index_mib;
+            let reached = self
+                .samples
+                .iter()
+                .find(|s| s.elapsed_s >= self.retention_reached_s);
+            let Some(a) = reached.filter(|a| a.elapsed_s < b.elapsed_s) else {
+                row(
+                    &mut md,
+                    "`tasks` bounded by the settled-task retention",
+                    "retention not reached in this run".to_owned(),
+                    false,
+                );
+                return self.rest(md);
+            };
+            row(
+                &mut md,
+                "`tasks` (rows and indexes) bounded by the settled-task retention",
+                format!(
+                    "{:.1} MiB, {} rows → {:.1} MiB, {} rows",
+                    size(a),
+                    a.database.tasks.rows,
+                    size(b),
+                    b.database.tasks.rows
+                ),
+                size(b) <= size(a) * 1.2 + 1.0,
+            );
+        }
+        self.rest(md)
+    }
+
+    /// The report after its table of what held.
+    fn rest(&self, mut md: String) -> String {
+        let _ = writeln!(
+            md,
+            "\nRefusals by status (retried with the same key): {:?}.\n",
+            self.refusals
+        );
+        let _ = writeln!(md, "## Day boundaries\n");
+        let _ = writeln!(md, "A dump and a transaction reading the log for a third of a day start half a second before each boundary's partition upkeep, which waits at most 100 ms per lock and tries again every second.\n");
+        let _ = writeln!(md, "| day | date | partitions made | dropped | upkeep done after ms (tries) | pg_dump ms |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|");
+        for b in &self.boundaries {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {}{} ({}) | {}{} |",
+                b.day,
+                b.date,
+                b.made,
+                b.dropped,
+                b.upkeep_ms,
+                if b.done {
+                    ""
+                } else {
+                    ", **not done by the day's end**"
+                },
+                b.tries,
+                b.dump_ms,
+                if b.dump_ok { "" } else { " (failed)" }
+            );
+        }
+        let _ = writeln!(
+            md,
+            "\nRestarts: {}.\n",
+            if self.restarts.is_empty() {
+                "none".to_owned()
+            } else {
+                self.restarts.join("; ")
+            }
+        );
+        self.operator_table(&mut md);
+        let _ = writeln!(md, "## Over time\n");
+        let names: Vec<&String> = self
+            .samples
+            .last()
+            .map(|s| s.memory_mib.keys().collect())
+            .unwrap_or_default();
+        let _ = write!(md, "| s | day | done/s | p50 ms | p99 ms | slowest submit ms | tasks MiB (rows) | task_events MiB (rows) | dead tuples tasks / events | autovacuums | partitions | open > 1 min |");
+        for name in &names {
+            let _ = write!(md, " {name} MiB |");
+        }
+        let _ = writeln!(md);
+        let _ = writeln!(md, "|{}", "---|".repeat(12 + names.len()));
+        for s in &self.samples {
+            let d = &s.database;
+            let _ = write!(
+                md,
+                "| {:.0} | {} | {:.1} | {:.0} | {:.0} | {} | {:.1} ({}) | {:.1} ({}) | {} / {} | {} | {} | {} |",
+                s.elapsed_s, s.day, s.throughput, s.latency.p50_ms, s.latency.p99_ms,
+                s.window.slowest_ms,
+                d.tasks.data_mib + d.tasks.index_mib, d.tasks.rows,
+                d.task_events.data_mib + d.task_events.index_mib, d.task_events.rows,
+                d.tasks.dead_rows, d.task_events.dead_rows,
+                d.tasks.autovacuums + d.task_events.autovacuums, d.partitions, d.open_over_a_minute
+            );
+            for name in &names {
+                let _ = write!(
+                    md,
+                    " {:.1} |",
+                    s.memory_mib.get(*name).copied().unwrap_or(0.0)
+                );
+            }
+            let _ = writeln!(md);
+        }
+        md
+    }
+
+    /// The operator over time: its population, memory, and requests per minute.
+    fn operator_table(&self, md: &mut String) {
+        let sampled: Vec<(f64, &Operator)> = self
+            .samples
+            .iter()
+            .filter_map(|s| Some((s.elapsed_s, s.operator.as_ref()?)))
+            .collect();
+        if sampled.is_empty() {
+            let _ = writeln!(
+                md,
+                "## Operator\n\nNot in this run (the local stack did not run).\n"
+            );
+            return;
+        }
+        let _ = writeln!(md, "## Operator\n");
+        let _ = writeln!(md, "Its memory from `/proc`, its counters from its /metrics (a restart resets them: that minute shows none). Requests to the Kubernetes API are not counted yet.\n");
+        let _ = writeln!(md, "| s | namespaces (a TaskType and a WorkerPool each) | RSS MiB | reconciles/min | broker requests/min |");
+        let _ = writeln!(md, "|---|---|---|---|---|");
+        let mut last: Option<(f64, &Operator)> = None;
+        for (at, op) in sampled {
+            let rate = |now: f64, then: f64, (t0, _): (f64, &Operator)| {
+                let minutes = (at - t0) / 60.0;
+                if now >= then && minutes > 0.0 {
+                    format!("{:.0}", (now - then) / minutes)
+                } else {
+                    "-".to_owned()
+                }
+            };
+            let (reconciles, broker) = match last {
+                Some(prev) => (
+                    rate(op.reconciles, prev.1.reconciles, prev),
+                    rate(op.broker_requests, prev.1.broker_requests, prev),
+                ),
+                None => ("-".to_owned(), "-".to_owned()),
+            };
+            let _ = writeln!(
+                md,
+                "| {at:.0} | {} | {:.1} | {reconciles} | {broker} |",
+                op.namespaces, op.rss_mib
+            );
+            last = Some((at, op));
+        }
+        let _ = writeln!(md);
+    }
+
+    /// The samples of the first and the last quarter of the run, the first sample (warm-up)
+    /// left out.
+    fn quarters(&self) -> (Vec<&Sample>, Vec<&Sample>) {
+        let measured: Vec<&Sample> = self.samples.iter().skip(1).collect();
+        let quarter = (measured.len() / 4).max(1);
+        let first = measured.iter().take(quarter).copied().collect();
+        let last = measured.iter().rev().take(quarter).rev().copied().collect();
+        (first, last)
+    }
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0), |(s, n), v| (s + v, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        sum / f64::from(n)
+    }
+}
+
+/// Percent change from `a` to `b`.
+fn change(a: f64, b: f64) -> f64 {
+    if a <= 0.0 {
+        0.0
+    } else {
+        (b - a) / a * 100.0
+    }
+}
