@@ -87,7 +87,7 @@ chaos: stack
 	$(E2E_ENV) $(CARGO) run -q -p conveyor-chaos -- --tasks 1500 --outage-seconds 30 --report docs/chaos-report.md; \
 	  status=$$?; scripts/services.sh restart-broker; exit $$status
 
-# Months compressed into hours (about 75 minutes): a steady load for an hour while a
+# Twelve simulated days in an hour (about 75 minutes in all): a steady mixed load while a
 # simulated day passes every 5 minutes (settled tasks expire after two of them, audit
 # partitions are made and dropped under a dump and a slow reader, a worker is rolled, the
 # stack's operator restarted or failed over, its fleet grown); writes docs/soak.md (+ .jsonl).

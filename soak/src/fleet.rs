@@ -2,9 +2,15 @@
 //! TaskTypes and WorkerPools that grows every simulated day, one namespace each, and the
 //! operator restarted (kill -9, started again) or failed over to a standby every few days.
 //! Sampled from outside: the operator's memory from `/proc`, its reconciles and broker
-//! requests from its /metrics, and, across a restart, how many of the fleet's Deployments
-//! it wrote again (none should: nothing changed).
+//! requests from its /metrics, and the kube-apiserver's own count of requests on TaskTypes,
+//! WorkerPools and Deployments (every client's: the operator is the one that writes them
+//! while the soak does not apply). Across a restart, the Deployments applied again are the
+//! apiserver's count of APPLY requests on Deployments: only the operator applies them.
+//!
+//! kubectl and the stack's scripts block: every call runs on tokio's blocking threads, so
+//! that the load's clients, which share the runtime, are never held up by them.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use conveyor_core::testing::{free_port, proc_status_mib};
@@ -21,12 +27,14 @@ pub struct Operator {
     pub rss_mib: f64,
     pub reconciles: f64,
     pub broker_requests: f64,
+    /// The apiserver's count of requests on TaskTypes, WorkerPools and Deployments.
+    pub apiserver_requests: f64,
 }
 
-#[derive(Clone)]
+/// The fleet's namespaces; deleted when dropped, however the soak ends.
 pub struct Fleet {
     run: String,
-    namespaces: Vec<String>,
+    namespaces: AtomicUsize,
 }
 
 impl Fleet {
@@ -39,28 +47,35 @@ impl Fleet {
     pub fn new() -> Fleet {
         Fleet {
             run: uuid::Uuid::new_v4().simple().to_string()[..8].to_owned(),
-            namespaces: Vec::new(),
+            namespaces: AtomicUsize::new(0),
         }
     }
 
     /// `n` more namespaces, each with a TaskType and a WorkerPool of it (scaled on backlog
     /// from zero: no pods while idle).
-    pub fn grow(&mut self, n: usize) -> anyhow::Result<()> {
-        for _ in 0..n {
-            let namespace = format!("soak-{}-{}", self.run, self.namespaces.len());
-            let manifest = format!(
-                "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: {namespace}\n  labels: {{{LABEL}: \"{run}\"}}\n\
-                 ---\napiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: encode, namespace: {namespace}}}\n\
-                 spec: {{maxRetries: 2, deletionPolicy: Delete}}\n\
-                 ---\napiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: encoders, namespace: {namespace}}}\n\
-                 spec:\n  taskTypes: [encode]\n  image: conveyor:dev\n  handler: {{type: sleep}}\n  \
-                 autoscaling: {{minReplicas: 0, maxReplicas: 2}}\n",
-                run = self.run
-            );
-            kubectl_with(&["apply", "-f", "-"], Some(&manifest))
-                .map_err(|err| anyhow::anyhow!("kubectl apply of {namespace}: {err}"))?;
-            self.namespaces.push(namespace);
-        }
+    pub async fn grow(&self, n: usize) -> anyhow::Result<()> {
+        let first = self.namespaces.load(Ordering::Relaxed);
+        let manifests: String = (first..first + n)
+            .map(|i| {
+                let namespace = format!("soak-{}-{i}", self.run);
+                format!(
+                    "---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: {namespace}\n  \
+                     labels: {{{LABEL}: \"{run}\"}}\n\
+                     ---\napiVersion: conveyor.dev/v1alpha1\nkind: TaskType\n\
+                     metadata: {{name: encode, namespace: {namespace}}}\n\
+                     spec: {{maxRetries: 2, deletionPolicy: Delete}}\n\
+                     ---\napiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\n\
+                     metadata: {{name: encoders, namespace: {namespace}}}\n\
+                     spec:\n  taskTypes: [encode]\n  image: conveyor:dev\n  handler: {{type: sleep}}\n  \
+                     autoscaling: {{minReplicas: 0, maxReplicas: 2}}\n",
+                    run = self.run
+                )
+            })
+            .collect();
+        blocking(move || kubectl_with(&["apply", "-f", "-"], Some(&manifests)))
+            .await?
+            .map_err(|err| anyhow::anyhow!("kubectl apply of the fleet: {err}"))?;
+        self.namespaces.fetch_add(n, Ordering::Relaxed);
         Ok(())
     }
 
@@ -69,35 +84,58 @@ impl Fleet {
             .ok()
             .and_then(|p| p.trim().parse().ok());
         let metrics = metrics(OPERATOR).await.unwrap_or_default();
+        let apiserver = apiserver_metrics().await;
         Operator {
-            namespaces: self.namespaces.len(),
+            namespaces: self.namespaces.load(Ordering::Relaxed),
             rss_mib: pid.and_then(|p| proc_status_mib(p, "VmRSS")).unwrap_or(0.0),
-            reconciles: sum(&metrics, "conveyor_operator_reconciles_total"),
-            broker_requests: sum(&metrics, "conveyor_operator_broker_requests_total"),
+            reconciles: sum(&metrics, "conveyor_operator_reconciles_total", &[]),
+            broker_requests: sum(&metrics, "conveyor_operator_broker_requests_total", &[]),
+            apiserver_requests: ["tasktypes", "workerpools", "deployments"]
+                .iter()
+                .map(|r| {
+                    sum(
+                        &apiserver,
+                        "apiserver_request_total",
+                        &[&format!("resource=\"{r}\"")],
+                    )
+                })
+                .sum(),
         }
     }
 
-    /// Kills the operator (-9) and starts it again; returns what happened, with how many of
-    /// the fleet's Deployments it wrote again within 30 s of being ready.
-    pub async fn restart(&self) -> anyhow::Result<String> {
-        // Every pool applied first: what the restart writes is then a write again.
-        let until = Instant::now() + Duration::from_secs(120);
-        let mut before = self.deployment_versions()?;
-        while before.len() < self.namespaces.len() && Instant::now() < until {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            before = self.deployment_versions()?;
-        }
+    /// Kills the operator (-9) and starts it again; returns what happened, with how many
+    /// Deployments it applied within `watch` of being ready (none changed).
+    pub async fn restart(&self, watch: Duration) -> anyhow::Result<String> {
+        let applies = || async {
+            sum(
+                &apiserver_metrics().await,
+                "apiserver_request_total",
+                &["resource=\"deployments\"", "verb=\"APPLY\""],
+            )
+        };
+        // Every pool applied first, so that what follows the restart is a write again.
+        self.settled().await?;
+        let before = applies().await;
+        let pools = self.namespaces.load(Ordering::Relaxed);
         let down = Instant::now();
-        kill_operator();
-        start_operator();
+        blocking(|| {
+            kill_operator();
+            start_operator();
+        })
+        .await?;
         wait_ready(OPERATOR).await?;
         let ready = down.elapsed();
-        tokio::time::sleep(Duration::from_secs(30)).await;
-        let rewritten = changed(&before, &self.deployment_versions()?);
+        tokio::time::sleep(watch).await;
+        let applied = applies().await - before;
+        // Pools the soak added meanwhile are applied for the first time.
+        let added = self.namespaces.load(Ordering::Relaxed) - pools;
         Ok(format!(
-            "operator killed and restarted: ready in {:.1} s, {rewritten} of {} Deployments written again",
+            "operator killed and restarted: ready in {:.1} s; in the {:.0} s after, {applied:.0} \
+             Deployments applied (the apiserver's count), {added} of them for pools added \
+             meanwhile, so {:.0} of the {pools} unchanged ones applied again",
             ready.as_secs_f64(),
-            before.len()
+            watch.as_secs_f64(),
+            (applied - added as f64).max(0.0),
         ))
     }
 
@@ -106,29 +144,72 @@ impl Fleet {
     /// lease back when the soak's standby stops.
     pub async fn failover(&self) -> anyhow::Result<String> {
         let listen = format!("127.0.0.1:{}", free_port());
-        let mut standby = standby_operator("soak-standby", &listen, &[]);
-        let result = async {
+        let standby = Standby(Some(
+            blocking({
+                let listen = listen.clone();
+                move || standby_operator("soak-standby", &listen, &[])
+            })
+            .await?,
+        ));
+        let took = async {
             wait_ready(&listen).await?;
             let down = Instant::now();
-            kill_operator();
+            blocking(kill_operator).await?;
             wait_for_holder("soak-standby").await?;
-            let took = down.elapsed();
-            start_operator();
-            anyhow::Ok(took)
+            anyhow::Ok(down.elapsed())
         }
         .await;
-        let _ = standby.kill();
-        let _ = standby.wait();
-        let took = result?;
+        // Whatever happened, the stack's operator runs again, and takes the lease back once
+        // the standby is gone.
+        blocking(start_operator).await?;
+        drop(standby);
+        let took = took?;
         wait_for_holder("conveyor-operator").await?;
         Ok(format!(
             "operator failed over to a standby in {:.1} s, and back",
             took.as_secs_f64()
         ))
     }
+}
 
+impl Fleet {
+    /// Waits (up to two minutes) until every pool has its Deployment.
+    async fn settled(&self) -> anyhow::Result<()> {
+        let prefix = format!("soak-{}-", self.run);
+        let until = Instant::now() + Duration::from_secs(120);
+        loop {
+            let listed = blocking(|| {
+                kubectl_with(
+                    &[
+                        "get",
+                        "deployments",
+                        "--all-namespaces",
+                        "-o",
+                        "jsonpath={.items[*].metadata.namespace}",
+                    ],
+                    None,
+                )
+            })
+            .await?
+            .map_err(|err| anyhow::anyhow!("kubectl get deployments: {err}"))?;
+            let applied = listed
+                .split(' ')
+                .filter(|ns| ns.starts_with(&prefix))
+                .count();
+            if applied >= self.namespaces.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            if Instant::now() > until {
+                anyhow::bail!("{applied} of the fleet's pools have a Deployment after 2 minutes");
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
+}
+
+impl Drop for Fleet {
     /// Deletes the fleet's namespaces (their TaskTypes' queues go with them).
-    pub fn clean(&self) {
+    fn drop(&mut self) {
         let selector = format!("{LABEL}={}", self.run);
         if let Err(err) = kubectl_with(
             &["delete", "namespace", "-l", &selector, "--wait=false"],
@@ -137,34 +218,27 @@ impl Fleet {
             eprintln!("soak: deleting the fleet's namespaces: {err}");
         }
     }
+}
 
-    /// Each of the fleet's Deployments with its generation and the time of the operator's
-    /// last write to it (a status update by the cluster changes neither).
-    fn deployment_versions(&self) -> anyhow::Result<Vec<(String, String)>> {
-        let out = kubectl_with(
-            &[
-                "get",
-                "deployments",
-                "--all-namespaces",
-                "-o",
-                "jsonpath={range .items[*]}{.metadata.namespace} {.metadata.generation} \
-                 {.metadata.managedFields[?(@.manager==\"conveyor-operator\")].time}{\"\\n\"}{end}",
-            ],
-            None,
-        )
-        .map_err(|err| anyhow::anyhow!("kubectl get deployments: {err}"))?;
-        let prefix = format!("soak-{}-", self.run);
-        Ok(out
-            .lines()
-            .filter_map(|l| l.split_once(' '))
-            .filter(|(ns, _)| ns.starts_with(&prefix))
-            .map(|(ns, v)| (ns.to_owned(), v.to_owned()))
-            .collect())
+/// The soak's standby operator, killed when dropped.
+struct Standby(Option<std::process::Child>);
+
+impl Drop for Standby {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
-fn changed(before: &[(String, String)], after: &[(String, String)]) -> usize {
-    before.iter().filter(|b| !after.contains(b)).count()
+/// Runs a blocking call (kubectl, the stack's scripts) off the runtime's worker threads.
+async fn blocking<T: Send + 'static>(
+    call: impl FnOnce() -> T + Send + 'static,
+) -> anyhow::Result<T> {
+    tokio::task::spawn_blocking(call)
+        .await
+        .map_err(|err| anyhow::anyhow!("a kubectl or stack call panicked: {err}"))
 }
 
 async fn metrics(listen: &str) -> anyhow::Result<String> {
@@ -174,10 +248,24 @@ async fn metrics(listen: &str) -> anyhow::Result<String> {
         .await?)
 }
 
-fn sum(metrics: &str, name: &str) -> f64 {
+/// The kube-apiserver's /metrics (empty when it cannot be read).
+async fn apiserver_metrics() -> String {
+    blocking(|| kubectl_with(&["get", "--raw", "/metrics"], None))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default()
+}
+
+/// The sum of a counter's series whose labels contain every one of `labels`.
+fn sum(metrics: &str, name: &str, labels: &[&str]) -> f64 {
     metrics
         .lines()
-        .filter(|l| l.starts_with(name))
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with(['{', ' ']))
+        })
+        .filter(|l| labels.iter().all(|label| l.contains(label)))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
@@ -196,21 +284,24 @@ async fn wait_ready(listen: &str) -> anyhow::Result<()> {
     anyhow::bail!("the operator at {listen} did not become ready in 120 s")
 }
 
-async fn wait_for_holder(identity: &str) -> anyhow::Result<()> {
+async fn wait_for_holder(identity: &'static str) -> anyhow::Result<()> {
     let until = Instant::now() + Duration::from_secs(120);
     while Instant::now() < until {
-        let holder = kubectl_with(
-            &[
-                "-n",
-                "conveyor-system",
-                "get",
-                "lease",
-                "conveyor-operator",
-                "-o",
-                "jsonpath={.spec.holderIdentity}",
-            ],
-            None,
-        )
+        let holder = blocking(|| {
+            kubectl_with(
+                &[
+                    "-n",
+                    "conveyor-system",
+                    "get",
+                    "lease",
+                    "conveyor-operator",
+                    "-o",
+                    "jsonpath={.spec.holderIdentity}",
+                ],
+                None,
+            )
+        })
+        .await?
         .unwrap_or_default();
         if holder == identity {
             return Ok(());

@@ -17,7 +17,7 @@ use crate::load::Told;
 pub struct Verdict {
     pub submitted: usize,
     pub accepted: usize,
-    /// COMPLETED, in the table or in the archive.
+    /// Healthy tasks COMPLETED, in the table or in the archive.
     pub completed: usize,
     /// Expired from the table into the archive.
     pub archived: usize,
@@ -25,7 +25,12 @@ pub struct Verdict {
     pub lost: usize,
     /// Rows of the soak's type neither COMPLETED, CANCELLED nor DEAD_LETTER once quiet.
     pub stranded: usize,
+    /// Healthy tasks that ended DEAD_LETTER.
     pub dead_lettered: usize,
+    /// Tasks failing every try that ended DEAD_LETTER, as they must.
+    pub poison_dead_lettered: usize,
+    /// Tasks failing every try that ended otherwise (COMPLETED: a handler's failure lost).
+    pub poison_completed: usize,
     /// COMPLETED (table or archive) by an attempt whose effect the handler never saw.
     pub completed_without_effect: usize,
     /// One attempt of a task performing its effect twice (fencing must prevent it).
@@ -47,6 +52,7 @@ impl Verdict {
             ),
             (self.duplicate_side_effects, "duplicate side effects"),
             (self.dead_lettered, "healthy tasks dead-lettered"),
+            (self.poison_completed, "failing tasks COMPLETED"),
         ]
         .iter()
         .filter(|(n, _)| *n > 0)
@@ -130,13 +136,19 @@ pub async fn judge(
     verdict.reruns = counts.reruns;
     for key in &told.accepted {
         match ends.get(key) {
+            Some(end) if end.state == "COMPLETED" && told.poison.contains(key) => {
+                verdict.poison_completed += 1;
+            }
             Some(end) if end.state == "COMPLETED" => {
                 verdict.completed += 1;
                 if !effects.get(key).is_some_and(|a| a.contains(&end.attempt)) {
                     verdict.completed_without_effect += 1;
                 }
             }
-            Some(end) if end.state == "DEAD_LETTER" => verdict.dead_lettered += 1,
+            Some(end) if end.state == "DEAD_LETTER" => match told.poison.contains(key) {
+                true => verdict.poison_dead_lettered += 1,
+                false => verdict.dead_lettered += 1,
+            },
             _ => verdict.lost += 1,
         }
     }

@@ -1,4 +1,6 @@
-//! The steady load: single submits at a fixed offered rate, each with an idempotency key of
+//! The steady load: single submits at a fixed offered rate, a mix of what a video pipeline
+//! sends (mostly quick tasks; every 10th a larger payload with labels, every 50th failing
+//! its first try, every 250th failing every try, to be dead-lettered), each with a key of
 //! its own and retried with that key after a refusal that invites it (429, 5xx) or no answer,
 //! as a careful client would. Each request is its own task, so one slow answer does not hide
 //! the next: every request's latency is kept, and a stall shows from outside.
@@ -35,6 +37,8 @@ pub struct Window {
 pub struct Told {
     pub submitted: Vec<Uuid>,
     pub accepted: HashSet<Uuid>,
+    /// Tasks that fail every try: they must end DEAD_LETTER, the others COMPLETED.
+    pub poison: HashSet<Uuid>,
     /// Refusals by status (retried ones included); status 0: no answer.
     pub refusals: BTreeMap<u16, usize>,
     pub slowest_ms: u64,
@@ -88,7 +92,7 @@ pub struct Load {
 /// Requests under way at once, at most; beyond it the offered rate is not kept.
 const IN_FLIGHT: usize = 512;
 /// A task still refused this long after its first try is given up on (a lost client).
-const GIVE_UP_AFTER: Duration = Duration::from_secs(600);
+const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
 
 impl Load {
     /// Offers `rate` tasks a second until [`Load::stop`].
@@ -111,10 +115,19 @@ impl Load {
                         return;
                     };
                     let key = Uuid::new_v4();
-                    lock(&shared).told.submitted.push(key);
+                    let body = {
+                        let mut shared = lock(&shared);
+                        let n = shared.told.submitted.len();
+                        shared.told.submitted.push(key);
+                        let (body, poison) = task(&target.task_type, n);
+                        if poison {
+                            shared.told.poison.insert(key);
+                        }
+                        body
+                    };
                     let (http, target, shared) = (http.clone(), target.clone(), shared.clone());
                     tokio::spawn(async move {
-                        submit(&http, &target, key, &shared).await;
+                        submit(&http, &target, key, &body, &shared).await;
                         drop(permit);
                     });
                 }
@@ -145,11 +158,31 @@ fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
     shared.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-async fn submit(http: &reqwest::Client, target: &Target, key: Uuid, shared: &Mutex<Shared>) {
-    let body = serde_json::json!({
-        "taskType": target.task_type,
-        "payload": { "sleepMs": 20 },
+/// The `n`-th task of the mix, and whether it fails every try.
+fn task(task_type: &str, n: usize) -> (serde_json::Value, bool) {
+    let mut task = serde_json::json!({
+        "taskType": task_type,
+        "payload": { "sleepMs": 20, "failFirst": n % 50 == 49 },
     });
+    if n % 10 == 9 {
+        task["payload"]["renditions"] = serde_json::json!([240, 360, 480, 720, 1080]);
+        task["payload"]["notes"] = serde_json::json!("x".repeat(4096));
+        task["labels"] = serde_json::json!({ "asset": format!("a{}", n / 100), "tier": "gold" });
+    }
+    let poison = n % 250 == 249;
+    if poison {
+        task["payload"] = serde_json::json!({ "poison": "error" });
+    }
+    (task, poison)
+}
+
+async fn submit(
+    http: &reqwest::Client,
+    target: &Target,
+    key: Uuid,
+    body: &serde_json::Value,
+    shared: &Mutex<Shared>,
+) {
     let mut give_up: Option<Instant> = None;
     loop {
         let sent = Instant::now();
@@ -157,7 +190,7 @@ async fn submit(http: &reqwest::Client, target: &Target, key: Uuid, shared: &Mut
             .post(format!("{}/v1/tasks", target.gateway))
             .bearer_auth(&target.token)
             .header("Idempotency-Key", key.to_string())
-            .json(&body)
+            .json(body)
             .send()
             .await;
         let status = answer.as_ref().map_or(0, |r| r.status().as_u16());

@@ -51,7 +51,7 @@ struct Args {
     /// Settled tasks are expired (archived, then deleted) after this many simulated days.
     #[arg(long, default_value_t = 2)]
     task_retention_days: u32,
-    /// A worker is rolled (drained with SIGTERM, started again) every this many days.
+    /// The last worker is rolled (drained with SIGTERM, started again) every this many days.
     #[arg(long, default_value_t = 3)]
     roll_every_days: u32,
     /// Namespaces added every simulated day, each with a TaskType and a WorkerPool, for the
@@ -179,7 +179,7 @@ async fn soak(
     target: load::Target,
     run: &mut Run,
 ) -> anyhow::Result<load::Told> {
-    let mut fleet = Fleet::available().then(Fleet::new);
+    let fleet = Fleet::available().then(|| Arc::new(Fleet::new()));
     if fleet.is_none() {
         eprintln!("soak: the local stack does not run; no operator in this soak");
     }
@@ -188,17 +188,24 @@ async fn soak(
     let end = started + Duration::from_secs(args.seconds);
     let every = Duration::from_secs(args.sample_seconds.max(1));
     let (mut next_sample, mut next_day, mut today) = (started + every, started + day, 0u32);
+    let mut last_sample = started;
     let mut boundaries = vec![start_boundary(calendar, system, 0, day)];
     let mut operator_events = Vec::new();
     let mut operator_busy: Option<tokio::task::JoinHandle<anyhow::Result<String>>> = None;
-    if let Some(fleet) = &mut fleet {
-        fleet.grow(args.fleet_per_day)?;
+    if let Some(fleet) = &fleet {
+        fleet.grow(args.fleet_per_day).await?;
     }
+    // The last worker is the one rolled: the others live through the whole soak, so that
+    // their memory over time is one process's.
+    let rolled = system.worker_count() - 1;
     while Instant::now() < end {
         tokio::time::sleep_until(next_sample.min(next_day).min(end).into()).await;
         if Instant::now() >= next_sample {
             next_sample += every;
-            let mut sample = sample(system, &load, started, today, every).await?;
+            // Over the time since the last sample, however late this one is.
+            let window = last_sample.elapsed();
+            last_sample = Instant::now();
+            let mut sample = sample(system, &load, started, today, window).await?;
             if let Some(fleet) = &fleet {
                 sample.operator = Some(fleet.sample().await);
             }
@@ -216,28 +223,25 @@ async fn soak(
             today += 1;
             boundaries.push(start_boundary(calendar, system, today, day));
             if args.roll_every_days > 0 && today % args.roll_every_days == 0 {
-                let i = (today / args.roll_every_days) as usize % system.worker_count();
-                system.drain_worker(i).await;
-                system.restart_worker(i)?;
+                system.drain_worker(rolled).await;
+                system.restart_worker(rolled)?;
                 run.restarts
-                    .push(format!("worker {i} rolled on day {today}"));
+                    .push(format!("worker {rolled} rolled on day {today}"));
             }
-            let Some(fleet) = &mut fleet else { continue };
-            fleet.grow(args.fleet_per_day)?;
+            let Some(fleet) = &fleet else { continue };
+            fleet.grow(args.fleet_per_day).await?;
             let due = args.operator_every_days > 0 && today % args.operator_every_days == 0;
             // One operator event at a time; a day whose turn finds one under way skips its own.
             if due && operator_busy.as_ref().is_none_or(|e| e.is_finished()) {
                 if let Some(done) = operator_busy.take() {
                     operator_events.push(done);
                 }
-                let (fleet, failover) = (
-                    fleet.clone(),
-                    (today / args.operator_every_days).is_multiple_of(2),
-                );
+                let failover = (today / args.operator_every_days).is_multiple_of(2);
+                let (fleet, watch) = (fleet.clone(), day.min(Duration::from_secs(30)));
                 operator_busy = Some(tokio::spawn(async move {
                     let what = match failover {
                         true => fleet.failover().await?,
-                        false => fleet.restart().await?,
+                        false => fleet.restart(watch).await?,
                     };
                     anyhow::Ok(format!("{what} (day {today})"))
                 }));
@@ -254,7 +258,6 @@ async fn soak(
     }
     if let Some(fleet) = &fleet {
         run.operator_end = Some(fleet.sample().await);
-        fleet.clean();
     }
     Ok(told)
 }
@@ -275,9 +278,9 @@ async fn sample(
     load: &load::Load,
     started: Instant,
     day: u32,
-    every: Duration,
+    window: Duration,
 ) -> anyhow::Result<Sample> {
-    let latency = observe::latency(&system.db, every.as_secs_f64()).await?;
+    let latency = observe::latency(&system.db, window.as_secs_f64()).await?;
     let mut processes = vec![("gateway".to_owned(), system.gateway_pid().unwrap_or(0))];
     for (i, pid, _) in system.running_workers() {
         processes.push((format!("worker {i}"), pid));
@@ -286,7 +289,7 @@ async fn sample(
         elapsed_s: started.elapsed().as_secs_f64(),
         day,
         window: load.take_window(),
-        throughput: latency.completed as f64 / every.as_secs_f64(),
+        throughput: latency.completed as f64 / window.as_secs_f64(),
         latency,
         database: observe::database(&system.db).await?,
         memory_mib: observe::memory(&processes),

@@ -73,9 +73,14 @@ pub(super) async fn pass(
         let Some(days) = days.filter(|d| *d > 0) else {
             continue;
         };
-        let kept =
-            chrono::Duration::from_std(retention.day * days).unwrap_or(chrono::Duration::MAX);
-        let cutoff = Utc::now() - kept;
+        // A retention too long to compute is one that keeps everything.
+        let kept = chrono::Duration::from_std(retention.day.saturating_mul(days));
+        let Some(cutoff) = kept
+            .ok()
+            .and_then(|kept| Utc::now().checked_sub_signed(kept))
+        else {
+            continue;
+        };
         let mut after = None;
         for _ in 0..MAX_BATCHES {
             if started.elapsed() > BUDGET {
