@@ -69,7 +69,7 @@ test: stack browser-tools real-node
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 	# make bench's short variant, on the debug build: proves the command works, asserts no time.
 	target/debug/conveyor-bench --short --report target/bench/short.md
-	# make soak's short variant (about two minutes): proves the command works, asserts no time.
+	# make soak's short variant (about a minute): proves the command works, asserts no time.
 	$(E2E_ENV) target/debug/conveyor-soak --short --report target/soak/short.md
 
 unit:

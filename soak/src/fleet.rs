@@ -2,15 +2,19 @@
 //! TaskTypes and WorkerPools that grows every simulated day, one namespace each, and the
 //! operator restarted (kill -9, started again) or failed over to a standby every few days.
 //! Sampled from outside: the operator's memory from `/proc`, its reconciles and broker
-//! requests from its /metrics, and the kube-apiserver's own count of requests on TaskTypes,
-//! WorkerPools and Deployments (every client's: the operator is the one that writes them
-//! while the soak does not apply). Across a restart, the Deployments applied again are the
-//! apiserver's count of APPLY requests on Deployments: only the operator applies them.
+//! requests from its /metrics, its own requests to the kube-apiserver from the apiserver's
+//! audit log (`cluster/up.sh` writes it: who made each request), and the apiserver's count
+//! of requests on TaskTypes, WorkerPools and Deployments (every client's). Across a restart,
+//! the Deployments applied again are the apiserver's count of APPLY requests on
+//! Deployments: only the operator applies them.
 //!
 //! kubectl and the stack's scripts block: every call runs on tokio's blocking threads, so
 //! that the load's clients, which share the runtime, are never held up by them.
 
+use std::io::{Read as _, Seek as _};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use conveyor_core::testing::{free_port, proc_status_mib};
@@ -29,12 +33,15 @@ pub struct Operator {
     pub broker_requests: f64,
     /// The apiserver's count of requests on TaskTypes, WorkerPools and Deployments.
     pub apiserver_requests: f64,
+    /// The operator's own requests to the apiserver since the soak began (its audit log).
+    pub own_apiserver_requests: f64,
 }
 
 /// The fleet's namespaces; deleted when dropped, however the soak ends.
 pub struct Fleet {
     run: String,
     namespaces: AtomicUsize,
+    audit: Mutex<Audit>,
 }
 
 impl Fleet {
@@ -48,6 +55,7 @@ impl Fleet {
         Fleet {
             run: uuid::Uuid::new_v4().simple().to_string()[..8].to_owned(),
             namespaces: AtomicUsize::new(0),
+            audit: Mutex::new(Audit::from_now()),
         }
     }
 
@@ -85,7 +93,13 @@ impl Fleet {
             .and_then(|p| p.trim().parse().ok());
         let metrics = metrics(OPERATOR).await.unwrap_or_default();
         let apiserver = apiserver_metrics().await;
+        let own = {
+            let mut audit = self.audit.lock().unwrap_or_else(|p| p.into_inner());
+            audit.count_new();
+            audit.counted as f64
+        };
         Operator {
+            own_apiserver_requests: own,
             namespaces: self.namespaces.load(Ordering::Relaxed),
             rss_mib: pid.and_then(|p| proc_status_mib(p, "VmRSS")).unwrap_or(0.0),
             reconciles: sum(&metrics, "conveyor_operator_reconciles_total", &[]),
@@ -218,6 +232,83 @@ impl Drop for Fleet {
             eprintln!("soak: deleting the fleet's namespaces: {err}");
         }
     }
+}
+
+/// The operator's requests in the apiserver's audit log, counted as it grows: completed
+/// requests made as the operator's service account (a standby's too: they share it).
+struct Audit {
+    path: PathBuf,
+    offset: u64,
+    counted: u64,
+}
+
+const OPERATOR_USER: &str = "\"system:serviceaccount:conveyor-system:conveyor-operator\"";
+
+impl Audit {
+    /// Counting from the log's end now.
+    fn from_now() -> Audit {
+        let dir = std::env::var_os("CONVEYOR_CLUSTER_DIR")
+            .map_or_else(|| PathBuf::from(".dev/cluster"), PathBuf::from);
+        let path = dir.join("audit.log");
+        let offset = std::fs::metadata(&path).map_or(0, |m| m.len());
+        Audit {
+            path,
+            offset,
+            counted: 0,
+        }
+    }
+
+    /// Counts the lines written since the last call. The apiserver rotates the log at
+    /// 100 MB: the rest of the rotated file is counted from where this left it.
+    fn count_new(&mut self) {
+        let len = std::fs::metadata(&self.path).map_or(0, |m| m.len());
+        if len < self.offset {
+            if let Some(rotated) = newest_rotated(&self.path) {
+                self.counted += count_from(&rotated, self.offset).0;
+            }
+            self.offset = 0;
+        }
+        let (counted, read) = count_from(&self.path, self.offset);
+        self.counted += counted;
+        self.offset += read;
+    }
+}
+
+/// Completed requests of the operator in `path` from byte `offset` on, in whole lines;
+/// returns them and the bytes of those lines (a line still being written waits).
+fn count_from(path: &std::path::Path, offset: u64) -> (u64, u64) {
+    let Ok(mut file) = std::fs::File::open(path) else {
+        return (0, 0);
+    };
+    let mut bytes = Vec::new();
+    if file.seek(std::io::SeekFrom::Start(offset)).is_err() || file.read_to_end(&mut bytes).is_err()
+    {
+        return (0, 0);
+    }
+    let whole = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    let text = String::from_utf8_lossy(&bytes[..whole]);
+    let counted = text
+        .lines()
+        .filter(|l| l.contains(OPERATOR_USER) && l.contains("\"stage\":\"ResponseComplete\""))
+        .count();
+    (counted as u64, whole as u64)
+}
+
+/// The audit log's most recently rotated file (`audit-<time>.log`).
+fn newest_rotated(log: &std::path::Path) -> Option<PathBuf> {
+    let dir = log.parent()?;
+    let mut rotated: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("audit-") && n.ends_with(".log"))
+        })
+        .collect();
+    rotated.sort();
+    rotated.pop()
 }
 
 /// The soak's standby operator, killed when dropped.

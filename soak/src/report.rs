@@ -289,9 +289,9 @@ impl Run {
             return;
         }
         let _ = writeln!(md, "## Operator\n");
-        let _ = writeln!(md, "Its memory from `/proc`, its reconciles and broker requests from its /metrics (a restart resets them: that window shows none), and the kube-apiserver's count of requests on TaskTypes, WorkerPools and Deployments (every client's; the operator is the one writing them).\n");
-        let _ = writeln!(md, "| s | namespaces (a TaskType and a WorkerPool each) | RSS MiB | reconciles/min | broker requests/min | apiserver requests/min |");
-        let _ = writeln!(md, "|---|---|---|---|---|---|");
+        let _ = writeln!(md, "Its memory from `/proc`, its reconciles and broker requests from its /metrics (a restart resets them: that window shows none), its own requests to the kube-apiserver from the apiserver's audit log, and the apiserver's count of requests on TaskTypes, WorkerPools and Deployments (every client's).\n");
+        let _ = writeln!(md, "| s | namespaces (a TaskType and a WorkerPool each) | RSS MiB | reconciles/min | broker requests/min | its apiserver requests/min | all clients' requests/min on those resources |");
+        let _ = writeln!(md, "|---|---|---|---|---|---|---|");
         let mut last: Option<(f64, &Operator)> = None;
         for (at, op) in sampled {
             let rate = |now: f64, then: f64, (t0, _): (f64, &Operator)| {
@@ -302,17 +302,27 @@ impl Run {
                     "-".to_owned()
                 }
             };
-            let (reconciles, broker, apiserver) = match last {
+            let (reconciles, broker, own, apiserver) = match last {
                 Some(prev) => (
                     rate(op.reconciles, prev.1.reconciles, prev),
                     rate(op.broker_requests, prev.1.broker_requests, prev),
+                    rate(
+                        op.own_apiserver_requests,
+                        prev.1.own_apiserver_requests,
+                        prev,
+                    ),
                     rate(op.apiserver_requests, prev.1.apiserver_requests, prev),
                 ),
-                None => ("-".to_owned(), "-".to_owned(), "-".to_owned()),
+                None => (
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "-".to_owned(),
+                    "-".to_owned(),
+                ),
             };
             let _ = writeln!(
                 md,
-                "| {at:.0} | {} | {:.1} | {reconciles} | {broker} | {apiserver} |",
+                "| {at:.0} | {} | {:.1} | {reconciles} | {broker} | {own} | {apiserver} |",
                 op.namespaces, op.rss_mib
             );
             last = Some((at, op));
