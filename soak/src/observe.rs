@@ -29,6 +29,8 @@ pub struct Database {
     /// Tasks neither COMPLETED, CANCELLED nor DEAD_LETTER that were created over a minute
     /// ago (a healthy one is done within a second here).
     pub open_over_a_minute: i64,
+    /// Each index of `tasks`, in MiB: which of them grows, if the table does.
+    pub tasks_indexes: BTreeMap<String, f64>,
 }
 
 /// Submit → COMPLETED of the tasks completed in a window, in milliseconds.
@@ -63,7 +65,23 @@ pub async fn database(db: &Db) -> anyhow::Result<Database> {
         task_events,
         partitions,
         open_over_a_minute,
+        tasks_indexes: indexes(db, "tasks").await?,
     })
+}
+
+/// The size of each index of a plain table, in MiB.
+async fn indexes(db: &Db, table: &str) -> anyhow::Result<BTreeMap<String, f64>> {
+    let rows: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT indexrelid::regclass::text, pg_relation_size(indexrelid)
+         FROM pg_index WHERE indrelid = $1::regclass",
+    )
+    .bind(table)
+    .fetch_all(db.pool())
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, bytes)| (name, bytes as f64 / (1024.0 * 1024.0)))
+        .collect())
 }
 
 /// A table with every partition it has.

@@ -237,6 +237,7 @@ impl Run {
                 self.restarts.join("; ")
             }
         );
+        self.index_table(&mut md);
         self.operator_table(&mut md);
         let _ = writeln!(md, "## Over time\n");
         let names: Vec<&String> = self
@@ -272,6 +273,30 @@ impl Run {
             let _ = writeln!(md);
         }
         md
+    }
+
+    /// Each index of `tasks` at the first sample and the last.
+    fn index_table(&self, md: &mut String) {
+        let (Some(first), Some(last)) = (self.samples.first(), self.samples.last()) else {
+            return;
+        };
+        let _ = writeln!(md, "## The indexes of `tasks`\n");
+        let _ = writeln!(
+            md,
+            "| index | MiB at {:.0} s | MiB at {:.0} s |",
+            first.elapsed_s, last.elapsed_s
+        );
+        let _ = writeln!(md, "|---|---|---|");
+        for (name, end) in &last.database.tasks_indexes {
+            let start = first
+                .database
+                .tasks_indexes
+                .get(name)
+                .copied()
+                .unwrap_or(0.0);
+            let _ = writeln!(md, "| {name} | {start:.2} | {end:.2} |");
+        }
+        let _ = writeln!(md);
     }
 
     /// The operator over time: its population, memory, and requests per minute.
