@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use conveyor_core::db::Db;
-use conveyor_core::testing::proc_status_mib;
+use conveyor_core::testing::{proc_file_mib, proc_status_mib};
 
 /// Sizes and upkeep of one table (with its partitions), in MiB.
 #[derive(Debug, Default, Clone, Copy, serde::Serialize)]
@@ -167,14 +167,5 @@ fn pids_named(comms: &[&str]) -> Vec<u32> {
 
 /// Proportional set size (`/proc/<pid>/smaps_rollup`), in MiB.
 fn pss_mib(pid: u32) -> Option<f64> {
-    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    let kib: f64 = rollup
-        .lines()
-        .find_map(|l| l.strip_prefix("Pss:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
+    proc_file_mib(pid, "smaps_rollup", "Pss")
 }

@@ -288,7 +288,12 @@ pub async fn drop_database_in(services: &Services, name: &str) {
 
 /// A memory field of `/proc/<pid>/status` (`VmRSS`, `VmHWM`: kB there), in MiB.
 pub fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    proc_file_mib(pid, "status", field)
+}
+
+/// A `<field>: <n> kB` line of `/proc/<pid>/<file>` (`status`, `smaps_rollup`), in MiB.
+pub fn proc_file_mib(pid: u32, file: &str, field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
     let kib: f64 = status
         .lines()
         .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
