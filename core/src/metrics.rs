@@ -61,6 +61,11 @@ pub struct Metrics {
     /// Upkeep: audit partitions past the retention period, not dropped yet (a long reader
     /// of the log holds them).
     pub audit_partitions_overdue: IntGauge,
+    /// Upkeep: how full each B-tree index of `tasks` is, in percent of a fresh build's
+    /// fill; below a third it is rebuilt (decision 0037).
+    pub task_index_density: IntGaugeVec,
+    /// Upkeep: indexes of `tasks` rebuilt because deletes had left them sparse.
+    pub task_index_rebuilds: IntCounterVec,
 }
 
 /// Registers a labelled counter named `conveyor_<name>`.
@@ -153,6 +158,18 @@ impl Metrics {
                 r,
                 "audit_partitions_overdue",
                 "Audit-log partitions past the retention period and not dropped yet",
+            ),
+            task_index_density: gauge_vec(
+                r,
+                "task_index_density_percent",
+                "How full each B-tree index of the tasks table is, in percent of a fresh build's fill",
+                &["index"],
+            ),
+            task_index_rebuilds: counter(
+                r,
+                "task_index_rebuilds_total",
+                "Indexes of the tasks table rebuilt (REINDEX CONCURRENTLY) because deletes had left them sparse",
+                &["index"],
             ),
             in_flight: gauge(r, "in_flight_tasks", "Tasks this worker is processing"),
             draining: gauge(

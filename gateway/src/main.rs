@@ -157,6 +157,14 @@ struct Args {
     /// compresses months into hours); a real deployment keeps 86400.
     #[arg(long, env = "CONVEYOR_RETENTION_DAY_SECONDS", default_value_t = 86_400)]
     retention_day_seconds: u64,
+    /// How often the indexes of `tasks` are measured, and those expiry left sparse rebuilt
+    /// (`REINDEX CONCURRENTLY`, which only the table's owner may), in seconds.
+    #[arg(
+        long,
+        env = "CONVEYOR_INDEX_UPKEEP_EVERY_SECONDS",
+        default_value_t = 3600
+    )]
+    index_upkeep_every_seconds: u64,
     #[command(flatten)]
     database: DatabaseArgs,
     #[command(flatten)]
@@ -186,6 +194,7 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
             day: Duration::from_secs(args.retention_day_seconds.max(1)),
         },
         retention_days: (args.audit_retention_days > 0).then_some(args.audit_retention_days),
+        indexes_every: Duration::from_secs(args.index_upkeep_every_seconds.max(1)),
         name: format!("gateway-upkeep/{}", std::process::id()),
     }
 }

@@ -13,7 +13,9 @@
 //! - the open tasks of types no TaskType defines any more (decision 0033): reaped and swept
 //!   like any while their queues are retained, settled with an audited reason once their
 //!   queues are deleted, and listed meanwhile;
-//! - settled tasks deleted after their retention, archived first when asked (decision 0034).
+//! - settled tasks deleted after their retention, archived first when asked (decision 0034);
+//! - indexes of `tasks` those deletes left sparse, rebuilt without holding writers
+//!   (decision 0037).
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -29,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::registry::Registry;
 
 mod expiry;
+mod indexes;
 mod retired;
 
 pub use expiry::{TaskRetention, DAY};
@@ -48,6 +51,8 @@ pub struct UpkeepConfig {
     /// Between passes of the settled tasks' retention.
     pub tasks_every: Duration,
     pub tasks: TaskRetention,
+    /// Between looks for sparse indexes of `tasks` (the first is one interval after start).
+    pub indexes_every: Duration,
     /// Name recorded as the reaper in audit events.
     pub name: String,
 }
@@ -73,6 +78,7 @@ pub async fn run(
     // Retired types whose queues are still there: reaped and swept like the known ones.
     let mut retained: Vec<NamedTaskType> = Vec::new();
     let mut looks = retired::Looks::default();
+    let mut rebuilds = indexes::Rebuilds::new(config.indexes_every);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -105,6 +111,7 @@ pub async fn run(
                 Err(err) => note_failure(&metrics, "task_retention", &err, &mut reachable_since),
             }
         }
+        rebuilds.poll(&db, &metrics);
         if Instant::now() >= retired_due {
             retired_due = Instant::now() + config.retired_every;
             let reachable_for = reachable_since.elapsed();

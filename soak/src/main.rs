@@ -56,8 +56,12 @@ struct Args {
     roll_every_days: u32,
     /// Namespaces added every simulated day, each with a TaskType and a WorkerPool, for the
     /// local stack's operator (none when the stack does not run).
-    #[arg(long, default_value_t = 25)]
+    #[arg(long, default_value_t = 40)]
     fleet_per_day: usize,
+    /// The fleet grows on the first this many simulated days, then holds: memory that
+    /// follows the fleet (the broker's, the operator's) is judged flat once it holds.
+    #[arg(long, default_value_t = 6)]
+    fleet_grow_days: u32,
     /// The operator is restarted, or failed over to a standby (in turn), every this many
     /// simulated days (0: never).
     #[arg(long, default_value_t = 2)]
@@ -82,6 +86,7 @@ impl Args {
             self.roll_every_days = 2;
             self.task_retention_days = 1;
             self.fleet_per_day = 2;
+            self.fleet_grow_days = 2;
             self.operator_every_days = 2;
         }
         self
@@ -111,6 +116,11 @@ async fn main() -> anyhow::Result<()> {
             env("CONVEYOR_RETENTION_DAY_SECONDS", args.day_seconds),
             env("CONVEYOR_TASK_RETENTION_DAYS", args.task_retention_days),
             env("CONVEYOR_TASK_RETENTION_EVERY_SECONDS", expiry_every),
+            // Indexes measured (and sparse ones rebuilt) twice a simulated day.
+            env(
+                "CONVEYOR_INDEX_UPKEEP_EVERY_SECONDS",
+                (args.day_seconds / 2).max(1),
+            ),
             (
                 "CONVEYOR_TASK_ARCHIVE_DIR".to_owned(),
                 archive.display().to_string(),
@@ -133,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
             "workers": args.workers, "audit_retention_days": args.audit_retention_days,
             "task_retention_days": args.task_retention_days,
             "roll_every_days": args.roll_every_days, "sample_seconds": args.sample_seconds,
+            "fleet_per_day": args.fleet_per_day, "fleet_grow_days": args.fleet_grow_days,
         }),
         retention_reached_s: (u64::from(args.task_retention_days) * args.day_seconds
             + expiry_every
@@ -229,7 +240,10 @@ async fn soak(
                     .push(format!("worker {rolled} rolled on day {today}"));
             }
             let Some(fleet) = &fleet else { continue };
-            fleet.grow(args.fleet_per_day).await?;
+            if today <= args.fleet_grow_days {
+                fleet.grow(args.fleet_per_day).await?;
+                run.fleet_steady_s = started.elapsed().as_secs_f64();
+            }
             let due = args.operator_every_days > 0 && today % args.operator_every_days == 0;
             // One operator event at a time; a day whose turn finds one under way skips its own.
             if due && operator_busy.as_ref().is_none_or(|e| e.is_finished()) {

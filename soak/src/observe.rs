@@ -31,6 +31,8 @@ pub struct Database {
     pub open_over_a_minute: i64,
     /// Each index of `tasks`, in MiB: which of them grows, if the table does.
     pub tasks_indexes: BTreeMap<String, f64>,
+    /// PostgreSQL's `shared_buffers`, in MiB.
+    pub shared_buffers_mib: f64,
 }
 
 /// Submit → COMPLETED of the tasks completed in a window, in milliseconds.
@@ -66,14 +68,21 @@ pub async fn database(db: &Db) -> anyhow::Result<Database> {
         partitions,
         open_over_a_minute,
         tasks_indexes: indexes(db, "tasks").await?,
+        shared_buffers_mib: sqlx::query_scalar(
+            "SELECT (setting::float8 * 8192) / 1048576 FROM pg_settings WHERE name = 'shared_buffers'",
+        )
+        .fetch_one(db.pool())
+        .await?,
     })
 }
 
-/// The size of each index of a plain table, in MiB.
+/// The size of each index of a plain table and of its TOAST table, in MiB.
 async fn indexes(db: &Db, table: &str) -> anyhow::Result<BTreeMap<String, f64>> {
     let rows: Vec<(String, i64)> = sqlx::query_as(
         "SELECT indexrelid::regclass::text, pg_relation_size(indexrelid)
-         FROM pg_index WHERE indrelid = $1::regclass",
+         FROM pg_index WHERE indrelid IN (SELECT oid FROM pg_class WHERE oid = $1::regclass
+                                          UNION ALL
+                                          SELECT reltoastrelid FROM pg_class WHERE oid = $1::regclass)",
     )
     .bind(table)
     .fetch_all(db.pool())
@@ -133,22 +142,28 @@ pub async fn latency(db: &Db, seconds: f64) -> anyhow::Result<Latency> {
 }
 
 /// Resident memory by process, in MiB: each of Conveyor's by name, and PostgreSQL's and
-/// RabbitMQ's as their proportional share (shared buffers counted once across backends).
+/// RabbitMQ's as their proportional share (shared memory counted once across processes).
+/// PostgreSQL's shared buffers are apart from the rest of its memory: they fill as the data
+/// is touched, up to their configured size, and would hide a leak in the backends.
 pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
     let mut mib: BTreeMap<String, f64> = conveyor
         .iter()
         .map(|(name, pid)| (name.clone(), proc_status_mib(*pid, "VmRSS").unwrap_or(0.0)))
         .collect();
-    for (service, comms) in [
-        ("postgresql", &["postgres"][..]),
-        (
-            "rabbitmq",
-            &["beam.smp", "epmd", "erl_child_setup", "inet_gethost"][..],
-        ),
-    ] {
-        let total: f64 = pids_named(comms).into_iter().filter_map(pss_mib).sum();
-        mib.insert(service.to_owned(), total);
-    }
+    let postgres = pids_named(&["postgres"]);
+    let pss = |pids: &[u32], field: &str| -> f64 {
+        pids.iter()
+            .filter_map(|pid| proc_file_mib(*pid, "smaps_rollup", field))
+            .sum()
+    };
+    let shared = pss(&postgres, "Pss_Shmem");
+    mib.insert(
+        "postgresql (but shared buffers)".to_owned(),
+        pss(&postgres, "Pss") - shared,
+    );
+    mib.insert(crate::report::SHARED_BUFFERS.to_owned(), shared);
+    let rabbitmq = pids_named(&["beam.smp", "epmd", "erl_child_setup", "inet_gethost"]);
+    mib.insert("rabbitmq".to_owned(), pss(&rabbitmq, "Pss"));
     mib
 }
 
@@ -163,9 +178,4 @@ fn pids_named(comms: &[&str]) -> Vec<u32> {
                 .is_ok_and(|c| comms.contains(&c.trim()))
         })
         .collect()
-}
-
-/// Proportional set size (`/proc/<pid>/smaps_rollup`), in MiB.
-fn pss_mib(pid: u32) -> Option<f64> {
-    proc_file_mib(pid, "smaps_rollup", "Pss")
 }

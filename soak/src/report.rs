@@ -44,6 +44,8 @@ pub struct Run {
     pub open_after_quiet: i64,
     /// From when the first settled tasks have expired (their retention and one pass).
     pub retention_reached_s: f64,
+    /// When the fleet last grew (0: it never did, or does not run).
+    pub fleet_steady_s: f64,
     /// The operator once the load stopped.
     pub operator_end: Option<Operator>,
 }
@@ -157,15 +159,49 @@ impl Run {
             p99(&last),
         );
         if let (Some(_), Some(b)) = (first.first(), last.last()) {
+            // The broker's memory and the operator's follow the fleet (queues, objects):
+            // judged on the part of the run after the fleet stopped growing.
+            let (steady_first, steady_last) = self.steady_quarters();
             for name in b.memory_mib.keys() {
                 let rss =
                     |s: &[&Sample]| mean(s.iter().filter_map(|s| s.memory_mib.get(name).copied()));
-                flat(
+                if name == SHARED_BUFFERS {
+                    self.shared_buffers_row(&mut md);
+                } else if FOLLOWS_THE_FLEET.contains(&name.as_str()) {
+                    flat_over(
+                        &mut md,
+                        &format!("memory of {name}"),
+                        STEADY,
+                        "MiB",
+                        rss(&steady_first),
+                        rss(&steady_last),
+                    );
+                } else {
+                    flat(
+                        &mut md,
+                        &format!("memory of {name}"),
+                        "MiB",
+                        rss(&first),
+                        rss(&last),
+                    );
+                }
+            }
+            let operator = |s: &[&Sample]| {
+                mean(
+                    s.iter()
+                        .filter_map(|s| s.operator.as_ref())
+                        .map(|o| o.rss_mib)
+                        .filter(|mib| *mib > 0.0),
+                )
+            };
+            if b.operator.is_some() {
+                flat_over(
                     &mut md,
-                    &format!("memory of {name}"),
+                    "memory of the operator",
+                    STEADY,
                     "MiB",
-                    rss(&first),
-                    rss(&last),
+                    operator(&steady_first),
+                    operator(&steady_last),
                 );
             }
             let size = |s: &Sample| s.database.tasks.data_mib + s.database.tasks.index_mib;
@@ -182,17 +218,31 @@ impl Run {
                 );
                 return self.rest(md);
             };
+            // Index rebuilds make the size a sawtooth: its peaks, in the halves of the run
+            // after the retention was reached, are compared.
+            let after: Vec<&Sample> = self
+                .samples
+                .iter()
+                .filter(|s| s.elapsed_s >= a.elapsed_s)
+                .collect();
+            let (early, late) = after.split_at(after.len() / 2);
+            let peak = |s: &[&Sample]| s.iter().map(|s| size(s)).fold(0.0, f64::max);
+            let rows = |s: &[&Sample]| s.iter().map(|s| s.database.tasks.rows).max().unwrap_or(0);
             row(
                 &mut md,
-                "`tasks` (rows and indexes) bounded by the settled-task retention",
+                "`tasks` (rows and indexes) bounded by the settled-task retention: the peak of the last half after it was reached within 20 % of the first half's",
                 format!(
-                    "{:.1} MiB, {} rows → {:.1} MiB, {} rows",
+                    "{:.1} MiB, {} rows → {:.1} MiB, {} rows (peaks {:.1} → {:.1} MiB)",
                     size(a),
                     a.database.tasks.rows,
                     size(b),
-                    b.database.tasks.rows
+                    b.database.tasks.rows,
+                    peak(early),
+                    peak(late)
                 ),
-                size(b) <= size(a) * 1.2 + 1.0,
+                !early.is_empty()
+                    && peak(late) <= peak(early) * 1.2 + 1.0
+                    && rows(late) as f64 <= rows(early) as f64 * 1.2,
             );
         }
         self.rest(md)
@@ -275,7 +325,8 @@ impl Run {
         md
     }
 
-    /// Each index of `tasks` at the first sample and the last.
+    /// Each index of `tasks` at the first sample and the last, its largest, and how often
+    /// it shrank by a third or more from one sample to the next (a rebuild).
     fn index_table(&self, md: &mut String) {
         let (Some(first), Some(last)) = (self.samples.first(), self.samples.last()) else {
             return;
@@ -283,18 +334,26 @@ impl Run {
         let _ = writeln!(md, "## The indexes of `tasks`\n");
         let _ = writeln!(
             md,
-            "| index | MiB at {:.0} s | MiB at {:.0} s |",
+            "| index | MiB at {:.0} s | MiB at {:.0} s | largest MiB | shrank by a third or more |",
             first.elapsed_s, last.elapsed_s
         );
-        let _ = writeln!(md, "|---|---|---|");
+        let _ = writeln!(md, "|---|---|---|---|---|");
         for (name, end) in &last.database.tasks_indexes {
-            let start = first
-                .database
-                .tasks_indexes
-                .get(name)
-                .copied()
-                .unwrap_or(0.0);
-            let _ = writeln!(md, "| {name} | {start:.2} | {end:.2} |");
+            let sizes: Vec<f64> = self
+                .samples
+                .iter()
+                .filter_map(|s| s.database.tasks_indexes.get(name).copied())
+                .collect();
+            let start = sizes.first().copied().unwrap_or(0.0);
+            let largest = sizes.iter().copied().fold(0.0, f64::max);
+            let shrank = sizes
+                .windows(2)
+                .filter(|pair| pair[1] <= pair[0] * 2.0 / 3.0)
+                .count();
+            let _ = writeln!(
+                md,
+                "| {name} | {start:.2} | {end:.2} | {largest:.2} | {shrank} |"
+            );
         }
         let _ = writeln!(md);
     }
@@ -359,11 +418,54 @@ impl Run {
     /// left out.
     fn quarters(&self) -> (Vec<&Sample>, Vec<&Sample>) {
         let measured: Vec<&Sample> = self.samples.iter().skip(1).collect();
-        let quarter = (measured.len() / 4).max(1);
-        let first = measured.iter().take(quarter).copied().collect();
-        let last = measured.iter().rev().take(quarter).rev().copied().collect();
-        (first, last)
+        first_and_last_quarter(measured)
     }
+
+    /// The first and last quarters of the samples taken after the fleet last grew (a
+    /// sample later, for the new objects to settle); the whole run's when it never grew.
+    fn steady_quarters(&self) -> (Vec<&Sample>, Vec<&Sample>) {
+        if self.fleet_steady_s <= 0.0 {
+            return self.quarters();
+        }
+        let steady: Vec<&Sample> = self
+            .samples
+            .iter()
+            .filter(|s| s.elapsed_s >= self.fleet_steady_s)
+            .skip(1)
+            .collect();
+        first_and_last_quarter(steady)
+    }
+
+    /// PostgreSQL's shared buffers are touched as the data grows, up to `shared_buffers`.
+    fn shared_buffers_row(&self, md: &mut String) {
+        let touched = self
+            .samples
+            .iter()
+            .filter_map(|s| s.memory_mib.get(SHARED_BUFFERS).copied())
+            .fold(0.0, f64::max);
+        let size = self
+            .samples
+            .last()
+            .map_or(0.0, |s| s.database.shared_buffers_mib);
+        let _ = writeln!(
+            md,
+            "| {SHARED_BUFFERS} within PostgreSQL's `shared_buffers` | at most {touched:.1} MiB touched of {size:.0} MiB | {} |",
+            if size > 0.0 && touched <= size * 1.05 { "yes" } else { "**no**" }
+        );
+    }
+}
+
+/// The memory that is PostgreSQL's shared buffers (its proportional share, by process).
+pub const SHARED_BUFFERS: &str = "postgresql shared buffers";
+/// Processes whose memory follows the fleet's size.
+const FOLLOWS_THE_FLEET: &[&str] = &["rabbitmq"];
+const STEADY: &str = "first quarter → last, after the fleet stopped growing";
+
+fn first_and_last_quarter(measured: Vec<&Sample>) -> (Vec<&Sample>, Vec<&Sample>) {
+    let quarter = (measured.len() / 4).max(1);
+    let first = measured.iter().take(quarter).copied().collect();
+    let last = measured.iter().rev().take(quarter).rev().copied().collect();
+    (first, last)
 }
 
 fn mean(values: impl Iterator<Item = f64>) -> f64 {
@@ -378,6 +480,11 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 /// A row of the table of what held: `what` flat within 20 % from the first quarter of the
 /// run to the last (not measured, a zero or an unreadable figure, holds nothing).
 fn flat(md: &mut String, what: &str, unit: &str, first: f64, last: f64) {
+    flat_over(md, what, "first quarter → last", unit, first, last);
+}
+
+/// [`flat`] over the windows `over` names.
+fn flat_over(md: &mut String, what: &str, over: &str, unit: &str, first: f64, last: f64) {
     let (measured, holds) = if first > 0.0 && last > 0.0 {
         let change = (last - first) / first * 100.0;
         let measured = format!("{first:.1} {unit} → {last:.1} {unit} ({change:+.0} %)");
@@ -388,6 +495,6 @@ fn flat(md: &mut String, what: &str, unit: &str, first: f64, last: f64) {
     let holds = if holds { "yes" } else { "**no**" };
     let _ = writeln!(
         md,
-        "| {what} flat within 20 % (first quarter → last) | {measured} | {holds} |"
+        "| {what} flat within 20 % ({over}) | {measured} | {holds} |"
     );
 }

@@ -23,6 +23,7 @@ mod error;
 mod expiry;
 mod grants;
 mod grouped;
+mod index_rebuilds;
 mod ingest;
 mod listing;
 mod partitions;
@@ -41,6 +42,7 @@ pub use error::{DbError, DbResult};
 pub use expiry::PendingExpiry;
 pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
+pub use index_rebuilds::{packed_btree_bytes, IndexSize, MIN_REBUILD_BYTES, SPARSE_FACTOR};
 pub use ingest::{Locked, Recorded};
 pub use listing::{TaskFilter, TaskPage};
 pub use partitions::PartitionsOwed;
@@ -101,6 +103,9 @@ pub struct Db {
     /// One connection, opened on use, without the statement timeout: a migration or a
     /// partition's rescue may legitimately run long on a big table.
     maintenance: PgPool,
+    /// One connection, opened on use, without the statement timeout, for index rebuilds,
+    /// which may wait minutes for a long reader: partition upkeep keeps its own meanwhile.
+    rebuilds: PgPool,
 }
 
 impl Db {
@@ -150,16 +155,19 @@ impl Db {
             ("enable_seqscan", "off"),
         ]));
         let pool = pooled().connect_lazy_with(connect);
-        let maintenance = PgPoolOptions::new()
-            .max_connections(1)
-            .min_connections(0)
-            .idle_timeout(Duration::from_secs(60))
-            .acquire_timeout(options.acquire_timeout)
-            .connect_lazy_with(base.options([("statement_timeout", "0")]));
+        let untimed = || {
+            PgPoolOptions::new()
+                .max_connections(1)
+                .min_connections(0)
+                .idle_timeout(Duration::from_secs(60))
+                .acquire_timeout(options.acquire_timeout)
+                .connect_lazy_with(base.clone().options([("statement_timeout", "0")]))
+        };
         Ok(Db {
             pool,
             hot,
-            maintenance,
+            maintenance: untimed(),
+            rebuilds: untimed(),
         })
     }
 
@@ -228,5 +236,6 @@ impl Db {
         self.pool.close().await;
         self.hot.close().await;
         self.maintenance.close().await;
+        self.rebuilds.close().await;
     }
 }

@@ -19,6 +19,7 @@ mod progress;
 mod python_client;
 mod self_healing;
 mod settling;
+mod sparse_indexes;
 mod tenancy;
 mod tls;
 mod tracing;

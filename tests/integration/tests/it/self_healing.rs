@@ -42,6 +42,7 @@ pub fn fast_upkeep() -> UpkeepConfig {
             day: DAY,
         },
         retention_days: None,
+        indexes_every: Duration::from_secs(3600),
         name: "test-upkeep".into(),
     }
 }
