@@ -158,7 +158,7 @@ pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
     };
     let shared = pss(&postgres, "Pss_Shmem");
     mib.insert(
-        "postgresql (but shared buffers)".to_owned(),
+        "postgresql, shared buffers aside".to_owned(),
         pss(&postgres, "Pss") - shared,
     );
     mib.insert(crate::report::SHARED_BUFFERS.to_owned(), shared);

@@ -237,8 +237,20 @@ pub fn binary(name: &str) -> std::path::PathBuf {
     dir.parent().map(|d| d.join(name)).unwrap_or(here)
 }
 
-/// A loopback port nobody listens on right now.
+/// A loopback port nobody listens on right now, from 20000-22999: below the kernel's
+/// ephemeral range (a port the kernel hands out for port 0 may be taken by any outgoing
+/// connection before the process it is meant for listens on it: the soak's gateway once
+/// failed "address already in use" that way), and clear of the local services' fixed ports
+/// (RabbitMQ's 15671 and 25672, the control plane's 16443 and 23790), which a restart
+/// must find free.
 pub fn free_port() -> u16 {
+    let (low, high) = (20_000u16, 23_000u16);
+    for _ in 0..1000 {
+        let port = low + (uuid::Uuid::new_v4().as_u128() % u128::from(high - low)) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
