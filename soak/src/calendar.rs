@@ -14,7 +14,7 @@ use conveyor_core::db::{Db, PARTITION_DAYS_AHEAD};
 use tokio::process::Command;
 
 /// One simulated day's boundary, as measured.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Boundary {
     pub day: u32,
     pub date: NaiveDate,

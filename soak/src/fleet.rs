@@ -25,7 +25,7 @@ const OPERATOR: &str = "127.0.0.1:8081";
 /// Label of every namespace the soak made, for the clean-up.
 const LABEL: &str = "conveyor.dev/soak";
 
-#[derive(Debug, Default, Clone, serde::Serialize)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Operator {
     pub namespaces: usize,
     pub rss_mib: f64,

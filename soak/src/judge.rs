@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use crate::load::Told;
 
-#[derive(Debug, Default, Clone, serde::Serialize)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Verdict {
     pub submitted: usize,
     pub accepted: usize,

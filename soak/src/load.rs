@@ -20,7 +20,7 @@ pub struct Target {
 }
 
 /// What the submitters saw since the last [`Load::take_window`].
-#[derive(Debug, Default, Clone, serde::Serialize)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Window {
     pub requests: usize,
     pub accepted: usize,

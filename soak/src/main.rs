@@ -73,6 +73,10 @@ struct Args {
     report: PathBuf,
     #[arg(long, default_value = "target/soak/logs")]
     logs: PathBuf,
+    /// Runs nothing: writes the report of the last run in the .jsonl beside `--report`
+    /// again, judged by this build's report code.
+    #[arg(long)]
+    rejudge: bool,
 }
 
 impl Args {
@@ -96,6 +100,16 @@ impl Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse().shortened();
+    if args.rejudge {
+        let jsonl = args.report.with_extension("jsonl");
+        Run::rejudge(&jsonl, &args.report, git_head())?;
+        eprintln!(
+            "soak: wrote {} from {}",
+            args.report.display(),
+            jsonl.display()
+        );
+        return Ok(());
+    }
     anyhow::ensure!(
         calendar::pg_dump_available(),
         "pg_dump is missing (it comes with postgresql-client; `scripts/services.sh up` installs it)"

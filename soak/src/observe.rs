@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 
 use conveyor_core::db::Db;
-use conveyor_core::testing::{proc_file_mib, proc_status_mib};
+use conveyor_core::testing::{proc_file_fields_mib, proc_status_mib};
 
 /// Sizes and upkeep of one table (with its partitions), in MiB.
-#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Table {
     pub data_mib: f64,
     pub index_mib: f64,
@@ -20,7 +20,7 @@ pub struct Table {
     pub autoanalyzes: i64,
 }
 
-#[derive(Debug, Default, Clone, serde::Serialize)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Database {
     pub tasks: Table,
     pub task_events: Table,
@@ -36,7 +36,7 @@ pub struct Database {
 }
 
 /// Submit → COMPLETED of the tasks completed in a window, in milliseconds.
-#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct Latency {
     pub completed: i64,
     pub p50_ms: f64,
@@ -80,7 +80,7 @@ pub async fn database(db: &Db) -> anyhow::Result<Database> {
 async fn indexes(db: &Db, table: &str) -> anyhow::Result<BTreeMap<String, f64>> {
     let rows: Vec<(String, i64)> = sqlx::query_as(
         "SELECT indexrelid::regclass::text, pg_relation_size(indexrelid)
-         FROM pg_index WHERE indrelid IN (SELECT oid FROM pg_class WHERE oid = $1::regclass
+         FROM pg_index WHERE indisvalid AND indrelid IN (SELECT oid FROM pg_class WHERE oid = $1::regclass
                                           UNION ALL
                                           SELECT reltoastrelid FROM pg_class WHERE oid = $1::regclass)",
     )
@@ -150,20 +150,22 @@ pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
         .iter()
         .map(|(name, pid)| (name.clone(), proc_status_mib(*pid, "VmRSS").unwrap_or(0.0)))
         .collect();
-    let postgres = pids_named(&["postgres"]);
-    let pss = |pids: &[u32], field: &str| -> f64 {
-        pids.iter()
-            .filter_map(|pid| proc_file_mib(*pid, "smaps_rollup", field))
-            .sum()
-    };
-    let shared = pss(&postgres, "Pss_Shmem");
-    mib.insert(
-        "postgresql, shared buffers aside".to_owned(),
-        pss(&postgres, "Pss") - shared,
-    );
+    // Both fields of a process from one read, so that a backend that ends between two reads
+    // cannot make the rest come out negative.
+    let (mut pss, mut shared) = (0.0, 0.0);
+    for pid in pids_named(&["postgres"]) {
+        if let (Some(all), Some(shmem)) = pss_and_shmem_mib(pid) {
+            pss += all;
+            shared += shmem;
+        }
+    }
+    mib.insert("postgresql, shared buffers aside".to_owned(), pss - shared);
     mib.insert(crate::report::SHARED_BUFFERS.to_owned(), shared);
     let rabbitmq = pids_named(&["beam.smp", "epmd", "erl_child_setup", "inet_gethost"]);
-    mib.insert("rabbitmq".to_owned(), pss(&rabbitmq, "Pss"));
+    let broker = rabbitmq
+        .into_iter()
+        .filter_map(|pid| pss_and_shmem_mib(pid).0);
+    mib.insert("rabbitmq".to_owned(), broker.sum());
     mib
 }
 
@@ -178,4 +180,12 @@ fn pids_named(comms: &[&str]) -> Vec<u32> {
                 .is_ok_and(|c| comms.contains(&c.trim()))
         })
         .collect()
+}
+
+/// `Pss` and `Pss_Shmem` of `/proc/<pid>/smaps_rollup`, in MiB, from one read.
+fn pss_and_shmem_mib(pid: u32) -> (Option<f64>, Option<f64>) {
+    match proc_file_fields_mib(pid, "smaps_rollup", &["Pss", "Pss_Shmem"]).as_deref() {
+        Some([pss, shmem]) => (*pss, *shmem),
+        _ => (None, None),
+    }
 }

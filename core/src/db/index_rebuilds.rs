@@ -8,7 +8,7 @@
 //! conflict with, and waits (without blocking anyone) for older snapshots, so it runs on a
 //! connection of its own, never the upkeep's.
 
-use super::{Db, DbResult};
+use super::{Db, DbError, DbResult};
 
 /// An index is rebuilt when its size passes this many times the size of its entries packed
 /// as a fresh build packs them. A right-growing index after expiry passes it; an index of
@@ -33,7 +33,7 @@ pub struct IndexSize {
     pub name: String,
     pub bytes: i64,
     /// What a fresh build would take, estimated from the rows' count and the columns'
-    /// average widths (planner statistics); `None` before the table was first analyzed.
+    /// widths; `None` before VACUUM or ANALYZE first counted the rows.
     pub packed_bytes: Option<i64>,
 }
 
@@ -64,105 +64,198 @@ pub fn packed_btree_bytes(entries: f64, key_width: f64) -> i64 {
     ((leaves * 1.01).ceil() + 1.0) as i64 * PAGE as i64
 }
 
-impl Db {
-    /// Every valid B-tree index of `tasks` and of its TOAST table, with its size and its
-    /// packed size.
-    pub async fn task_index_sizes(&self) -> DbResult<Vec<IndexSize>> {
-        // A partial index holds only some rows: its own count (kept by VACUUM and ANALYZE)
-        // then; the table's otherwise, which ANALYZE keeps current too. -1: never counted.
-        let rows: Vec<(String, i64, f64, Option<f64>)> = sqlx::query_as(
-            "SELECT i.oid::regclass::text, pg_relation_size(i.oid),
-                    (CASE WHEN x.indpred IS NULL THEN t.reltuples ELSE i.reltuples END)::float8,
-                    CASE WHEN t.relkind = 't' THEN 8::float8 -- chunk_id oid, chunk_seq int4
-                    ELSE (SELECT sum(s.avg_width)::float8
-                            FROM pg_attribute a
-                            JOIN pg_stats s ON s.schemaname = 'public' AND s.tablename = 'tasks'
-                                           AND s.attname = a.attname
-                           WHERE a.attrelid = i.oid AND a.attnum > 0) END
-               FROM pg_index x
-               JOIN pg_class i ON i.oid = x.indexrelid
-               JOIN pg_class t ON t.oid = x.indrelid
-               JOIN pg_am am ON am.oid = i.relam
-              WHERE x.indrelid IN (SELECT oid FROM pg_class WHERE oid = 'public.tasks'::regclass
-                                   UNION ALL
-                                   SELECT reltoastrelid FROM pg_class WHERE oid = 'public.tasks'::regclass)
-                AND am.amname = 'btree' AND x.indisvalid AND x.indexprs IS NULL
-              ORDER BY 1",
-        )
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows
-            .into_iter()
-            .map(|(name, bytes, entries, width)| IndexSize {
-                name,
-                bytes,
-                packed_bytes: width
-                    .filter(|_| entries >= 0.0)
-                    .map(|width| packed_btree_bytes(entries, width)),
-            })
-            .collect())
-    }
+/// What one look at the indexes of `tasks` found and did.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct IndexUpkeep {
+    /// Every index as measured before any rebuild.
+    pub measured: Vec<IndexSize>,
+    /// Sparse indexes rebuilt: as they were, and as they are now.
+    pub rebuilt: Vec<(IndexSize, IndexSize)>,
+    /// Sparse indexes this role may not rebuild (it does not own the table).
+    pub denied: Vec<IndexSize>,
+    /// Invalid copies a rebuild cut short had left, dropped.
+    pub leftovers_dropped: Vec<String>,
+}
 
-    /// Rebuilds the index `name` of `tasks` with `REINDEX CONCURRENTLY`, on a connection of
-    /// its own: writers go on meanwhile, and the rebuild waits for older snapshots (a long
-    /// reader) without holding anyone. First drops what a rebuild cut short left behind (an
-    /// invalid copy, which writers would otherwise keep updating). Returns `false` when
-    /// another process is rebuilding now. Only the table's owner may (PostgreSQL 15 has no
-    /// grant for it): for any other role this is a permission error.
-    pub async fn rebuild_task_index(&self, name: &str) -> DbResult<bool> {
+/// Which tables' indexes are looked at: `tasks` and its TOAST table.
+const TASK_TABLES: &str = "(SELECT oid FROM pg_class WHERE oid = 'public.tasks'::regclass
+                             UNION ALL
+                             SELECT reltoastrelid FROM pg_class WHERE oid = 'public.tasks'::regclass)";
+
+impl Db {
+    /// One look at the indexes of `tasks`, on a connection of its own and holding an
+    /// advisory lock (gateways take turns; `None` when another process holds it, or when
+    /// someone is building an index of `tasks` by hand): drops invalid copies a cut-short
+    /// rebuild left (writers keep updating them), measures every B-tree index, and rebuilds
+    /// the sparse ones with `REINDEX CONCURRENTLY`: writers go on meanwhile, and a rebuild
+    /// waits for older snapshots (a long reader) without holding anyone. Only the table's
+    /// owner may drop or rebuild (PostgreSQL 15 has no grant for it): for another role the
+    /// sparse indexes come back as `denied`.
+    pub async fn upkeep_task_indexes(&self) -> DbResult<Option<IndexUpkeep>> {
         let mut conn = self.rebuilds.acquire().await?;
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
             .bind(REBUILD_LOCK)
             .fetch_one(&mut *conn)
             .await?;
         if !locked {
-            return Ok(false);
+            return Ok(None);
         }
-        let rebuilt = rebuild_holding_the_lock(&mut conn, name).await;
-        // Unlocked whatever happened (a connection that broke lost it with its session).
-        let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
-            .bind(REBUILD_LOCK)
-            .execute(&mut *conn)
-            .await;
-        rebuilt.map(|()| true)
+        let look = look_holding_the_lock(&mut conn).await;
+        release_rebuilds(&mut conn).await;
+        look
     }
 }
 
-async fn rebuild_holding_the_lock(conn: &mut sqlx::PgConnection, name: &str) -> DbResult<()> {
-    // REINDEX CONCURRENTLY builds `<name>_ccnew` (then `_ccnew1`, ...) beside the index and
-    // leaves it invalid when cancelled; nobody else is rebuilding (the advisory lock).
-    let leftovers: Vec<String> = sqlx::query_scalar(
+/// Waits for the rebuilds' advisory lock, for a migration: its `ALTER TABLE` queued behind
+/// a rebuild (which may wait minutes for a long reader) would hold every writer queued
+/// behind it in turn, while waiting on an advisory lock holds nobody.
+pub(super) async fn hold_rebuilds(conn: &mut sqlx::PgConnection) -> DbResult<()> {
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(REBUILD_LOCK)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
+}
+
+/// Lets go of what [`hold_rebuilds`] took (a connection that broke lost it already).
+pub(super) async fn release_rebuilds(conn: &mut sqlx::PgConnection) {
+    let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(REBUILD_LOCK)
+        .execute(&mut *conn)
+        .await;
+}
+
+async fn look_holding_the_lock(conn: &mut sqlx::PgConnection) -> DbResult<Option<IndexUpkeep>> {
+    // Someone's own CREATE INDEX or REINDEX on the table: its unfinished copy is not ours.
+    let building: bool = sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT FROM pg_stat_progress_create_index WHERE relid IN {TASK_TABLES})"
+    ))
+    .fetch_one(&mut *conn)
+    .await?;
+    if building {
+        return Ok(None);
+    }
+    let mut look = IndexUpkeep::default();
+    // REINDEX CONCURRENTLY builds `<name>_ccnew` beside the index and renames the old one
+    // `<name>_ccold` before dropping it; cut short, either is left invalid.
+    let leftovers: Vec<String> = sqlx::query_scalar(&format!(
         "SELECT i.oid::regclass::text FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid
-          WHERE x.indrelid IN (SELECT oid FROM pg_class WHERE oid = 'public.tasks'::regclass
-                               UNION ALL
-                               SELECT reltoastrelid FROM pg_class WHERE oid = 'public.tasks'::regclass)
-            AND NOT x.indisvalid AND i.relname ~ '_ccnew[0-9]*$'",
-    )
+          WHERE x.indrelid IN {TASK_TABLES} AND NOT x.indisvalid
+            AND i.relname ~ '_cc(new|old)[0-9]*$'"
+    ))
     .fetch_all(&mut *conn)
     .await?;
     for leftover in leftovers {
-        sqlx::query(&format!("DROP INDEX CONCURRENTLY IF EXISTS {leftover}"))
+        // The name is PostgreSQL's own rendering of an index it listed.
+        let dropped = sqlx::query(&format!("DROP INDEX CONCURRENTLY IF EXISTS {leftover}"))
             .execute(&mut *conn)
-            .await?;
+            .await
+            .map_err(DbError::from);
+        match dropped {
+            Ok(_) => look.leftovers_dropped.push(leftover),
+            Err(err) if err.is_permission_denied() => {}
+            Err(err) => return Err(err),
+        }
     }
-    // Only an index of tasks or of its TOAST table, named as `task_index_sizes` names it
-    // (PostgreSQL's own quoting), so the name put into the statement is one it printed.
-    let exists: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT FROM pg_index x
-                         WHERE x.indexrelid::regclass::text = $1
-                           AND x.indrelid IN (SELECT oid FROM pg_class WHERE oid = 'public.tasks'::regclass
-                                              UNION ALL
-                                              SELECT reltoastrelid FROM pg_class WHERE oid = 'public.tasks'::regclass))",
-    )
-    .bind(name)
-    .fetch_one(&mut *conn)
+    look.measured = index_sizes(&mut *conn).await?;
+    for index in look.measured.iter().filter(|index| index.is_sparse()) {
+        let rebuilt = sqlx::query(&format!("REINDEX INDEX CONCURRENTLY {}", index.name))
+            .execute(&mut *conn)
+            .await
+            .map_err(DbError::from);
+        match rebuilt {
+            Ok(_) => {
+                let now = index_sizes(&mut *conn)
+                    .await?
+                    .into_iter()
+                    .find(|now| now.name == index.name);
+                if let Some(now) = now {
+                    look.rebuilt.push((index.clone(), now));
+                }
+            }
+            Err(err) if err.is_permission_denied() => look.denied.push(index.clone()),
+            Err(err) => return Err(err),
+        }
+    }
+    Ok(Some(look))
+}
+
+/// The indexes' sizes, and what each would take packed: the row count (`reltuples`: the
+/// index's own for a partial index, kept by VACUUM; the table's otherwise, which ANALYZE
+/// keeps too; -1 before either ran) times the width of its key columns: a fixed-width
+/// type's length, a variable-width column's average over the first 1,000 rows (sampled,
+/// not from `pg_stats`, which hides a table under row-level security from its readers).
+async fn index_sizes(conn: &mut sqlx::PgConnection) -> DbResult<Vec<IndexSize>> {
+    let indexes: Vec<(String, i64, f64, bool, Vec<i16>)> = sqlx::query_as(&format!(
+        "SELECT i.oid::regclass::text, pg_relation_size(i.oid),
+                (CASE WHEN x.indpred IS NULL THEN t.reltuples ELSE i.reltuples END)::float8,
+                t.relkind = 't',
+                ARRAY(SELECT unnest(x.indkey::int2[])) -- key and INCLUDE columns, from 1
+           FROM pg_index x
+           JOIN pg_class i ON i.oid = x.indexrelid
+           JOIN pg_class t ON t.oid = x.indrelid
+           JOIN pg_am am ON am.oid = i.relam
+          WHERE x.indrelid IN {TASK_TABLES}
+            AND am.amname = 'btree' AND x.indisvalid AND x.indexprs IS NULL
+          ORDER BY 1"
+    ))
+    .fetch_all(&mut *conn)
     .await?;
-    if exists {
-        sqlx::query(&format!("REINDEX INDEX CONCURRENTLY {name}"))
-            .execute(&mut *conn)
-            .await?;
+    let columns: Vec<(i16, String, i16)> = sqlx::query_as(
+        "SELECT a.attnum, quote_ident(a.attname), ty.typlen
+           FROM pg_attribute a JOIN pg_type ty ON ty.oid = a.atttypid
+          WHERE a.attrelid = 'public.tasks'::regclass AND a.attnum > 0 AND NOT a.attisdropped
+          ORDER BY a.attnum",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let keyed: std::collections::BTreeSet<i16> = indexes
+        .iter()
+        .filter(|index| !index.3)
+        .flat_map(|index| index.4.iter().copied())
+        .collect();
+    let variable: Vec<&(i16, String, i16)> = columns
+        .iter()
+        .filter(|(num, _, len)| *len < 0 && keyed.contains(num))
+        .collect();
+    let mut widths: std::collections::HashMap<i16, f64> = columns
+        .iter()
+        .filter(|(_, _, len)| *len > 0)
+        .map(|(num, _, len)| (*num, f64::from(*len)))
+        .collect();
+    if !variable.is_empty() {
+        // Names quoted by quote_ident(), of the table's own columns.
+        let averages = variable
+            .iter()
+            .map(|(_, name, _)| format!("coalesce(avg(pg_column_size({name})), 0)::float8"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let row = sqlx::query(&format!(
+            "SELECT {averages} FROM (SELECT * FROM public.tasks LIMIT 1000) AS sample"
+        ))
+        .fetch_one(&mut *conn)
+        .await?;
+        for (i, (num, _, _)) in variable.iter().enumerate() {
+            widths.insert(*num, sqlx::Row::try_get::<f64, _>(&row, i)?);
+        }
     }
-    Ok(())
+    Ok(indexes
+        .into_iter()
+        .map(|(name, bytes, entries, toast, keys)| {
+            // A TOAST index: chunk_id (oid) and chunk_seq (int4).
+            let width = match toast {
+                true => Some(8.0),
+                false => keys.iter().map(|key| widths.get(key).copied()).sum(),
+            };
+            IndexSize {
+                name,
+                bytes,
+                packed_bytes: width
+                    .filter(|_| entries >= 0.0)
+                    .map(|width| packed_btree_bytes(entries, width)),
+            }
+        })
+        .collect())
 }
 
 #[cfg(test)]

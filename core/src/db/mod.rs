@@ -42,7 +42,9 @@ pub use error::{DbError, DbResult};
 pub use expiry::PendingExpiry;
 pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
-pub use index_rebuilds::{packed_btree_bytes, IndexSize, MIN_REBUILD_BYTES, SPARSE_FACTOR};
+pub use index_rebuilds::{
+    packed_btree_bytes, IndexSize, IndexUpkeep, MIN_REBUILD_BYTES, SPARSE_FACTOR,
+};
 pub use ingest::{Locked, Recorded};
 pub use listing::{TaskFilter, TaskPage};
 pub use partitions::PartitionsOwed;
@@ -155,27 +157,39 @@ impl Db {
             ("enable_seqscan", "off"),
         ]));
         let pool = pooled().connect_lazy_with(connect);
-        let untimed = || {
+        // One connection each, opened on use, without the statement timeout.
+        let single = |connect: PgConnectOptions| {
             PgPoolOptions::new()
                 .max_connections(1)
                 .min_connections(0)
                 .idle_timeout(Duration::from_secs(60))
                 .acquire_timeout(options.acquire_timeout)
-                .connect_lazy_with(base.clone().options([("statement_timeout", "0")]))
+                .connect_lazy_with(connect.options([("statement_timeout", "0")]))
         };
+        let maintenance = single(base.clone());
+        // A rebuild whose gateway stopped (a rolling upgrade) is cancelled by the server
+        // within a second, not left holding its lock; the next look drops its copy.
+        let rebuilds = single(base.options([("client_connection_check_interval", "1000")]));
         Ok(Db {
             pool,
             hot,
-            maintenance: untimed(),
-            rebuilds: untimed(),
+            maintenance,
+            rebuilds,
         })
     }
 
     pub async fn migrate(&self) -> DbResult<()> {
-        sqlx::migrate!("../migrations")
+        // Held on the rebuilds' connection while the migrations run on their own (at start,
+        // before this process's first index look).
+        let mut held = self.rebuilds.acquire().await?;
+        index_rebuilds::hold_rebuilds(&mut held).await?;
+        let migrated = sqlx::migrate!("../migrations")
             .run(&self.maintenance)
             .await
-            .map_err(DbError::Migrate)?;
+            .map_err(DbError::Migrate);
+        index_rebuilds::release_rebuilds(&mut held).await;
+        drop(held);
+        migrated?;
         self.ensure_partitions().await
     }
 

@@ -305,16 +305,25 @@ pub fn proc_status_mib(pid: u32, field: &str) -> Option<f64> {
 
 /// A `<field>: <n> kB` line of `/proc/<pid>/<file>` (`status`, `smaps_rollup`), in MiB.
 pub fn proc_file_mib(pid: u32, file: &str, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib / 1024.0)
+    proc_file_fields_mib(pid, file, &[field])?[0]
+}
+
+/// Several `<field>: <n> kB` lines of `/proc/<pid>/<file>`, in MiB, from one read (fields
+/// read apart could come from two moments); `None` when the file cannot be read.
+pub fn proc_file_fields_mib(pid: u32, file: &str, fields: &[&str]) -> Option<Vec<Option<f64>>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()?;
+    let mib = |field: &str| {
+        let kib: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib / 1024.0)
+    };
+    Some(fields.iter().map(|field| mib(field)).collect())
 }
 
 /// A process's log file `<dir>/<name>.log`, appended to across its restarts.

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use conveyor_core::db::{Db, DbError};
+use conveyor_core::db::{Db, DbError, IndexSize};
 use conveyor_core::metrics::Metrics;
 use tokio::task::JoinHandle;
 
@@ -53,7 +53,8 @@ impl Rebuilds {
 }
 
 impl Drop for Rebuilds {
-    /// A rebuild cut short leaves an invalid copy, which the next look drops.
+    /// The server cancels a rebuild whose connection closed (within a second); the invalid
+    /// copy it leaves is dropped by the next look.
     fn drop(&mut self) {
         if let Some(look) = self.running.take() {
             look.abort();
@@ -63,59 +64,47 @@ impl Drop for Rebuilds {
 
 /// Measures every B-tree index of `tasks`, and rebuilds the sparse ones, one at a time.
 async fn look(db: &Db, metrics: &Metrics) -> Result<(), DbError> {
-    for index in db.task_index_sizes().await? {
+    let started = Instant::now();
+    let Some(look) = db.upkeep_task_indexes().await? else {
+        tracing::debug!("another process is looking after the indexes of tasks");
+        return Ok(());
+    };
+    let density = |index: &IndexSize| {
         if let Some(density) = index.density_percent() {
             metrics
                 .task_index_density
                 .with_label_values(&[index.name.as_str()])
                 .set(density);
         }
-        if !index.is_sparse() {
-            continue;
-        }
-        let started = Instant::now();
-        match db.rebuild_task_index(&index.name).await {
-            Ok(true) => {
-                metrics
-                    .task_index_rebuilds
-                    .with_label_values(&[index.name.as_str()])
-                    .inc();
-                let after = db
-                    .task_index_sizes()
-                    .await?
-                    .into_iter()
-                    .find(|now| now.name == index.name);
-                if let Some(density) = after.as_ref().and_then(|now| now.density_percent()) {
-                    metrics
-                        .task_index_density
-                        .with_label_values(&[index.name.as_str()])
-                        .set(density);
-                }
-                tracing::info!(
-                    index = index.name,
-                    bytes_before = index.bytes,
-                    bytes_after = after.map(|now| now.bytes),
-                    seconds = started.elapsed().as_secs_f64(),
-                    "sparse index of tasks rebuilt"
-                );
-            }
-            Ok(false) => {
-                tracing::debug!(index = index.name, "another process is rebuilding");
-                return Ok(());
-            }
-            Err(err) if err.is_permission_denied() => {
-                // A least-privilege gateway (decision 0015) does not own the table.
-                tracing::warn!(
-                    index = index.name,
-                    bytes = index.bytes,
-                    packed_bytes = index.packed_bytes,
-                    "an index of tasks is sparse and only the table's owner may rebuild it: \
-                     run `REINDEX INDEX CONCURRENTLY public.{}` as the owner",
-                    index.name
-                );
-            }
-            Err(err) => return Err(err),
-        }
+    };
+    look.measured.iter().for_each(density);
+    for leftover in &look.leftovers_dropped {
+        tracing::info!(index = leftover, "a cut-short rebuild's copy dropped");
+    }
+    for (before, after) in &look.rebuilt {
+        density(after);
+        metrics
+            .task_index_rebuilds
+            .with_label_values(&[before.name.as_str()])
+            .inc();
+        tracing::info!(
+            index = before.name,
+            bytes_before = before.bytes,
+            bytes_after = after.bytes,
+            seconds = started.elapsed().as_secs_f64(),
+            "sparse index of tasks rebuilt"
+        );
+    }
+    for index in &look.denied {
+        // A least-privilege gateway (decision 0015) does not own the table.
+        tracing::warn!(
+            index = index.name,
+            bytes = index.bytes,
+            packed_bytes = index.packed_bytes,
+            "an index of tasks is sparse and only the table's owner may rebuild it: \
+             run `REINDEX INDEX CONCURRENTLY {}` as the owner",
+            index.name
+        );
     }
     Ok(())
 }
