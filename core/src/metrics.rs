@@ -62,7 +62,7 @@ pub struct Metrics {
     /// of the log holds them).
     pub audit_partitions_overdue: IntGauge,
     /// Upkeep: how full each B-tree index of `tasks` is, in percent of a fresh build's
-    /// fill; below a third it is rebuilt (decision 0037).
+    /// fill; below 40 % (2.5 times its packed size) it is rebuilt (decision 0037).
     pub task_index_density: IntGaugeVec,
     /// Upkeep: indexes of `tasks` rebuilt because deletes had left them sparse.
     pub task_index_rebuilds: IntCounterVec,

@@ -31,8 +31,6 @@ pub struct Database {
     pub open_over_a_minute: i64,
     /// Each index of `tasks`, in MiB: which of them grows, if the table does.
     pub tasks_indexes: BTreeMap<String, f64>,
-    /// PostgreSQL's `shared_buffers`, in MiB.
-    pub shared_buffers_mib: f64,
 }
 
 /// Submit → COMPLETED of the tasks completed in a window, in milliseconds.
@@ -68,11 +66,6 @@ pub async fn database(db: &Db) -> anyhow::Result<Database> {
         partitions,
         open_over_a_minute,
         tasks_indexes: indexes(db, "tasks").await?,
-        shared_buffers_mib: sqlx::query_scalar(
-            "SELECT (setting::float8 * 8192) / 1048576 FROM pg_settings WHERE name = 'shared_buffers'",
-        )
-        .fetch_one(db.pool())
-        .await?,
     })
 }
 

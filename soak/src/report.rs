@@ -185,31 +185,23 @@ impl Run {
             // The broker's memory and the operator's follow the fleet (queues, objects):
             // judged on the part of the run after the fleet stopped growing.
             let (steady_first, steady_last) = self.steady_quarters();
-            for name in b.memory_mib.keys() {
+            // PostgreSQL's shared buffers are fixed in size (`shared_buffers`) and touched as
+            // the data grows: shown over time below, not a leak they could show.
+            for name in b.memory_mib.keys().filter(|name| *name != SHARED_BUFFERS) {
                 let rss =
                     |s: &[&Sample]| mean(s.iter().filter_map(|s| s.memory_mib.get(name).copied()));
-                if name == SHARED_BUFFERS {
-                    // Fixed in size (`shared_buffers`), touched as the data grows: shown
-                    // over time below, not a leak it could show.
-                    continue;
-                } else if FOLLOWS_THE_FLEET.contains(&name.as_str()) {
-                    flat_over(
-                        &mut md,
-                        &format!("memory of {name}"),
-                        STEADY,
-                        "MiB",
-                        rss(&steady_first),
-                        rss(&steady_last),
-                    );
-                } else {
-                    flat(
-                        &mut md,
-                        &format!("memory of {name}"),
-                        "MiB",
-                        rss(&first),
-                        rss(&last),
-                    );
-                }
+                let (over, early, late) = match FOLLOWS_THE_FLEET.contains(&name.as_str()) {
+                    true => (STEADY, &steady_first, &steady_last),
+                    false => (WHOLE_RUN, &first, &last),
+                };
+                flat_over(
+                    &mut md,
+                    &format!("memory of {name}"),
+                    over,
+                    "MiB",
+                    rss(early),
+                    rss(late),
+                );
             }
             let operator = |s: &[&Sample]| {
                 mean(
@@ -482,6 +474,7 @@ pub const SHARED_BUFFERS: &str = "postgresql shared buffers";
 /// Processes whose memory follows the fleet's size.
 const FOLLOWS_THE_FLEET: &[&str] = &["rabbitmq"];
 const STEADY: &str = "first quarter → last, after the fleet stopped growing";
+const WHOLE_RUN: &str = "first quarter → last";
 
 /// Empty (not measured) with fewer than eight samples: two a window at least, and never
 /// one sample compared with itself.
@@ -521,7 +514,7 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 /// A row of the table of what held: `what` flat within 20 % from the first quarter of the
 /// run to the last (not measured, a zero or an unreadable figure, holds nothing).
 fn flat(md: &mut String, what: &str, unit: &str, first: f64, last: f64) {
-    flat_over(md, what, "first quarter → last", unit, first, last);
+    flat_over(md, what, WHOLE_RUN, unit, first, last);
 }
 
 /// [`flat`] over the windows `over` names.

@@ -13,9 +13,9 @@ use super::{Db, DbError, DbResult};
 /// An index is rebuilt when its size passes this many times the size of its entries packed
 /// as a fresh build packs them. A right-growing index after expiry passes it; an index of
 /// random keys (the idempotency keys) settles below twice, and a rebuild would not last.
-pub const SPARSE_FACTOR: f64 = 2.5;
+const SPARSE_FACTOR: f64 = 2.5;
 /// Smaller indexes are left alone: a rebuild would win back too little to be worth it.
-pub const MIN_REBUILD_BYTES: i64 = 1 << 20;
+const MIN_REBUILD_BYTES: i64 = 1 << 20;
 
 /// `pg_try_advisory_lock` key held while a rebuild runs: gateways take turns.
 const REBUILD_LOCK: i64 = 0x636f_6e76_6569_6478; // "conveidx"
@@ -58,7 +58,7 @@ impl IndexSize {
 /// An estimate of the bytes a fresh B-tree build takes for `entries` of `key_width` bytes
 /// each on average: an 8-byte tuple header and the key, aligned to 8, plus a 4-byte line
 /// pointer, per entry; one page more for the metapage and the inner pages.
-pub fn packed_btree_bytes(entries: f64, key_width: f64) -> i64 {
+fn packed_btree_bytes(entries: f64, key_width: f64) -> i64 {
     let entry = ((8.0 + key_width) / 8.0).ceil() * 8.0 + 4.0;
     let leaves = (entries.max(0.0) * entry / PACKED_PAGE).ceil();
     ((leaves * 1.01).ceil() + 1.0) as i64 * PAGE as i64
@@ -158,24 +158,28 @@ async fn look_holding_the_lock(conn: &mut sqlx::PgConnection) -> DbResult<Option
         }
     }
     look.measured = index_sizes(&mut *conn).await?;
+    let mut rebuilt = Vec::new();
     for index in look.measured.iter().filter(|index| index.is_sparse()) {
-        let rebuilt = sqlx::query(&format!("REINDEX INDEX CONCURRENTLY {}", index.name))
+        let done = sqlx::query(&format!("REINDEX INDEX CONCURRENTLY {}", index.name))
             .execute(&mut *conn)
             .await
             .map_err(DbError::from);
-        match rebuilt {
-            Ok(_) => {
-                let now = index_sizes(&mut *conn)
-                    .await?
-                    .into_iter()
-                    .find(|now| now.name == index.name);
-                if let Some(now) = now {
-                    look.rebuilt.push((index.clone(), now));
-                }
-            }
+        match done {
+            Ok(_) => rebuilt.push(index.clone()),
             Err(err) if err.is_permission_denied() => look.denied.push(index.clone()),
             Err(err) => return Err(err),
         }
+    }
+    // Measured again once, after the last rebuild.
+    if !rebuilt.is_empty() {
+        let now = index_sizes(&mut *conn).await?;
+        look.rebuilt = rebuilt
+            .into_iter()
+            .filter_map(|before| {
+                let after = now.iter().find(|now| now.name == before.name)?.clone();
+                Some((before, after))
+            })
+            .collect();
     }
     Ok(Some(look))
 }

@@ -42,9 +42,7 @@ pub use error::{DbError, DbResult};
 pub use expiry::PendingExpiry;
 pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
-pub use index_rebuilds::{
-    packed_btree_bytes, IndexSize, IndexUpkeep, MIN_REBUILD_BYTES, SPARSE_FACTOR,
-};
+pub use index_rebuilds::{IndexSize, IndexUpkeep};
 pub use ingest::{Locked, Recorded};
 pub use listing::{TaskFilter, TaskPage};
 pub use partitions::PartitionsOwed;
