@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 
 DEV=${CONVEYOR_DEV_DIR:-$PWD/.dev}
 BIN=$PWD/target/debug
+# The operator's binary: another build (a release one, say) when measuring it.
+OPERATOR_BIN=${CONVEYOR_OPERATOR_BIN:-$BIN/conveyor-operator}
 GATEWAY=${CONVEYOR_GATEWAY_LISTEN:-127.0.0.1:8080}
 GATEWAY_ADMIN=${CONVEYOR_GATEWAY_ADMIN_LISTEN:-127.0.0.1:8082}
 OPERATOR=${CONVEYOR_OPERATOR_LISTEN:-127.0.0.1:8081}
@@ -44,8 +46,8 @@ stop() { # name
 }
 start() { # name, binary, args...
   local name=$1 binary=$2; shift 2
-  # Restart when the binary was rebuilt or the command line or kubeconfig changed.
-  local stamp; stamp="$(stat -c %Y "$binary") $* ${KUBECONFIG:-}"
+  # Restart when the binary (or which one) was rebuilt or the command line or kubeconfig changed.
+  local stamp; stamp="$binary $(stat -c %Y "$binary") $* ${KUBECONFIG:-}"
   if running "$name"; then
     [ "$(cat "$DEV/$name.stamp" 2>/dev/null)" = "$stamp" ] && return 0
     log "$name was rebuilt; restarting it"
@@ -90,7 +92,7 @@ up() {
   need_packages curl=curl
   scripts/services.sh up
   cluster/up.sh
-  [ -x "$BIN/conveyor-operator" ] || { log "build first: cargo build --workspace --bins"; exit 1; }
+  [ -x "$OPERATOR_BIN" ] || { log "build first: cargo build --workspace --bins ($OPERATOR_BIN is missing)"; exit 1; }
   kubectl apply --server-side --field-manager=conveyor-dev -k crds >/dev/null
   kubectl apply --server-side --field-manager=conveyor-dev \
     -f manifests/base/namespace.yaml -f manifests/base/rbac.yaml >/dev/null
@@ -99,7 +101,7 @@ up() {
 
   KUBECONFIG=$(kubeconfig_as conveyor-operator) POD_NAMESPACE=conveyor-system \
     CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \
-    start operator "$BIN/conveyor-operator" run
+    start operator "$OPERATOR_BIN" run
   KUBECONFIG=$(kubeconfig_as conveyor-gateway) \
     start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --admin-listen "$GATEWAY_ADMIN" \
     --tls-cert-file "$TLS/server.crt" --tls-key-file "$TLS/server.key" --task-types-from-cluster \

@@ -22,6 +22,7 @@ use crate::broker_stats::BrokerStats;
 use crate::build::ConnectionSecret;
 use crate::declarations::Declarations;
 use crate::rabbitmq::ManagementApi;
+use crate::shared::lock;
 
 pub struct Context {
     pub client: Client,
@@ -57,6 +58,13 @@ pub struct Context {
     /// Every pool's pods as a watch sees them (set by `controllers::run`): a scale-down reads
     /// them here instead of listing each pool's pods every minute.
     pub pods: std::sync::OnceLock<kube::runtime::reflector::Store<k8s_openapi::api::core::v1::Pod>>,
+    /// Every pool's Deployment as a watch sees it (set by `controllers::run`), slimmed to
+    /// what a reconcile reads: a pool at rest reads its count here, not from the apiserver.
+    pub deployments: std::sync::OnceLock<
+        kube::runtime::reflector::Store<k8s_openapi::api::apps::v1::Deployment>,
+    >,
+    /// Which pools' ConfigMap, Service or PodDisruptionBudget someone else touched.
+    pub owned: crate::worker_pools::owned::Owned,
     /// Drains seen and pools looked at, for safe scale-down.
     pub drains: crate::scale_down::memory::Memory,
     /// TaskTypes (by uid) declared: at which generation, and when.
@@ -70,7 +78,8 @@ pub struct Applied {
     pub fingerprint: u64,
     /// The Deployment's generation that apply answered.
     pub generation: Option<i64>,
-    pub at: Instant,
+    /// The latest write by someone else to the Deployment that this apply answered.
+    pub edited: Option<k8s_openapi::jiff::Timestamp>,
 }
 
 impl Context {
@@ -99,11 +108,19 @@ impl Context {
             broker: BrokerStats::default(),
             task_types: std::sync::OnceLock::new(),
             pods: std::sync::OnceLock::new(),
+            deployments: std::sync::OnceLock::new(),
+            owned: Default::default(),
             declared: Mutex::default(),
             drains: Default::default(),
             declarations: Declarations::default(),
             started: Instant::now(),
         }
+    }
+
+    /// A deleted pool's memories (keyed by its uid), which nothing else would remove.
+    pub fn forget_pool(&self, uid: &str) {
+        lock(&self.applied).remove(uid);
+        self.owned.forget(uid);
     }
 
     /// Seconds since start, the clock of the scaling histories.

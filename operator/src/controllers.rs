@@ -1,6 +1,7 @@
 //! The two controllers and what wakes them. Each reconciles on a change of its object's
 //! spec (its generation: status writes, its own or the depths', do not wake it), on its
-//! periodic requeue, and: a WorkerPool when its Deployment changes or when a TaskType it
+//! periodic requeue, and: a WorkerPool when its Deployment, ConfigMap, Service or
+//! PodDisruptionBudget changes (watched once for all pools) or when a TaskType it
 //! consumes is created or edited (a pool applied before its type starts at once, not at its
 //! next requeue), and a pool at rest when its queues' counts change. Failures retry per object with exponential backoff and jitter
 //! ([`crate::backoff`]); at most [`CONCURRENCY`] reconciles of each kind run at once. One
@@ -13,8 +14,9 @@ use std::time::Duration;
 use conveyor_core::crd::{TaskType, WorkerPool};
 use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::Api;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::utils::Predicate;
@@ -27,6 +29,7 @@ use crate::build::POOL_LABEL;
 use crate::context::Context;
 use crate::error::{Error, Result};
 use crate::shared::lock;
+use crate::worker_pools::owned::Kind;
 use crate::{gauges, task_types, worker_pools};
 
 /// Reconciles of one kind under way at once: thousands of objects must not open thousands
@@ -121,7 +124,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     .for_each(|_| async {});
 
     let (pools, pools_writer) = reflector::store::<WorkerPool>();
-    let pool_changes = spec_changes(&client, pools_writer);
+    let pool_changes = pool_spec_changes(&client, pools_writer, &ctx);
     let gauges = gauges::export(ctx.clone(), pools.clone(), types_for_gauges, stop.clone());
     let consumers = pools.clone();
     // A TaskType's own status writes (its depths, every poll) wake no pool: the same
@@ -143,8 +146,27 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             .collect();
         futures_util::stream::iter(woken)
     });
+    // The pools' Deployments, watched once: a change wakes the pool, and its reconcile
+    // reads the copy kept here instead of asking the apiserver every period.
+    let (deployments, deployments_writer) = reflector::store::<Deployment>();
+    let _ = ctx.deployments.set(deployments);
+    let deployment_changes = watcher(
+        Api::<Deployment>::all(client.clone()),
+        watcher::Config::default().labels(POOL_LABEL),
+    )
+    .default_backoff()
+    .modify(worker_pools::slim_deployment)
+    .reflect(deployments_writer)
+    .touched_objects();
     let pool_controller = Controller::for_stream(pool_changes, pools)
-        .owns(Api::<Deployment>::all(client), watcher::Config::default())
+        .owns_stream(deployment_changes)
+        .owns_stream(owned_changes::<ConfigMap>(&client, &ctx, Kind::ConfigMap))
+        .owns_stream(owned_changes::<Service>(&client, &ctx, Kind::Service))
+        .owns_stream(owned_changes::<PodDisruptionBudget>(
+            &client,
+            &ctx,
+            Kind::PodDisruptionBudget,
+        ))
         .watches_stream(type_edits, move |task_type| {
             pools_consuming(&consumers, &task_type)
         })
@@ -159,6 +181,33 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .for_each(|_| async {});
     tracing::info!("reconciling TaskTypes and WorkerPools");
     tokio::join!(task_type_controller, pool_controller, pod_watch, gauges);
+}
+
+/// Changes of the pools' objects of one kind beside the Deployment, metadata only (kept
+/// nowhere): each is noted in [`Context::owned`] and wakes the pool that controls it, which
+/// applies its objects again if someone else edited or deleted one.
+fn owned_changes<K>(
+    client: &kube::Client,
+    ctx: &Arc<Context>,
+    kind: Kind,
+) -> impl futures_util::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>>
+where
+    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + 'static,
+{
+    let ctx = ctx.clone();
+    // An `Api` of `PartialObjectMeta` lists and watches metadata only.
+    watcher(
+        Api::<PartialObjectMeta<K>>::all(client.clone()),
+        watcher::Config::default().labels(POOL_LABEL),
+    )
+    .default_backoff()
+    .inspect_ok(move |event| ctx.owned.observe(kind, event))
+    .touched_objects()
 }
 
 /// The changed task types (`<namespace>.<name>`) of each poll, as a stream.
@@ -179,26 +228,28 @@ fn type_key(task_type: &ObjectRef<TaskType>) -> String {
     )
 }
 
-/// Every object of kind `K` in the cluster, kept in `writer`'s store; yields those whose
-/// spec (generation) or annotations changed (a pause annotation applies at once, not at the
-/// next period), so that status writes wake nothing.
-fn spec_changes<K>(
+/// Every pool in the cluster, kept in `writer`'s store; yields those whose spec
+/// (generation) or annotations changed (a pause annotation applies at once, not at the next
+/// period), so that status writes wake nothing. A deleted pool is forgotten by the context
+/// (what was applied for it, its objects' versions).
+fn pool_spec_changes(
     client: &kube::Client,
-    writer: reflector::store::Writer<K>,
-) -> impl futures_util::Stream<Item = Result<K, watcher::Error>>
-where
-    K: Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
-    let objects = watcher(Api::<K>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
-        .reflect(writer)
-        .applied_objects();
+    writer: reflector::store::Writer<WorkerPool>,
+    ctx: &Arc<Context>,
+) -> impl futures_util::Stream<Item = Result<WorkerPool, watcher::Error>> {
+    let ctx = ctx.clone();
+    let objects = watcher(
+        Api::<WorkerPool>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .reflect(writer)
+    .inspect_ok(move |event| {
+        if let watcher::Event::Delete(pool) = event {
+            ctx.forget_pool(&pool.uid().unwrap_or_default());
+        }
+    })
+    .applied_objects();
     edits(objects)
 }
 

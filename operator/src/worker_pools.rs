@@ -10,7 +10,7 @@ use conveyor_core::crd::status::reasons;
 use conveyor_core::crd::worker_pool::AUTOSCALING_PAUSED;
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_core::task_type::NamedTaskType;
-use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::apps::v1::{Deployment, DeploymentSpec, DeploymentStatus};
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::reflector::ObjectRef;
@@ -27,7 +27,9 @@ use crate::scale_down;
 use crate::shared::{lock, synced};
 
 mod applied;
+pub mod owned;
 mod status;
+use owned::Kind;
 use status::{last_scale, report, write_status, Status};
 
 /// How often an autoscaled pool is looked at again.
@@ -67,6 +69,11 @@ pub async fn reconcile(pool: Arc<WorkerPool>, ctx: Arc<Context>) -> Result<Actio
         .reconciles
         .with_label_values(&["workerpool"])
         .inc();
+    // Being deleted (in the foreground): its objects go with it, and applying them again
+    // would fight the garbage collector.
+    if pool.metadata.deletion_timestamp.is_some() {
+        return Ok(Action::await_change());
+    }
     let seen = observe(&pool, &ctx).await?;
     let (wanted, mut reason) = decide(&pool, &seen.load, seen.current, &ctx);
     // Workers leave only once drained (scale_down.rs): the Deployment shrinks as they do.
@@ -115,11 +122,7 @@ fn at_rest(pool: &WorkerPool, seen: &Seen, wanted: i32, waiting: usize) -> bool 
 async fn observe(pool: &WorkerPool, ctx: &Context) -> Result<Seen> {
     let task_types = namespace_task_types(pool, ctx).await?;
     let load = read_load(pool, &task_types, ctx).await;
-    let deployments: Api<Deployment> =
-        Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
-    let deployment = deployments
-        .get_opt(&format!("{}-worker", pool.name_any()))
-        .await?;
+    let deployment = live_deployment(pool, ctx).await?;
     let current = deployment
         .as_ref()
         .and_then(|d| d.spec.as_ref())
@@ -135,11 +138,56 @@ async fn observe(pool: &WorkerPool, ctx: &Context) -> Result<Seen> {
         load,
         current,
         ready_replicas,
-        deployment: applied::Live {
-            generation: deployment.as_ref().and_then(|d| d.metadata.generation),
-            carried: deployment.as_ref().and_then(applied::carried),
-        },
+        deployment: applied::Live::of(deployment.as_deref()),
     })
+}
+
+/// What the Deployment watch keeps of each pool's Deployment: what [`observe`] reads (its
+/// counts, generation, annotations, who wrote it when) and its owner, not its pod template
+/// nor which fields each writer owns.
+pub fn slim_deployment(deployment: &mut Deployment) {
+    // Who wrote when (`applied::Live`), not which fields.
+    for entry in deployment.metadata.managed_fields.iter_mut().flatten() {
+        entry.fields_v1 = None;
+    }
+    deployment.spec = deployment.spec.take().map(|spec| DeploymentSpec {
+        replicas: spec.replicas,
+        ..DeploymentSpec::default()
+    });
+    deployment.status = deployment.status.take().map(|status| DeploymentStatus {
+        ready_replicas: status.ready_replicas,
+        ..DeploymentStatus::default()
+    });
+}
+
+/// The pool's Deployment: the Deployment watch's copy once it has synced, unless it is
+/// older than what this operator last applied or missing though applied or running (the
+/// watch has not caught up, or someone deleted it); then, and before the watch synced, the
+/// apiserver's.
+/// A pool at rest thus reads nothing from the apiserver.
+async fn live_deployment(pool: &WorkerPool, ctx: &Context) -> Result<Option<Arc<Deployment>>> {
+    let namespace = pool.namespace().unwrap_or_default();
+    let name = format!("{}-worker", pool.name_any());
+    let applied = lock(&ctx.applied)
+        .get(&pool.uid().unwrap_or_default())
+        .map(|a| a.generation);
+    if let Some(store) = synced(&ctx.deployments).await {
+        let cached = store.get(&ObjectRef::new(&name).within(&namespace));
+        match (cached, applied) {
+            (Some(copy), Some(generation)) if copy.metadata.generation >= generation => {
+                return Ok(Some(copy))
+            }
+            (Some(copy), None) => return Ok(Some(copy)),
+            // None watched and none applied: none, unless the pool's status says it runs
+            // workers (a Deployment someone took the pool's label off).
+            (None, None) if pool.status.as_ref().is_none_or(|s| s.replicas == 0) => {
+                return Ok(None)
+            }
+            _ => {}
+        }
+    }
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &namespace);
+    Ok(deployments.get_opt(&name).await?.map(Arc::new))
 }
 
 /// Builds the pool's objects with `replicas` workers and applies them; when they cannot be
@@ -153,21 +201,32 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     // 10 s were most of the apiserver's load with a thousand pools (`applied.rs`).
     let fingerprint = applied::stamp(&mut objects);
     let key = pool.uid().unwrap_or_default();
+    // Objects someone else edited or deleted since are applied again (`owned.rs`).
+    let touched = ctx.owned.touched(&key);
     {
         let mut memories = lock(&ctx.applied);
         let mut memory = memories.remove(&key);
-        let unchanged = applied::unchanged(&mut memory, &key, seen.deployment, fingerprint);
+        let unchanged = applied::unchanged(&mut memory, seen.deployment, fingerprint);
         if let Some(memory) = memory {
             memories.insert(key.clone(), memory);
         }
-        if unchanged {
+        if unchanged && touched.is_none() {
             return Ok(());
         }
     }
     let namespace = pool.namespace().unwrap_or_default();
-    apply(&ctx.client, &namespace, &objects.config_map).await?;
-    apply(&ctx.client, &namespace, &objects.service).await?;
-    apply(&ctx.client, &namespace, &objects.pod_disruption_budget).await?;
+    let config_map = apply(&ctx.client, &namespace, &objects.config_map).await?;
+    let service = apply(&ctx.client, &namespace, &objects.service).await?;
+    let budget = apply(&ctx.client, &namespace, &objects.pod_disruption_budget).await?;
+    ctx.owned.applied(
+        &key,
+        touched.as_ref(),
+        [
+            (Kind::ConfigMap, &config_map.metadata),
+            (Kind::Service, &service.metadata),
+            (Kind::PodDisruptionBudget, &budget.metadata),
+        ],
+    );
     let deployment = match apply(&ctx.client, &namespace, &objects.deployment).await {
         Ok(deployment) => deployment,
         // A pod template the apiserver refuses does not become valid by retrying: the pool
@@ -180,7 +239,7 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     let applied = Applied {
         fingerprint,
         generation: deployment.metadata.generation,
-        at: std::time::Instant::now(),
+        edited: seen.deployment.edited,
     };
     lock(&ctx.applied).insert(key, applied);
     Ok(())

@@ -14,8 +14,10 @@ use conveyor_operator::context::{Context, OperatorMetrics};
 use conveyor_operator::rabbitmq::{ManagementApi, ManagementError};
 use conveyor_operator::{task_types, worker_pools};
 use http::{Method, Request, Response};
+use k8s_openapi::api::apps::v1::Deployment;
 use kube::client::Body;
 use kube::runtime::events::Reporter;
+use kube::runtime::{reflector, watcher};
 use kube::Client;
 use serde_json::{json, Value};
 use tokio::task::JoinHandle;
@@ -704,14 +706,60 @@ fn not_found() -> Value {
     json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "not found"})
 }
 
-#[tokio::test]
-async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
+/// A new task type in `video` with its queues declared on the test broker; its name.
+async fn declared_type() -> String {
     let name = testing::unique_type("tt");
     let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
     publisher
         .declare_task_type(&in_video(&name), Duration::from_secs(30))
         .await
         .unwrap();
+    name
+}
+
+/// A pool whose Deployment the operator's watch holds reads it there: the round has no GET
+/// of the Deployment, and the watched count (1) is the one the scale-up starts from.
+#[tokio::test]
+async fn a_pool_reads_its_deployment_from_the_watch_not_the_apiserver() {
+    let name = declared_type().await;
+    let wp = WorkerPool::test()
+        .named("watched")
+        .consumes(&name)
+        .replicas(2)
+        .build();
+    let list = expect(
+        Method::GET,
+        "/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes",
+        200,
+        task_type_list(&[&name]),
+    );
+    // The types' list where the Deployment's GET would be: no GET of it follows.
+    let (client, verifier) = api_server(scaling_round(&wp, None, list));
+    let ctx = context(client, MANAGEMENT);
+    let (deployments, mut writer) = reflector::store::<Deployment>();
+    let watched: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "watched-worker", "namespace": "video", "generation": 1},
+        "spec": {"replicas": 1, "selector": {}, "template": {}}
+    }))
+    .unwrap();
+    writer.apply_watcher_event(&watcher::Event::Init);
+    writer.apply_watcher_event(&watcher::Event::InitApply(watched));
+    writer.apply_watcher_event(&watcher::Event::InitDone);
+    let _ = ctx.deployments.set(deployments);
+    worker_pools::reconcile(Arc::new(wp), ctx).await.unwrap();
+    let seen = verifier.await.unwrap();
+    assert!(
+        seen.iter()
+            .all(|(method, uri, _)| !(*method == Method::GET && uri.contains("/deployments/"))),
+        "{seen:?}"
+    );
+    assert!(seen[5].2["note"].as_str().unwrap().contains("1 → 2"));
+    testing::delete_queues(&in_video(&name).name).await;
+}
+
+#[tokio::test]
+async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
+    let name = declared_type().await;
     let wp = WorkerPool::test()
         .named("transcode")
         .consumes(&name)
@@ -752,12 +800,7 @@ async fn a_new_pool_gets_its_objects_applied_and_a_scaling_event() {
 
 #[tokio::test]
 async fn drift_is_repaired_by_applying_again_and_a_missing_task_type_degrades_the_pool() {
-    let name = testing::unique_type("tt");
-    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher
-        .declare_task_type(&in_video(&name), Duration::from_secs(30))
-        .await
-        .unwrap();
+    let name = declared_type().await;
     let wp = WorkerPool::test()
         .named("thumbs")
         .consumes(&name)
@@ -877,12 +920,7 @@ async fn a_pool_reads_its_task_types_from_the_watch_cache_not_the_api() {
 
 #[tokio::test]
 async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
-    let name = testing::unique_type("tt");
-    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
-    publisher
-        .declare_task_type(&in_video(&name), Duration::from_secs(30))
-        .await
-        .unwrap();
+    let name = declared_type().await;
     let backlog: Vec<conveyor_core::amqp::Outgoing> = (0..250)
         .map(|_| conveyor_core::amqp::Outgoing {
             message: conveyor_core::task::TaskMessage {
@@ -900,6 +938,7 @@ async fn an_autoscaled_pool_grows_with_its_backlog_and_says_why() {
             retry_tier: 0,
         })
         .collect();
+    let publisher = Publisher::new(testing::amqp_url(), "operator-test", Duration::from_secs(5));
     assert!(publisher.publish(&backlog).await.iter().all(Result::is_ok));
     let ctx_management = ManagementApi::new(
         MANAGEMENT,

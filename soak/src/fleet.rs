@@ -18,7 +18,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use conveyor_core::testing::{free_port, proc_status_mib};
-use conveyor_e2e_tests::{kill_operator, kubectl_with, standby_operator, start_operator};
+use conveyor_e2e_tests::{
+    kill_operator, kubectl_with, lease_holder, standby_operator, start_operator,
+};
 
 /// The stack's operator admin address (`scripts/stack.sh`).
 const OPERATOR: &str = "127.0.0.1:8081";
@@ -378,22 +380,7 @@ async fn wait_ready(listen: &str) -> anyhow::Result<()> {
 async fn wait_for_holder(identity: &'static str) -> anyhow::Result<()> {
     let until = Instant::now() + Duration::from_secs(120);
     while Instant::now() < until {
-        let holder = blocking(|| {
-            kubectl_with(
-                &[
-                    "-n",
-                    "conveyor-system",
-                    "get",
-                    "lease",
-                    "conveyor-operator",
-                    "-o",
-                    "jsonpath={.spec.holderIdentity}",
-                ],
-                None,
-            )
-        })
-        .await?
-        .unwrap_or_default();
+        let holder = blocking(lease_holder).await?.unwrap_or_default();
         if holder == identity {
             return Ok(());
         }

@@ -1,19 +1,18 @@
-//! Whether a pool's objects need applying: only when what would be applied changed, when
-//! someone else edited the Deployment, or every [`REAPPLY_EVERY`] (plus the pool's share of
-//! half of it) to repair hand edits of the ConfigMap, Service and PodDisruptionBudget. The
-//! fingerprint of what was applied is written on the Deployment ([`APPLIED_ANNOTATION`]), so
-//! that a restarted or newly elected operator applies again only what changed, not every
-//! pool of the cluster.
-
-use std::time::{Duration, Instant};
+//! Whether a pool's objects need applying: only when what would be applied changed, or
+//! when someone else edited the Deployment (its generation moved, or its managed fields
+//! show another writer newer than this operator); edits of the ConfigMap, Service and
+//! PodDisruptionBudget are seen by their watches (`owned.rs`). The fingerprint
+//! of what was applied is written on the Deployment ([`APPLIED_ANNOTATION`]), so that a
+//! restarted or newly elected operator applies again only what changed, not every pool of
+//! the cluster.
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::jiff::Timestamp;
 
+use super::owned::edited_since_applied;
 use crate::build::{fnv1a, PoolObjects};
 use crate::context::Applied;
 
-/// Unchanged objects are applied again at least this often.
-pub const REAPPLY_EVERY: Duration = Duration::from_secs(300);
 /// The Deployment's annotation naming the fingerprint of the objects last applied.
 pub const APPLIED_ANNOTATION: &str = "conveyor.dev/applied";
 
@@ -55,36 +54,46 @@ pub struct Live {
     pub generation: Option<i64>,
     /// Its [`APPLIED_ANNOTATION`].
     pub carried: Option<u64>,
+    /// Another writer's latest write since this operator's own ([`edited_since_applied`]).
+    pub edited: Option<Timestamp>,
 }
 
-/// Whether `fingerprint` needs no apply for the pool `key`. With no memory of the pool (a
-/// restarted operator), a Deployment carrying the same fingerprint counts as applied now,
-/// and is remembered in `memory` as such. A Deployment someone else edited meanwhile keeps
-/// the edit until the next periodic apply.
-pub fn unchanged(memory: &mut Option<Applied>, key: &str, live: Live, fingerprint: u64) -> bool {
+impl Live {
+    pub fn of(deployment: Option<&Deployment>) -> Self {
+        Live {
+            generation: deployment.and_then(|d| d.metadata.generation),
+            carried: deployment.and_then(carried),
+            edited: deployment.and_then(|d| edited_since_applied(&d.metadata)),
+        }
+    }
+}
+
+/// Whether `fingerprint` needs no apply for the pool. With no memory of the pool (a
+/// restarted operator), a Deployment carrying the same fingerprint, and edited by no one
+/// since, counts as applied now, and is remembered in `memory` as such. An edit that an
+/// apply already answered (another writer's field that the apply leaves alone, such as
+/// `kubectl rollout restart`'s annotation) does not count again.
+pub fn unchanged(memory: &mut Option<Applied>, live: Live, fingerprint: u64) -> bool {
     match memory {
         Some(last) => {
             last.fingerprint == fingerprint
                 && last.generation.is_some()
                 && last.generation == live.generation
-                && last.at.elapsed() < reapply_after(key)
+                && live.edited <= last.edited
         }
-        None if live.carried == Some(fingerprint) && live.generation.is_some() => {
+        None if live.carried == Some(fingerprint)
+            && live.generation.is_some()
+            && live.edited.is_none() =>
+        {
             *memory = Some(Applied {
                 fingerprint,
                 generation: live.generation,
-                at: Instant::now(),
+                edited: None,
             });
             true
         }
         None => false,
     }
-}
-
-/// [`REAPPLY_EVERY`] plus the pool's own share of half of it: pools remembered together (at
-/// a restart) are applied again spread out.
-fn reapply_after(key: &str) -> Duration {
-    crate::shared::spread(key, REAPPLY_EVERY)
 }
 
 #[cfg(test)]
@@ -95,60 +104,53 @@ mod tests {
         Live {
             generation: Some(generation),
             carried: Some(carried),
+            edited: None,
         }
     }
 
     #[test]
     fn a_restarted_operator_trusts_the_fingerprint_the_deployment_carries() {
         let mut memory = None;
-        assert!(unchanged(&mut memory, "uid", live(4, 7), 7));
+        assert!(unchanged(&mut memory, live(4, 7), 7));
         let remembered = memory.as_ref().expect("remembered");
         assert_eq!(
             (remembered.fingerprint, remembered.generation),
             (7, Some(4))
         );
+        assert!(unchanged(&mut memory, live(4, 7), 7), "still unchanged");
         assert!(
-            unchanged(&mut memory, "uid", live(4, 7), 7),
-            "still unchanged"
-        );
-        assert!(
-            !unchanged(&mut memory, "uid", live(5, 7), 7),
+            !unchanged(&mut memory, live(5, 7), 7),
             "edited by someone else since"
         );
         let mut memory = None;
-        assert!(
-            !unchanged(&mut memory, "uid", live(4, 6), 7),
-            "the spec changed"
-        );
+        assert!(!unchanged(&mut memory, live(4, 6), 7), "the spec changed");
         assert!(memory.is_none());
-        assert!(
-            !unchanged(&mut memory, "uid", Live::default(), 7),
-            "no Deployment"
-        );
+        assert!(!unchanged(&mut memory, Live::default(), 7), "no Deployment");
     }
 
     #[test]
-    fn unchanged_pools_are_applied_again_spread_out() {
-        let due: Vec<Duration> = (0..100)
-            .map(|i| reapply_after(&format!("uid-{i}")))
-            .collect();
-        assert!(due
-            .iter()
-            .all(|d| *d >= REAPPLY_EVERY && *d < REAPPLY_EVERY * 3 / 2));
-        let (earliest, latest) = (due.iter().min().unwrap(), due.iter().max().unwrap());
-        assert!(*latest - *earliest > REAPPLY_EVERY / 4);
+    fn a_deployment_edited_by_someone_else_is_applied_again_once() {
+        let at = |second| Some(Timestamp::from_second(second).unwrap());
+        let edited = Live {
+            edited: at(200),
+            ..live(4, 7)
+        };
+        let mut memory = None;
+        assert!(
+            !unchanged(&mut memory, edited, 7),
+            "edited while no operator ran"
+        );
+        // The apply answered that edit: it counts no more, until a newer one.
         let mut memory = Some(Applied {
             fingerprint: 7,
             generation: Some(4),
-            at: Instant::now()
-                .checked_sub(REAPPLY_EVERY * 2)
-                .unwrap_or_else(Instant::now),
+            edited: at(200),
         });
-        if memory
-            .as_ref()
-            .is_some_and(|m| m.at.elapsed() >= REAPPLY_EVERY * 2)
-        {
-            assert!(!unchanged(&mut memory, "uid", live(4, 7), 7), "due again");
-        }
+        assert!(unchanged(&mut memory, edited, 7));
+        let later = Live {
+            edited: at(300),
+            ..edited
+        };
+        assert!(!unchanged(&mut memory, later, 7));
     }
 }

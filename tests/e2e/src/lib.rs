@@ -519,6 +519,22 @@ pub fn kill_operator() -> bool {
     true
 }
 
+/// Who holds the operator's lease now (its `holderIdentity`); Err holds kubectl's stderr.
+pub fn lease_holder() -> Result<String, String> {
+    kubectl_with(
+        &[
+            "-n",
+            "conveyor-system",
+            "get",
+            "lease",
+            "conveyor-operator",
+            "-o",
+            "jsonpath={.spec.holderIdentity}",
+        ],
+        None,
+    )
+}
+
 /// Starts the stack's operator again (a no-op while it runs).
 pub fn start_operator() {
     let started = std::process::Command::new(repo_root().join("scripts/stack.sh"))

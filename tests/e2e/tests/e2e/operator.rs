@@ -1,12 +1,14 @@
-//! The operator's own failures: killed under load, and a second replica whose clock is off.
+//! The operator's own failures: killed under load, a second replica whose clock is off,
+//! and a pool's objects edited by hand.
 
 use std::time::Duration;
 
 use conveyor_core::testing::{self, wait_until};
 use conveyor_core::TaskState;
 use conveyor_e2e_tests::{
-    kill_operator, kubectl, operators_to_myself, restart_operator, standby_operator, start_operator,
+    kill_operator, operators_to_myself, restart_operator, standby_operator, start_operator,
 };
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use serde_json::json;
 
 use crate::{pool_stack, MINUTE};
@@ -24,15 +26,7 @@ async fn reconciles(listen: &str) -> Option<f64> {
 }
 
 fn lease_holder() -> String {
-    kubectl(&[
-        "-n",
-        "conveyor-system",
-        "get",
-        "lease",
-        "conveyor-operator",
-        "-o",
-        "jsonpath={.spec.holderIdentity}",
-    ])
+    conveyor_e2e_tests::lease_holder().unwrap_or_else(|err| panic!("the operator's lease: {err}"))
 }
 
 /// Kills the child on the way out, however the test ends, and makes sure the stack's
@@ -201,5 +195,43 @@ async fn an_operator_restarted_under_load_does_not_shrink_a_busy_pool() {
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    stack.finish().await;
+}
+
+/// A pool's ConfigMap edited and its Service deleted by hand are applied again within a
+/// minute: their watches wake the pool (before, only a periodic re-apply every five to
+/// seven and a half minutes repaired them, and it wrote every pool's four objects).
+#[tokio::test]
+async fn a_pools_objects_edited_or_deleted_by_hand_are_applied_again() {
+    let (stack, _t) = pool_stack("repair", "repaired", "  replicas: 1\n", 1).await;
+    let maps: kube::Api<ConfigMap> = kube::Api::namespaced(stack.client.clone(), &stack.namespace);
+    let services: kube::Api<Service> =
+        kube::Api::namespaced(stack.client.clone(), &stack.namespace);
+    let applied = maps.get("repaired-worker").await.unwrap().data;
+    let edited: std::collections::BTreeMap<String, String> = applied
+        .clone()
+        .unwrap_or_default()
+        .into_keys()
+        .map(|key| (key, "edited by hand".to_owned()))
+        .collect();
+    stack.kubectl(&[
+        "patch",
+        "configmap",
+        "repaired-worker",
+        "--type=merge",
+        "-p",
+        &json!({ "data": edited }).to_string(),
+    ]);
+    stack.kubectl(&["delete", "service", "repaired-worker-metrics"]);
+    wait_until(
+        "the ConfigMap as the operator applies it, and the Service back",
+        MINUTE,
+        || async {
+            let map = maps.get_opt("repaired-worker").await.ok().flatten();
+            let service = services.get_opt("repaired-worker-metrics").await;
+            map.is_some_and(|m| m.data == applied) && service.is_ok_and(|s| s.is_some())
+        },
+    )
+    .await;
     stack.finish().await;
 }
