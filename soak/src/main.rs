@@ -223,6 +223,7 @@ async fn soak(
     // The last worker is the one rolled: the others live through the whole soak, so that
     // their memory over time is one process's.
     let rolled = system.worker_count() - 1;
+    let management = conveyor_core::testing::http_client();
     while Instant::now() < end {
         tokio::time::sleep_until(next_sample.min(next_day).min(end).into()).await;
         if Instant::now() >= next_sample {
@@ -230,7 +231,7 @@ async fn soak(
             // Over the time since the last sample, however late this one is.
             let window = last_sample.elapsed();
             last_sample = Instant::now();
-            let mut sample = sample(system, &load, started, today, window).await?;
+            let mut sample = sample(system, &load, &management, started, today, window).await?;
             if let Some(fleet) = &fleet {
                 sample.operator = Some(fleet.sample().await);
             }
@@ -304,6 +305,7 @@ fn start_boundary(
 async fn sample(
     system: &System,
     load: &load::Load,
+    management: &reqwest::Client,
     started: Instant,
     day: u32,
     window: Duration,
@@ -321,6 +323,7 @@ async fn sample(
         latency,
         database: observe::database(&system.db).await?,
         memory_mib: observe::memory(&processes),
+        memory_parts: observe::memory_parts(management).await,
         operator: None,
     })
 }

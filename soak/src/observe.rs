@@ -1,12 +1,15 @@
 //! What the soak samples while it runs, all from outside the product's processes: their
 //! memory from `/proc`, PostgreSQL's view of the tables (sizes, dead tuples, autovacuum),
+//! what the services' memory is made of (PostgreSQL's processes, RabbitMQ's own breakdown),
 //! and the latency of the tasks that completed since the last sample. All the soak's SQL is
 //! here.
 
 use std::collections::BTreeMap;
 
 use conveyor_core::db::Db;
-use conveyor_core::testing::{proc_file_fields_mib, proc_status_mib};
+use std::time::Duration;
+
+use conveyor_core::testing::{management_url, proc_file_fields_mib, proc_status_mib};
 
 /// Sizes and upkeep of one table (with its partitions), in MiB.
 #[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize)]
@@ -152,7 +155,7 @@ pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
             shared += shmem;
         }
     }
-    mib.insert("postgresql, shared buffers aside".to_owned(), pss - shared);
+    mib.insert(crate::report::POSTGRES_ASIDE.to_owned(), pss - shared);
     mib.insert(crate::report::SHARED_BUFFERS.to_owned(), shared);
     let rabbitmq = pids_named(&["beam.smp", "epmd", "erl_child_setup", "inet_gethost"]);
     let broker = rabbitmq
@@ -161,6 +164,52 @@ pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
     mib.insert("rabbitmq".to_owned(), broker.sum());
     mib
 }
+
+/// What PostgreSQL's and RabbitMQ's memory is made of, so that a growth can be placed: the
+/// count of PostgreSQL's processes (a backend per open connection, beside its own few) and
+/// RabbitMQ's own breakdown by category, in MiB.
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
+pub struct MemoryParts {
+    pub postgresql_processes: usize,
+    /// Empty when the management API did not answer.
+    pub rabbitmq_mib: BTreeMap<String, f64>,
+}
+
+pub async fn memory_parts(http: &reqwest::Client) -> MemoryParts {
+    MemoryParts {
+        postgresql_processes: pids_named(&["postgres"]).len(),
+        rabbitmq_mib: rabbitmq_breakdown(http).await.unwrap_or_default(),
+    }
+}
+
+/// The node's memory by category (`rabbitmq-diagnostics memory_breakdown`), from the
+/// management API: the node's name from the overview, then its breakdown in bytes.
+async fn rabbitmq_breakdown(http: &reqwest::Client) -> Option<BTreeMap<String, f64>> {
+    let get = |path: String| async move {
+        let url = format!("{}{path}", management_url());
+        let answer = http.get(url).timeout(Duration::from_secs(5)).send().await;
+        answer
+            .ok()?
+            .error_for_status()
+            .ok()?
+            .json::<serde_json::Value>()
+            .await
+            .ok()
+    };
+    let overview = get("/api/overview?columns=node".to_owned()).await?;
+    let node = overview.get("node")?.as_str()?.to_owned();
+    let memory = get(format!("/api/nodes/{node}/memory")).await?;
+    // Categories are numbers; `total` (an object of three measures) and `strategy` are not.
+    let categories = memory.get("memory")?.as_object()?;
+    Some(
+        categories
+            .iter()
+            .filter_map(|(name, bytes)| Some((name.clone(), bytes.as_f64()? / MIB)))
+            .collect(),
+    )
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
 
 fn pids_named(comms: &[&str]) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
