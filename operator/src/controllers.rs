@@ -72,6 +72,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
             watcher::Config::default(),
         )
         .default_backoff()
+        .modify(without_managed_fields)
         .reflect(types_writer)
         .inspect_ok(move |event| {
             // Every TaskType the watch reports; on the pools' side `edits` passes on those
@@ -183,6 +184,12 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     tokio::join!(task_type_controller, pool_controller, pod_watch, gauges);
 }
 
+/// Who wrote which field is read for the pools' own objects only (`owned.rs`): the kept
+/// TaskTypes and WorkerPools drop it, more than half of each object.
+fn without_managed_fields<K: Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+}
+
 /// Changes of the pools' objects of one kind beside the Deployment, metadata only (kept
 /// nowhere): each is noted in [`Context::owned`] and wakes the pool that controls it, which
 /// applies its objects again if someone else edited or deleted one.
@@ -243,6 +250,7 @@ fn pool_spec_changes(
         watcher::Config::default(),
     )
     .default_backoff()
+    .modify(without_managed_fields)
     .reflect(writer)
     .inspect_ok(move |event| {
         if let watcher::Event::Delete(pool) = event {
