@@ -382,6 +382,7 @@ pub fn resolve<'a>(
     let entry = (tenant.to_owned(), task_type.to_owned());
     types
         .get(&entry)
+        .map(Arc::as_ref)
         .filter(|_| client.may_use(tenant))
         .ok_or_else(|| {
             ApiError::new(
