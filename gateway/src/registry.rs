@@ -79,9 +79,7 @@ impl Registry {
                     known.insert(entry(&spec), k);
                 }
                 Err(err) => {
-                    let kept = before
-                        .get(&entry(&spec))
-                        .and_then(|k| compile(&k.spec).ok());
+                    let kept = before.get(&entry(&spec)).cloned();
                     tracing::warn!(
                         task_type = spec.name,
                         error = err,

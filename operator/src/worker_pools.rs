@@ -202,7 +202,7 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     let fingerprint = applied::stamp(&mut objects);
     let key = pool.uid().unwrap_or_default();
     // Objects someone else edited or deleted since are applied again (`owned.rs`).
-    let touched = ctx.owned.touched(&key);
+    let look = ctx.owned.look(&key);
     {
         let mut memories = lock(&ctx.applied);
         let mut memory = memories.remove(&key);
@@ -210,7 +210,7 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
         if let Some(memory) = memory {
             memories.insert(key.clone(), memory);
         }
-        if unchanged && touched.is_none() {
+        if unchanged && !look.touched {
             return Ok(());
         }
     }
@@ -220,7 +220,7 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     let budget = apply(&ctx.client, &namespace, &objects.pod_disruption_budget).await?;
     ctx.owned.applied(
         &key,
-        touched.as_ref(),
+        &look,
         [
             (Kind::ConfigMap, &config_map.metadata),
             (Kind::Service, &service.metadata),

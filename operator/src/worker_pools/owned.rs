@@ -42,12 +42,22 @@ impl Kind {
     }
 }
 
-/// The versions of one pool's three objects as last applied or seen, and whether one was
-/// touched by someone else since.
+/// The versions of one pool's three objects as last applied or seen, how many events each
+/// kind's watch reported for it, and whether one was touched by someone else since.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Versions {
     seen: [Option<String>; KINDS],
+    events: [u64; KINDS],
     touched: bool,
+}
+
+/// What was known of a pool's objects when an apply was decided.
+#[derive(Debug, Clone)]
+pub struct Look {
+    /// One of them was touched since it was last applied, or is missing from a kind listed
+    /// whole.
+    pub touched: bool,
+    versions: Versions,
 }
 
 #[derive(Debug, Default)]
@@ -79,6 +89,7 @@ impl Owned {
                 }
                 let version = version(object.meta());
                 let entry = state.pools.entry(pool).or_default();
+                entry.events[k] += 1;
                 let known = &mut entry.seen[k];
                 let touched = match known {
                     // First sight (a restarted operator's first list, or the answer to
@@ -96,6 +107,7 @@ impl Owned {
                     return;
                 };
                 if let Some(entry) = state.pools.get_mut(&pool) {
+                    entry.events[k] += 1;
                     entry.seen[k] = None;
                     entry.touched = true;
                 }
@@ -116,37 +128,33 @@ impl Owned {
         }
     }
 
-    /// The pool's versions if one of its objects was touched since it was last applied,
-    /// or is missing from a kind listed whole; `None` when all are as applied.
-    pub fn touched(&self, pool: &str) -> Option<Versions> {
+    /// What is known of the pool's objects now.
+    pub fn look(&self, pool: &str) -> Look {
         let state = lock(&self.0);
-        let entry = state.pools.get(pool).cloned().unwrap_or_default();
-        let missing = (0..KINDS).any(|k| state.listed[k] && entry.seen[k].is_none());
-        (entry.touched || missing).then_some(entry)
+        let versions = state.pools.get(pool).cloned().unwrap_or_default();
+        let missing = (0..KINDS).any(|k| state.listed[k] && versions.seen[k].is_none());
+        Look {
+            touched: versions.touched || missing,
+            versions,
+        }
     }
 
-    /// The pool's objects were applied, answered with these versions (`answers`, from
-    /// objects as the apiserver returned them). `before` is what [`Owned::touched`]
-    /// returned when the apply was decided: a version that changed since then to something
-    /// other than the answer is another writer's, and keeps the pool touched.
-    pub fn applied(
-        &self,
-        pool: &str,
-        before: Option<&Versions>,
-        answers: [(Kind, &ObjectMeta); 3],
-    ) {
+    /// The pool's objects were applied, answered with these objects' metadata (`answers`).
+    /// `before` is the [`Owned::look`] the apply was decided on: a kind whose watch reported
+    /// something since, other than the answer (a write or a deletion by someone else after
+    /// the apply), keeps the pool touched.
+    pub fn applied(&self, pool: &str, before: &Look, answers: [(Kind, &ObjectMeta); 3]) {
         let mut state = lock(&self.0);
         let entry = state.pools.entry(pool.to_owned()).or_default();
         let mut touched = false;
         for (kind, answer) in answers {
             let k = kind.index();
             let answer = version(answer);
-            let now = &mut entry.seen[k];
-            let then = before.and_then(|b| b.seen[k].as_ref());
-            if now.is_some() && now.as_ref() != then && now.as_ref() != Some(&answer) {
+            let reported = entry.events[k] != before.versions.events[k];
+            if reported && entry.seen[k].as_ref() != Some(&answer) {
                 touched = true;
             } else {
-                *now = Some(answer);
+                entry.seen[k] = Some(answer);
             }
         }
         entry.touched = touched;
@@ -174,15 +182,15 @@ fn controller_uid(meta: &ObjectMeta) -> Option<String> {
         .map(|owner| owner.uid.clone())
 }
 
-/// When another manager than this operator last wrote the object itself (not its
-/// status), if later than this operator's own last write: someone edited it since it was
-/// applied. Managed fields' times have second precision, so an edit within the same
+/// When another manager than this operator last wrote the object (not its status: a
+/// `kubectl scale` of a Deployment is a write through its scale subresource, and counts),
+/// if later than this operator's own last write: someone edited it since it was applied. Managed fields' times have second precision, so an edit within the same
 /// second as an apply is not told apart from it.
 pub fn edited_since_applied(meta: &ObjectMeta) -> Option<Timestamp> {
     let entries = meta.managed_fields.as_deref().unwrap_or_default();
     let writes = entries
         .iter()
-        .filter(|e| e.subresource.as_deref().unwrap_or_default().is_empty());
+        .filter(|e| e.subresource.as_deref() != Some("status"));
     let (mut ours, mut others): (Option<Timestamp>, Option<Timestamp>) = (None, None);
     for entry in writes {
         let Some(time) = entry.time.as_ref().map(|t| t.0) else {
@@ -245,31 +253,29 @@ mod tests {
             Kind::ConfigMap,
             watcher::Event::InitApply(config_map("p", "5")),
         );
-        assert!(owned.touched("p").is_none(), "first sight, no other writer");
+        assert!(!owned.look("p").touched, "first sight, no other writer");
         seen(
             &owned,
             Kind::ConfigMap,
             watcher::Event::Apply(config_map("p", "5")),
         );
-        assert!(owned.touched("p").is_none(), "the same version again");
+        assert!(!owned.look("p").touched, "the same version again");
         seen(
             &owned,
             Kind::ConfigMap,
             watcher::Event::Apply(config_map("p", "9")),
         );
-        let before = owned.touched("p").expect("someone else's edit");
-        owned.applied("p", Some(&before), answers(&config_map("p", "9")));
-        assert!(owned.touched("p").is_none(), "applied again");
+        let before = owned.look("p");
+        assert!(before.touched, "someone else's edit");
+        owned.applied("p", &before, answers(&config_map("p", "9")));
+        assert!(!owned.look("p").touched, "applied again");
         seen(
             &owned,
             Kind::ConfigMap,
             watcher::Event::Delete(config_map("p", "9")),
         );
-        assert!(owned.touched("p").is_some(), "deleted by hand");
-        assert!(
-            owned.touched("other").is_none(),
-            "another pool is untouched"
-        );
+        assert!(owned.look("p").touched, "deleted by hand");
+        assert!(!owned.look("other").touched, "another pool is untouched");
     }
 
     #[test]
@@ -284,27 +290,34 @@ mod tests {
             Kind::ConfigMap,
             &watcher::Event::Apply(config_map("p", "6")),
         );
-        let before = owned.touched("p").expect("edited");
+        let before = owned.look("p");
+        assert!(before.touched, "edited");
         // The apply answers 7; someone else's write, 8, is seen before the answer is taken in.
         seen(
             &owned,
             Kind::ConfigMap,
             watcher::Event::Apply(config_map("p", "8")),
         );
-        owned.applied("p", Some(&before), answers(&config_map("p", "7")));
-        assert!(
-            owned.touched("p").is_some(),
-            "the later edit is repaired too"
-        );
+        owned.applied("p", &before, answers(&config_map("p", "7")));
+        assert!(owned.look("p").touched, "the later edit is repaired too");
         // Our own write seen before its answer costs nothing more.
-        let before = owned.touched("p");
+        let before = owned.look("p");
         seen(
             &owned,
             Kind::ConfigMap,
             watcher::Event::Apply(config_map("p", "10")),
         );
-        owned.applied("p", before.as_ref(), answers(&config_map("p", "10")));
-        assert!(owned.touched("p").is_none());
+        owned.applied("p", &before, answers(&config_map("p", "10")));
+        assert!(!owned.look("p").touched);
+        // Deleted by someone else after the apply answered, before the answer is taken in.
+        let before = owned.look("p");
+        seen(
+            &owned,
+            Kind::ConfigMap,
+            watcher::Event::Delete(config_map("p", "10")),
+        );
+        owned.applied("p", &before, answers(&config_map("p", "10")));
+        assert!(owned.look("p").touched, "the deletion is repaired");
     }
 
     #[test]
@@ -327,12 +340,12 @@ mod tests {
             seen(&owned, Kind::ConfigMap, watcher::Event::InitApply(object));
         }
         seen(&owned, Kind::ConfigMap, watcher::Event::InitDone);
-        assert!(owned.touched("edited").is_some());
-        assert!(owned.touched("status").is_none());
-        assert!(owned.touched("kept").is_none());
+        assert!(owned.look("edited").touched);
+        assert!(!owned.look("status").touched);
+        assert!(!owned.look("kept").touched);
         // Listed whole: a pool without its ConfigMap is missing it.
         assert!(
-            owned.touched("new").is_some(),
+            owned.look("new").touched,
             "never applied, or deleted while down"
         );
         // A relist after which one ConfigMap is gone: deleted while the watch was down.
@@ -343,8 +356,8 @@ mod tests {
             watcher::Event::InitApply(config_map("status", "4")),
         );
         seen(&owned, Kind::ConfigMap, watcher::Event::InitDone);
-        assert!(owned.touched("kept").is_some(), "gone in the relist");
-        assert!(owned.touched("status").is_none());
+        assert!(owned.look("kept").touched, "gone in the relist");
+        assert!(!owned.look("status").touched);
     }
 
     #[test]
