@@ -28,7 +28,7 @@ use crate::backoff::Backoff;
 use crate::build::POOL_LABEL;
 use crate::context::Context;
 use crate::error::{Error, Result};
-use crate::shared::lock;
+use crate::shared::{lock, without_managed_fields};
 use crate::worker_pools::owned::Kind;
 use crate::{gauges, task_types, worker_pools};
 
@@ -182,12 +182,6 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
         .for_each(|_| async {});
     tracing::info!("reconciling TaskTypes and WorkerPools");
     tokio::join!(task_type_controller, pool_controller, pod_watch, gauges);
-}
-
-/// Who wrote which field is read for the pools' own objects only (`owned.rs`): the kept
-/// TaskTypes and WorkerPools drop it, more than half of each object.
-fn without_managed_fields<K: Resource>(object: &mut K) {
-    object.meta_mut().managed_fields = None;
 }
 
 /// Changes of the pools' objects of one kind beside the Deployment, metadata only (kept

@@ -32,3 +32,9 @@ pub fn spread(key: &str, every: Duration) -> Duration {
     let half = (every.as_secs() / 2).max(1);
     every + Duration::from_secs(crate::build::fnv1a(key.bytes()) % half)
 }
+
+/// Who wrote which field is read for the pools' own objects only (`worker_pools/owned.rs`):
+/// the kept TaskTypes, WorkerPools and pods drop it, more than half of each object.
+pub fn without_managed_fields<K: kube::Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+}

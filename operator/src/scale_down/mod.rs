@@ -250,7 +250,7 @@ async fn observe(http: &reqwest::Client, pod: &Pod) -> Worker {
 /// kilobytes, most of it the spec and managed fields: a thousand pools' workers would fill
 /// the operator's memory.
 pub fn slim(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
+    crate::shared::without_managed_fields(pod);
     pod.spec = pod.spec.take().map(|spec| PodSpec {
         node_name: spec.node_name,
         ..PodSpec::default()

@@ -241,39 +241,24 @@ mod tests {
         ]
     }
 
-    fn seen(owned: &Owned, kind: Kind, event: watcher::Event<ConfigMap>) {
-        owned.observe(kind, &event);
+    /// What the ConfigMaps' watch reports.
+    fn seen(owned: &Owned, event: watcher::Event<ConfigMap>) {
+        owned.observe(Kind::ConfigMap, &event);
     }
 
     #[test]
     fn only_another_writers_version_or_a_deletion_touches_a_pool() {
         let owned = Owned::default();
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::InitApply(config_map("p", "5")),
-        );
+        seen(&owned, watcher::Event::InitApply(config_map("p", "5")));
         assert!(!owned.look("p").touched, "first sight, no other writer");
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Apply(config_map("p", "5")),
-        );
+        seen(&owned, watcher::Event::Apply(config_map("p", "5")));
         assert!(!owned.look("p").touched, "the same version again");
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Apply(config_map("p", "9")),
-        );
+        seen(&owned, watcher::Event::Apply(config_map("p", "9")));
         let before = owned.look("p");
         assert!(before.touched, "someone else's edit");
         owned.applied("p", &before, answers(&config_map("p", "9")));
         assert!(!owned.look("p").touched, "applied again");
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Delete(config_map("p", "9")),
-        );
+        seen(&owned, watcher::Event::Delete(config_map("p", "9")));
         assert!(owned.look("p").touched, "deleted by hand");
         assert!(!owned.look("other").touched, "another pool is untouched");
     }
@@ -281,41 +266,22 @@ mod tests {
     #[test]
     fn an_edit_between_the_apply_and_its_answer_is_kept() {
         let owned = Owned::default();
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::InitApply(config_map("p", "5")),
-        );
-        owned.observe(
-            Kind::ConfigMap,
-            &watcher::Event::Apply(config_map("p", "6")),
-        );
+        seen(&owned, watcher::Event::InitApply(config_map("p", "5")));
+        seen(&owned, watcher::Event::Apply(config_map("p", "6")));
         let before = owned.look("p");
         assert!(before.touched, "edited");
         // The apply answers 7; someone else's write, 8, is seen before the answer is taken in.
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Apply(config_map("p", "8")),
-        );
+        seen(&owned, watcher::Event::Apply(config_map("p", "8")));
         owned.applied("p", &before, answers(&config_map("p", "7")));
         assert!(owned.look("p").touched, "the later edit is repaired too");
         // Our own write seen before its answer costs nothing more.
         let before = owned.look("p");
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Apply(config_map("p", "10")),
-        );
+        seen(&owned, watcher::Event::Apply(config_map("p", "10")));
         owned.applied("p", &before, answers(&config_map("p", "10")));
         assert!(!owned.look("p").touched);
         // Deleted by someone else after the apply answered, before the answer is taken in.
         let before = owned.look("p");
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Delete(config_map("p", "10")),
-        );
+        seen(&owned, watcher::Event::Delete(config_map("p", "10")));
         owned.applied("p", &before, answers(&config_map("p", "10")));
         assert!(owned.look("p").touched, "the deletion is repaired");
     }
@@ -335,11 +301,11 @@ mod tests {
             written(FIELD_MANAGER, 100, None),
             written("disruption-controller", 300, Some("status")),
         ]);
-        seen(&owned, Kind::ConfigMap, watcher::Event::Init);
+        seen(&owned, watcher::Event::Init);
         for object in [edited, status_only, config_map("kept", "2")] {
-            seen(&owned, Kind::ConfigMap, watcher::Event::InitApply(object));
+            seen(&owned, watcher::Event::InitApply(object));
         }
-        seen(&owned, Kind::ConfigMap, watcher::Event::InitDone);
+        seen(&owned, watcher::Event::InitDone);
         assert!(owned.look("edited").touched);
         assert!(!owned.look("status").touched);
         assert!(!owned.look("kept").touched);
@@ -349,13 +315,9 @@ mod tests {
             "never applied, or deleted while down"
         );
         // A relist after which one ConfigMap is gone: deleted while the watch was down.
-        seen(&owned, Kind::ConfigMap, watcher::Event::Init);
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::InitApply(config_map("status", "4")),
-        );
-        seen(&owned, Kind::ConfigMap, watcher::Event::InitDone);
+        seen(&owned, watcher::Event::Init);
+        seen(&owned, watcher::Event::InitApply(config_map("status", "4")));
+        seen(&owned, watcher::Event::InitDone);
         assert!(owned.look("kept").touched, "gone in the relist");
         assert!(!owned.look("status").touched);
     }
@@ -363,17 +325,9 @@ mod tests {
     #[test]
     fn a_deleted_pools_children_do_not_bring_it_back() {
         let owned = Owned::default();
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::InitApply(config_map("p", "1")),
-        );
+        seen(&owned, watcher::Event::InitApply(config_map("p", "1")));
         owned.forget("p");
-        seen(
-            &owned,
-            Kind::ConfigMap,
-            watcher::Event::Delete(config_map("p", "1")),
-        );
+        seen(&owned, watcher::Event::Delete(config_map("p", "1")));
         assert!(lock(&owned.0).pools.is_empty());
     }
 
@@ -382,7 +336,7 @@ mod tests {
         let owned = Owned::default();
         let mut map = config_map("p", "1");
         map.metadata.owner_references = None;
-        seen(&owned, Kind::ConfigMap, watcher::Event::InitApply(map));
+        seen(&owned, watcher::Event::InitApply(map));
         assert!(lock(&owned.0).pools.is_empty());
     }
 }
