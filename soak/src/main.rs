@@ -323,7 +323,7 @@ async fn sample(
         latency,
         database: observe::database(&system.db).await?,
         memory_mib: observe::memory(&processes),
-        memory_parts: observe::memory_parts(management).await,
+        memory_parts: observe::memory_parts(&system.db, management).await,
         operator: None,
     })
 }

@@ -171,13 +171,25 @@ pub fn memory(conveyor: &[(String, u32)]) -> BTreeMap<String, f64> {
 #[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct MemoryParts {
     pub postgresql_processes: usize,
+    /// The server's connections by who opened them (`application_name`, which each of
+    /// Conveyor's pools sets to its process and role; else the backend's type): which client
+    /// the processes above belong to.
+    #[serde(default)]
+    pub postgresql_connections: BTreeMap<String, i64>,
     /// Empty when the management API did not answer.
     pub rabbitmq_mib: BTreeMap<String, f64>,
 }
 
-pub async fn memory_parts(http: &reqwest::Client) -> MemoryParts {
+pub async fn memory_parts(db: &Db, http: &reqwest::Client) -> MemoryParts {
+    let connections = sqlx::query_as(
+        "SELECT coalesce(nullif(application_name, ''), backend_type, 'the server''s own or hidden'), count(*)
+           FROM pg_stat_activity GROUP BY 1",
+    )
+    .fetch_all(db.pool())
+    .await;
     MemoryParts {
         postgresql_processes: pids_named(&["postgres"]).len(),
+        postgresql_connections: connections.unwrap_or_default().into_iter().collect(),
         rabbitmq_mib: rabbitmq_breakdown(http).await.unwrap_or_default(),
     }
 }

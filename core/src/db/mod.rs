@@ -67,6 +67,11 @@ pub struct DbOptions {
     /// A connection unused this long is closed: a process at rest (an idle tenant's workers)
     /// holds none, so the server's connections follow the work, not the fleet.
     pub idle_timeout: Duration,
+    /// A connection is closed (when next idle) once this old. The pool hands out its idle
+    /// connections first in, first out, so a trickle of work (the upkeep loops, heartbeats)
+    /// touches every one in turn and none is ever idle long enough to close: without an age
+    /// limit, a process kept all the connections of its busiest moment.
+    pub max_lifetime: Duration,
 }
 
 impl DbOptions {
@@ -77,6 +82,7 @@ impl DbOptions {
             acquire_timeout: Duration::from_secs(5),
             statement_timeout: Some(Duration::from_secs(30)),
             idle_timeout: Duration::from_secs(30),
+            max_lifetime: Duration::from_secs(5 * 60),
         }
     }
 }
@@ -92,6 +98,21 @@ fn warn_if_unverified(url: &str) {
             "the database's certificate is not verified: use sslmode=verify-full"
         );
     }
+}
+
+/// What each pool calls itself to the server (`pg_stat_activity.application_name`), so that
+/// whoever reads the server's connections can tell whose they are: the process and the
+/// pool, `conveyor-gateway hot`. A name in the URL is the operator's choice and is kept.
+fn named(connect: PgConnectOptions, url: &str, pool: &str) -> PgConnectOptions {
+    if crate::urls::query_param(url, "application_name").is_some() {
+        return connect;
+    }
+    let process = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.file_stem()?.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "conveyor".to_owned());
+    // The server cuts a longer name to 63 bytes itself.
+    connect.application_name(&format!("{process} {pool}"))
 }
 
 /// The task database.
@@ -139,6 +160,7 @@ impl Db {
                 .max_connections(options.max_connections)
                 .min_connections(0)
                 .idle_timeout(options.idle_timeout)
+                .max_lifetime(options.max_lifetime)
                 .acquire_timeout(options.acquire_timeout)
         };
         // The hot path's array statements look up rows by id only. Planned afresh per call
@@ -150,11 +172,16 @@ impl Db {
         // first minutes after a start) scanned the whole table for every claim and completion
         // long after it had grown (make bench: 3,252 scans reading 27 M rows in 10 s); by id,
         // the primary key is always the way.
-        let hot = pooled().connect_lazy_with(connect.clone().options([
-            ("plan_cache_mode", "force_generic_plan"),
-            ("enable_seqscan", "off"),
-        ]));
-        let pool = pooled().connect_lazy_with(connect);
+        let url = &options.url;
+        let hot = pooled().connect_lazy_with(named(
+            connect.clone().options([
+                ("plan_cache_mode", "force_generic_plan"),
+                ("enable_seqscan", "off"),
+            ]),
+            url,
+            "hot",
+        ));
+        let pool = pooled().connect_lazy_with(named(connect, url, "main"));
         // One connection each, opened on use, without the statement timeout.
         let single = |connect: PgConnectOptions| {
             PgPoolOptions::new()
@@ -164,10 +191,14 @@ impl Db {
                 .acquire_timeout(options.acquire_timeout)
                 .connect_lazy_with(connect.options([("statement_timeout", "0")]))
         };
-        let maintenance = single(base.clone());
+        let maintenance = single(named(base.clone(), url, "maintenance"));
         // A rebuild whose gateway stopped (a rolling upgrade) is cancelled by the server
         // within a second, not left holding its lock; the next look drops its copy.
-        let rebuilds = single(base.options([("client_connection_check_interval", "1000")]));
+        let rebuilds = single(named(
+            base.options([("client_connection_check_interval", "1000")]),
+            url,
+            "rebuilds",
+        ));
         Ok(Db {
             pool,
             hot,

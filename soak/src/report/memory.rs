@@ -22,7 +22,7 @@ impl Run {
             let _ = writeln!(md, "Not sampled in this run.\n");
             return;
         }
-        let _ = writeln!(md, "Means of the first quarter and the last, over the same windows as in the table of what held (RabbitMQ's after the fleet stopped growing). PostgreSQL: its processes (a backend per open connection, beside its own few) and each one's memory, shared buffers aside. RabbitMQ: its own breakdown by category (`rabbitmq-diagnostics memory_breakdown`), the {CATEGORIES_SHOWN} that changed most.\n");
+        let _ = writeln!(md, "Means of the first quarter and the last, over the same windows as in the table of what held (RabbitMQ's after the fleet stopped growing). PostgreSQL: its processes (a backend per open connection, beside its own few), whose connections they are (`application_name`: the process and its pool), and each one's memory, shared buffers aside. RabbitMQ: its own breakdown by category (`rabbitmq-diagnostics memory_breakdown`), the {CATEGORIES_SHOWN} that changed most.\n");
         let _ = writeln!(md, "| part | first quarter | last quarter | change |");
         let _ = writeln!(md, "|---|---|---|---|");
         let processes =
@@ -34,6 +34,34 @@ impl Run {
             processes(&first),
             processes(&last),
         );
+        // Whose connections those processes serve, the ones that changed most first.
+        let mut clients: Vec<&String> = first
+            .iter()
+            .chain(&last)
+            .flat_map(|s| s.memory_parts.postgresql_connections.keys())
+            .collect();
+        clients.sort();
+        clients.dedup();
+        let connections = |s: &[&Sample], client: &str| {
+            mean(s.iter().map(|s| {
+                let open = s.memory_parts.postgresql_connections.get(client);
+                open.copied().unwrap_or(0) as f64
+            }))
+        };
+        let mut clients: Vec<(&String, f64, f64)> = clients
+            .into_iter()
+            .map(|c| (c, connections(&first, c), connections(&last, c)))
+            .collect();
+        clients.sort_by(|a, b| (b.2 - b.1).abs().total_cmp(&(a.2 - a.1).abs()));
+        for (client, early, late) in clients {
+            change_row(
+                md,
+                &format!("PostgreSQL connections of `{client}`"),
+                "",
+                early,
+                late,
+            );
+        }
         let each = |s: &[&Sample]| {
             mean(s.iter().filter_map(|s| {
                 let aside = s.memory_mib.get(POSTGRES_ASIDE)?;

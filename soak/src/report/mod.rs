@@ -188,8 +188,9 @@ impl Run {
             p99(&last),
         );
         if let (Some(_), Some(b)) = (first.first(), last.last()) {
-            // The broker's memory and the operator's follow the fleet (queues, objects):
-            // judged on the part of the run after the fleet stopped growing.
+            // The broker's memory, the gateway's and the operator's follow the fleet (queues,
+            // each type's compiled schema and limits, objects): judged on the part of the run
+            // after the fleet stopped growing.
             let (steady_first, steady_last) = self.steady_quarters();
             // PostgreSQL's shared buffers are fixed in size (`shared_buffers`) and touched as
             // the data grows: shown over time below, not a leak they could show.
@@ -392,7 +393,7 @@ pub const SHARED_BUFFERS: &str = "postgresql shared buffers";
 /// The rest of PostgreSQL's memory: its processes' own (their proportional share).
 pub const POSTGRES_ASIDE: &str = "postgresql, shared buffers aside";
 /// Processes whose memory follows the fleet's size.
-const FOLLOWS_THE_FLEET: &[&str] = &["rabbitmq"];
+const FOLLOWS_THE_FLEET: &[&str] = &["rabbitmq", "gateway"];
 const STEADY: &str = "first quarter → last, after the fleet stopped growing";
 const WHOLE_RUN: &str = "first quarter → last";
 

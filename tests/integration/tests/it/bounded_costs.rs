@@ -142,48 +142,8 @@ async fn until_alone(watcher: &Db) {
 #[tokio::test]
 async fn a_process_at_rest_closes_its_database_connections() {
     let test = TestDatabase::create().await;
-    let name = format!("atrest{}", Uuid::new_v4().simple());
-    let separator = if test.url.contains('?') { '&' } else { '?' };
-    let url = format!("{}{separator}application_name={name}", test.url);
-    let resting = Db::connect(&DbOptions {
-        idle_timeout: Duration::from_secs(2),
-        ..DbOptions::new(url)
-    })
-    .unwrap();
-    let open = || {
-        let (db, name) = (test.db.clone(), name.clone());
-        async move {
-            let open: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-            )
-            .bind(name)
-            .fetch_one(db.pool())
-            .await
-            .unwrap();
-            open
-        }
-    };
-    // A burst of six statements at once opens several connections (counted while it runs).
-    let busy = (0..6).map(|_| {
-        let resting = resting.clone();
-        async move {
-            sqlx::query("SELECT pg_sleep(3)")
-                .execute(resting.pool())
-                .await
-                .unwrap();
-        }
-    });
-    let burst = tokio::spawn(futures_util::future::join_all(busy));
-    wait_until(
-        "the burst opened connections",
-        Duration::from_secs(30),
-        || {
-            let open = &open;
-            async move { open().await >= 2 }
-        },
-    )
-    .await;
-    burst.await.unwrap();
+    let (resting, open) = named_pool(&test, "atrest", Duration::from_secs(60));
+    burst_of_six(&resting, &open).await;
     wait_until(
         "the resting process closed its connections",
         Duration::from_secs(30),
@@ -193,4 +153,85 @@ async fn a_process_at_rest_closes_its_database_connections() {
         },
     )
     .await;
+}
+
+/// The soak's PostgreSQL grew from 36 processes to 50 in 20 minutes: the gateway's pool
+/// hands out idle connections first in, first out, so its upkeep loops touched each one in
+/// turn, none was ever idle for the idle timeout, and every connection of the busiest moment
+/// stayed. An age limit lets the pool sink back to what the trickle needs.
+#[tokio::test]
+async fn a_trickle_of_work_keeps_only_the_connections_it_needs() {
+    let test = TestDatabase::create().await;
+    let (pool, open) = named_pool(&test, "trickle", Duration::from_secs(3));
+    burst_of_six(&pool, &open).await;
+    let trickle = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            loop {
+                sqlx::query("SELECT 1").execute(pool.pool()).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    };
+    // One statement at a time needs one connection; the main and hot pools' lazy opening may
+    // leave one more for a moment.
+    wait_until(
+        "the pool sank back to what a trickle needs",
+        Duration::from_secs(60),
+        || {
+            let open = &open;
+            async move { open().await <= 2 }
+        },
+    )
+    .await;
+    trickle.abort();
+}
+
+type OpenCount = Box<dyn Fn() -> futures_util::future::BoxFuture<'static, i64>>;
+
+/// A pool whose connections carry a name of their own (idle ones closed after 2 s, any
+/// after `max_lifetime`), and a count of its connections open at the server.
+fn named_pool(test: &TestDatabase, prefix: &str, max_lifetime: Duration) -> (Db, OpenCount) {
+    let name = format!("{prefix}{}", Uuid::new_v4().simple());
+    let separator = if test.url.contains('?') { '&' } else { '?' };
+    let url = format!("{}{separator}application_name={name}", test.url);
+    let pool = Db::connect(&DbOptions {
+        idle_timeout: Duration::from_secs(2),
+        max_lifetime,
+        ..DbOptions::new(url)
+    })
+    .unwrap();
+    let db = test.db.clone();
+    let open: OpenCount = Box::new(move || {
+        let (db, name) = (db.clone(), name.clone());
+        Box::pin(async move {
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(name)
+                .fetch_one(db.pool())
+                .await
+                .unwrap()
+        })
+    });
+    (pool, open)
+}
+
+/// Six statements at once: they open four connections or more (counted while they run).
+async fn burst_of_six(pool: &Db, open: &OpenCount) {
+    let busy = (0..6).map(|_| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query("SELECT pg_sleep(3)")
+                .execute(pool.pool())
+                .await
+                .unwrap();
+        }
+    });
+    let burst = tokio::spawn(futures_util::future::join_all(busy));
+    wait_until(
+        "the burst opened connections",
+        Duration::from_secs(30),
+        || async move { open().await >= 4 },
+    )
+    .await;
+    burst.await.unwrap();
 }
