@@ -1,37 +1,105 @@
 //! The gateway in a cluster: the TaskType and ClientToken resources of every namespace
 //! (ClientTokens hold digests only, so the gateway needs no access to Secrets), listed at
-//! start and again every refresh.
+//! start, then followed by a watch of each. At rest the gateway asks the apiserver nothing;
+//! a list of everything every refresh cost a request and a copy of every object each time,
+//! however few of them had changed.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use conveyor_core::crd::ClientToken;
+use conveyor_core::crd::{ClientToken, TaskType};
+use conveyor_core::task_type::NamedTaskType;
+use futures_util::StreamExt as _;
 use kube::api::{Api, ListParams};
-use kube::ResourceExt;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt as _};
+use kube::{Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::{TokenSet, Tokens};
-use crate::registry::{list_cluster_types, Registry};
+use crate::registry::Registry;
 
-/// `fixed` (file and environment) and every ClientToken, each for its namespace. A
-/// malformed one is left out and logged; the rest serve.
-pub async fn list(client: &kube::Client, fixed: &Tokens) -> Result<Tokens, kube::Error> {
+/// Every TaskType in the cluster, as the data path sees it.
+pub async fn list_types(client: &kube::Client) -> Result<Vec<NamedTaskType>, kube::Error> {
+    let list = Api::<TaskType>::all(client.clone())
+        .list(&ListParams::default())
+        .await?;
+    Ok(list.items.iter().map(NamedTaskType::from).collect())
+}
+
+/// `fixed` (file and environment) and every ClientToken, each for its namespace.
+pub async fn list_tokens(client: &kube::Client, fixed: &Tokens) -> Result<Tokens, kube::Error> {
     let listed = Api::<ClientToken>::all(client.clone())
         .list(&ListParams::default())
         .await?;
+    Ok(with_client_tokens(fixed, listed.items.iter()))
+}
+
+/// `fixed` and `resources`; a malformed one is left out and logged, the rest serve.
+fn with_client_tokens<'a>(
+    fixed: &Tokens,
+    resources: impl Iterator<Item = &'a ClientToken>,
+) -> Tokens {
     let mut tokens = fixed.clone();
-    for resource in &listed.items {
+    for resource in resources {
         let namespace = resource.namespace().unwrap_or_default();
         let name = format!("{namespace}/{}", resource.name_any());
         if let Err(err) = tokens.add_listed(&name, &resource.spec.token_sha256, &namespace) {
             tracing::warn!(client = name, error = err, "ClientToken refused");
         }
     }
-    Ok(tokens)
+    tokens
 }
 
-/// Lists the TaskTypes and ClientTokens every `interval` until `shutdown`; a failed list
-/// keeps the last set of its kind. `fixed` are the tokens of the file and environment.
+/// Which watch an event came from.
+#[derive(Clone, Copy)]
+enum Kind {
+    TaskTypes,
+    ClientTokens,
+}
+
+/// One watch's state: what it holds, whether its first list is in (an empty store before
+/// that is not an empty cluster), and whether it changed since it was last taken in.
+struct Followed<K: Resource + Clone + 'static>
+where
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    store: Store<K>,
+    listed: bool,
+    changed: bool,
+}
+
+impl<K: Resource + Clone + 'static> Followed<K>
+where
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    fn new(store: Store<K>) -> Self {
+        Followed {
+            store,
+            listed: false,
+            changed: false,
+        }
+    }
+
+    fn saw(&mut self, first_list_done: bool) {
+        self.listed |= first_list_done;
+        self.changed = true;
+    }
+
+    /// The objects, once, if they changed since the last call and the first list is in.
+    fn take(&mut self) -> Option<Vec<Arc<K>>> {
+        if !(self.listed && self.changed) {
+            return None;
+        }
+        self.changed = false;
+        Some(self.store.state())
+    }
+}
+
+/// Watches the TaskTypes and ClientTokens until `shutdown`, and takes in what changed at
+/// most every `interval` (a burst of edits makes one rebuild). A failed watch keeps the
+/// last set of its kind and tries again with a backoff. `fixed` are the tokens of the
+/// file and environment.
 pub async fn follow(
     registry: Arc<Registry>,
     tokens: Arc<TokenSet>,
@@ -40,20 +108,62 @@ pub async fn follow(
     interval: Duration,
     shutdown: CancellationToken,
 ) {
+    let (mut types, type_events) = watch::<TaskType>(&client, Kind::TaskTypes);
+    let (mut clients, token_events) = watch::<ClientToken>(&client, Kind::ClientTokens);
+    let mut events = std::pin::pin!(futures_util::stream::select(type_events, token_events));
+    let mut take_in = tokio::time::interval(interval);
+    take_in.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
-        }
-        match list_cluster_types(&client).await {
-            Ok(types) => registry.replace(types),
-            Err(err) => tracing::warn!(error = %err, "cannot list TaskTypes; keeping the last set"),
-        }
-        match list(&client, &fixed).await {
-            Ok(listed) => tokens.replace(listed),
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot list ClientTokens; keeping the last set")
+            event = events.next() => match event {
+                Some((Kind::TaskTypes, Ok(done))) => types.saw(done),
+                Some((Kind::ClientTokens, Ok(done))) => clients.saw(done),
+                Some((Kind::TaskTypes, Err(err))) => {
+                    tracing::warn!(error = %err, "watch of TaskTypes failed; keeping the last set")
+                }
+                Some((Kind::ClientTokens, Err(err))) => {
+                    tracing::warn!(error = %err, "watch of ClientTokens failed; keeping the last set")
+                }
+                // A watcher's stream does not end; were it to, the last sets keep serving.
+                None => return,
+            },
+            _ = take_in.tick() => {
+                if let Some(listed) = types.take() {
+                    registry.replace(listed.iter().map(|t| NamedTaskType::from(t.as_ref())).collect());
+                }
+                if let Some(listed) = clients.take() {
+                    tokens.replace(with_client_tokens(&fixed, listed.iter().map(|t| t.as_ref())));
+                }
             }
         }
     }
+}
+
+/// A watch of every `K` (managed fields dropped) into a store, and its events: for each,
+/// `kind`, and whether it ended a (re)list.
+fn watch<K>(
+    client: &kube::Client,
+    kind: Kind,
+) -> (
+    Followed<K>,
+    impl futures_util::Stream<Item = (Kind, Result<bool, watcher::Error>)>,
+)
+where
+    K: Resource<Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Default + std::hash::Hash + Eq + Clone,
+{
+    let (store, writer) = reflector::store::<K>();
+    let events = watcher(Api::<K>::all(client.clone()), watcher::Config::default())
+        .default_backoff()
+        .modify(|object| object.managed_fields_mut().clear())
+        .reflect(writer)
+        .map(move |event| (kind, event.map(|e| matches!(e, watcher::Event::InitDone))));
+    (Followed::new(store), events)
 }

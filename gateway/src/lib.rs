@@ -54,7 +54,8 @@ enum Checked<'a> {
 pub enum TaskTypeSource {
     /// A file, fixed for the process's life; the gateway declares their queues itself.
     File(TaskTypes),
-    /// The TaskType resources, listed every `refresh`; the operator declares the queues.
+    /// The TaskType resources, watched, their changes taken in at most every `refresh`; the
+    /// operator declares the queues.
     Cluster {
         client: kube::Client,
         refresh: Duration,
@@ -163,12 +164,12 @@ pub async fn run(
         }
         Checked::Cluster(client, refresh) => {
             let registry = Arc::new(Registry::default());
-            let listed = registry::list_cluster_types(client)
+            let listed = cluster::list_types(client)
                 .await
                 .context("listing TaskType resources")?;
             registry.replace(listed);
             declared.store(true, Ordering::Release);
-            let listed = cluster::list(client, &config.tokens)
+            let listed = cluster::list_tokens(client, &config.tokens)
                 .await
                 .context("listing ClientToken resources (are the CRDs of crds/ applied?)")?;
             tokens.replace(listed);

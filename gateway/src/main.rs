@@ -62,10 +62,12 @@ struct Args {
         default_value = "examples/task-types.yaml"
     )]
     task_types: PathBuf,
-    /// Read task types from the TaskType resources of the cluster (refreshed every
-    /// --task-types-refresh-seconds) instead of --task-types.
+    /// Read task types (and client tokens) from the TaskType and ClientToken resources of
+    /// the cluster, watched, instead of --task-types.
     #[arg(long, env = "CONVEYOR_TASK_TYPES_FROM_CLUSTER")]
     task_types_from_cluster: bool,
+    /// The longest a watched change waits to be taken in: changes within it are taken in
+    /// together.
     #[arg(
         long,
         env = "CONVEYOR_TASK_TYPES_REFRESH_SECONDS",

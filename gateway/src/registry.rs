@@ -5,9 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
 
-use conveyor_core::crd::TaskType;
 use conveyor_core::task_type::{NamedTaskType, TaskTypes};
-use kube::api::{Api, ListParams};
 
 /// A task type with its compiled payload schema.
 pub struct KnownType {
@@ -128,14 +126,6 @@ impl Registry {
         drop(departed);
         *self.retired.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(retired);
     }
-}
-
-/// Every TaskType in the cluster, as the data path sees it.
-pub async fn list_cluster_types(client: &kube::Client) -> Result<Vec<NamedTaskType>, kube::Error> {
-    let list = Api::<TaskType>::all(client.clone())
-        .list(&ListParams::default())
-        .await?;
-    Ok(list.items.iter().map(NamedTaskType::from).collect())
 }
 
 /// Validates a type and compiles its payload schema (see [`NamedTaskType::compile`]).

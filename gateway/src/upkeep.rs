@@ -103,7 +103,7 @@ pub async fn run(
         }
         if Instant::now() >= tasks_due {
             tasks_due = Instant::now() + config.tasks_every;
-            match expiry::pass(&db, &types, &config.tasks, looks.deleted(), &metrics).await {
+            match expiry::pass(&db, &types, &config.tasks, &metrics).await {
                 Ok(0) => {}
                 Ok(deleted) => {
                     tracing::info!(deleted, "settled tasks past their retention deleted")

@@ -11,13 +11,12 @@
 //! kubectl and the stack's scripts block: every call runs on tokio's blocking threads, so
 //! that the load's clients, which share the runtime, are never held up by them.
 
-use std::io::{Read as _, Seek as _};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use conveyor_core::testing::{free_port, proc_status_mib};
+use conveyor_e2e_tests::audit::{self, AuditLog};
 use conveyor_e2e_tests::{
     kill_operator, kubectl_with, lease_holder, standby_operator, start_operator,
 };
@@ -43,7 +42,7 @@ pub struct Operator {
 pub struct Fleet {
     run: String,
     namespaces: AtomicUsize,
-    audit: Mutex<Audit>,
+    audit: Mutex<OperatorRequests>,
 }
 
 impl Fleet {
@@ -57,7 +56,7 @@ impl Fleet {
         Fleet {
             run: uuid::Uuid::new_v4().simple().to_string()[..8].to_owned(),
             namespaces: AtomicUsize::new(0),
-            audit: Mutex::new(Audit::from_now()),
+            audit: Mutex::new(OperatorRequests::from_now()),
         }
     }
 
@@ -97,8 +96,7 @@ impl Fleet {
         let apiserver = apiserver_metrics().await;
         let own = {
             let mut audit = self.audit.lock().unwrap_or_else(|p| p.into_inner());
-            audit.count_new();
-            audit.counted as f64
+            audit.count() as f64
         };
         Operator {
             own_apiserver_requests: own,
@@ -236,81 +234,27 @@ impl Drop for Fleet {
     }
 }
 
-/// The operator's requests in the apiserver's audit log, counted as it grows: completed
-/// requests made as the operator's service account (a standby's too: they share it).
-struct Audit {
-    path: PathBuf,
-    offset: u64,
+/// The operator's requests in the apiserver's audit log, counted as it grows (a standby's
+/// too: they share its service account).
+struct OperatorRequests {
+    log: AuditLog,
     counted: u64,
 }
 
-const OPERATOR_USER: &str = "\"system:serviceaccount:conveyor-system:conveyor-operator\"";
-
-impl Audit {
-    /// Counting from the log's end now.
-    fn from_now() -> Audit {
-        let dir = std::env::var_os("CONVEYOR_CLUSTER_DIR")
-            .map_or_else(|| PathBuf::from(".dev/cluster"), PathBuf::from);
-        let path = dir.join("audit.log");
-        let offset = std::fs::metadata(&path).map_or(0, |m| m.len());
-        Audit {
-            path,
-            offset,
+impl OperatorRequests {
+    fn from_now() -> OperatorRequests {
+        OperatorRequests {
+            log: AuditLog::from_now(),
             counted: 0,
         }
     }
 
-    /// Counts the lines written since the last call. The apiserver rotates the log at
-    /// 100 MB: the rest of the rotated file is counted from where this left it.
-    fn count_new(&mut self) {
-        let len = std::fs::metadata(&self.path).map_or(0, |m| m.len());
-        if len < self.offset {
-            if let Some(rotated) = newest_rotated(&self.path) {
-                self.counted += count_from(&rotated, self.offset).0;
-            }
-            self.offset = 0;
-        }
-        let (counted, read) = count_from(&self.path, self.offset);
-        self.counted += counted;
-        self.offset += read;
+    /// The operator's requests since the soak began.
+    fn count(&mut self) -> u64 {
+        let new = self.log.new_requests();
+        self.counted += new.iter().filter(|r| r.user == audit::OPERATOR).count() as u64;
+        self.counted
     }
-}
-
-/// Completed requests of the operator in `path` from byte `offset` on, in whole lines;
-/// returns them and the bytes of those lines (a line still being written waits).
-fn count_from(path: &std::path::Path, offset: u64) -> (u64, u64) {
-    let Ok(mut file) = std::fs::File::open(path) else {
-        return (0, 0);
-    };
-    let mut bytes = Vec::new();
-    if file.seek(std::io::SeekFrom::Start(offset)).is_err() || file.read_to_end(&mut bytes).is_err()
-    {
-        return (0, 0);
-    }
-    let whole = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
-    let text = String::from_utf8_lossy(&bytes[..whole]);
-    let counted = text
-        .lines()
-        .filter(|l| l.contains(OPERATOR_USER) && l.contains("\"stage\":\"ResponseComplete\""))
-        .count();
-    (counted as u64, whole as u64)
-}
-
-/// The audit log's most recently rotated file (`audit-<time>.log`).
-fn newest_rotated(log: &std::path::Path) -> Option<PathBuf> {
-    let dir = log.parent()?;
-    let mut rotated: Vec<PathBuf> = std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("audit-") && n.ends_with(".log"))
-        })
-        .collect();
-    rotated.sort();
-    rotated.pop()
 }
 
 /// The soak's standby operator, killed when dropped.

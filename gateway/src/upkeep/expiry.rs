@@ -4,7 +4,7 @@
 //! synced before the delete commits: a task is never deleted unarchived (one whose delete
 //! then fails is archived again by the next pass).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -42,13 +42,13 @@ pub const DAY: Duration = Duration::from_secs(86_400);
 /// One pass over every task type the table holds, for at most [`BUDGET`] (the rest waits
 /// for the next pass, so that reaping and sweeping do not). A type goes by its own
 /// retention when this process knows its spec (now, or before it left the set); a type it
-/// never knew, by the default only once its queues were found deleted (`deleted`), since
-/// its own retention may have been longer. Returns how many tasks were deleted.
+/// never knew (deleted before this process started, or left out of the file), by the
+/// default: a deleted type's own setting went with it, and its rows must not stay for ever.
+/// Returns how many tasks were deleted.
 pub(super) async fn pass(
     db: &Db,
     types: &Registry,
     retention: &TaskRetention,
-    deleted: &HashSet<String>,
     metrics: &Metrics,
 ) -> Result<u64, UpkeepError> {
     let started = Instant::now();
@@ -65,11 +65,7 @@ pub(super) async fn pass(
                 .departed(&task_type)
                 .map(|spec| spec.settled_retention_days),
         };
-        let days = match own {
-            Some(own) => own.or(retention.default_days),
-            None if deleted.contains(&task_type) => retention.default_days,
-            None => None,
-        };
+        let days = own.flatten().or(retention.default_days);
         let Some(days) = days.filter(|d| *d > 0) else {
             continue;
         };

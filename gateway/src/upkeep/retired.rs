@@ -32,13 +32,6 @@ pub(super) struct Looks {
     missing_queues: HashSet<String>,
 }
 
-impl Looks {
-    /// Retired types whose queues the last look found gone: deleted with them.
-    pub(super) fn deleted(&self) -> &HashSet<String> {
-        &self.missing_queues
-    }
-}
-
 /// Finds the retired types, lists them in the registry, and settles the open tasks of those
 /// whose queues are gone (at the second look in a row that finds them gone). Returns the
 /// others, to be reaped and swept like known types, with their last spec when this process

@@ -23,6 +23,7 @@ use uuid::Uuid;
 
 pub use conveyor_core::testing::{assert_valid_chain, unique_type};
 
+pub mod audit;
 pub mod real_node;
 
 /// The stack's addresses; `scripts/stack.sh` and the Makefile provide these defaults.
@@ -418,7 +419,7 @@ impl Stack {
     }
 }
 
-fn repo_root() -> std::path::PathBuf {
+pub(crate) fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 

@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod at_rest;
 mod chart;
 mod containers;
 mod external_scalers;

@@ -16,38 +16,91 @@ use serde_json::json;
 
 use crate::support::*;
 
-/// Answers with the current list of TaskTypes, and no ClientTokens.
+/// A mock API server: lists and watches of the TaskTypes named in `types` (namespace video),
+/// and of no ClientTokens. A resource version is the index of the list it stood for: a
+/// watch from one waits up to a second for `types` to differ, reports the difference, and
+/// ends (the client watches again from there).
 fn mock_cluster(types: Arc<Mutex<Vec<String>>>) -> kube::Client {
     let (service, mut handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    let versions: Versions = Arc::default();
     tokio::spawn(async move {
         while let Some((request, send)) = handle.next_request().await {
-            let path = request.uri().path().to_owned();
-            let list = if path.ends_with("/apis/conveyor.dev/v1alpha1/clienttokens") {
-                // No ClientTokens: the harness's token comes from its configuration.
-                json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "ClientTokenList", "metadata": {}, "items": []})
-            } else {
-                assert!(
-                    path.ends_with("/apis/conveyor.dev/v1alpha1/tasktypes"),
-                    "{path}"
-                );
-                let items: Vec<serde_json::Value> = types
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|name| {
-                        let mut tt = TaskType::new(name, TaskTypeSpec::default());
-                        tt.metadata.namespace = Some("video".into());
-                        serde_json::to_value(tt).unwrap()
-                    })
-                    .collect();
-                json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {}, "items": items})
-            };
-            send.send_response(Response::new(Body::from(
-                serde_json::to_vec(&list).unwrap(),
-            )));
+            let (types, versions) = (types.clone(), versions.clone());
+            tokio::spawn(async move {
+                let body = answer(request.uri(), &types, &versions).await;
+                send.send_response(Response::new(Body::from(body)));
+            });
         }
     });
     kube::Client::new(service, "default")
+}
+
+/// Every list of names the mock has reported, by resource version.
+type Versions = Arc<Mutex<Vec<Vec<String>>>>;
+
+async fn answer(uri: &http::Uri, types: &Mutex<Vec<String>>, versions: &Versions) -> Vec<u8> {
+    let path = uri.path();
+    let params: Vec<&str> = uri.query().unwrap_or_default().split('&').collect();
+    let watch = params.contains(&"watch=true");
+    if path.ends_with("/apis/conveyor.dev/v1alpha1/clienttokens") {
+        // No ClientTokens: the harness's token comes from its configuration.
+        if watch {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return Vec::new();
+        }
+        let list = json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "ClientTokenList", "metadata": {"resourceVersion": "0"}, "items": []});
+        return serde_json::to_vec(&list).unwrap();
+    }
+    assert!(
+        path.ends_with("/apis/conveyor.dev/v1alpha1/tasktypes"),
+        "{path}"
+    );
+    if !watch {
+        let names = types.lock().unwrap().clone();
+        let version = version_of(versions, &names);
+        let items: Vec<serde_json::Value> = names.iter().map(|n| task_type(n, version)).collect();
+        let list = json!({"apiVersion": "conveyor.dev/v1alpha1", "kind": "TaskTypeList", "metadata": {"resourceVersion": version.to_string()}, "items": items});
+        return serde_json::to_vec(&list).unwrap();
+    }
+    let from: usize = params
+        .iter()
+        .find_map(|p| p.strip_prefix("resourceVersion=")?.parse().ok())
+        .expect("a watch from a version the mock gave");
+    let known = versions.lock().unwrap()[from].clone();
+    for _ in 0..20 {
+        let names = types.lock().unwrap().clone();
+        if names != known {
+            let version = version_of(versions, &names);
+            let event = |kind: &str, name: &String| {
+                json!({"type": kind, "object": task_type(name, version)}).to_string()
+            };
+            let added = names.iter().filter(|n| !known.contains(n));
+            let deleted = known.iter().filter(|n| !names.contains(n));
+            let events: Vec<String> = added
+                .map(|n| event("ADDED", n))
+                .chain(deleted.map(|n| event("DELETED", n)))
+                .collect();
+            return (events.join("\n") + "\n").into_bytes();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Vec::new()
+}
+
+/// The resource version of `names`: the last one if nothing changed since, else a new one.
+fn version_of(versions: &Versions, names: &[String]) -> usize {
+    let mut versions = versions.lock().unwrap();
+    if versions.last().map(Vec::as_slice) != Some(names) {
+        versions.push(names.to_vec());
+    }
+    versions.len() - 1
+}
+
+fn task_type(name: &str, version: usize) -> serde_json::Value {
+    let mut tt = TaskType::new(name, TaskTypeSpec::default());
+    tt.metadata.namespace = Some("video".into());
+    tt.metadata.resource_version = Some(version.to_string());
+    serde_json::to_value(tt).unwrap()
 }
 
 #[tokio::test]

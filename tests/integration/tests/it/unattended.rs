@@ -446,6 +446,61 @@ async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_re
     harness.shutdown().await;
 }
 
+/// A type no TaskType defines, deleted before the gateway started (its queues kept, under
+/// `Retain`), kept its settled tasks for ever: its own retention was unknown, and the
+/// default applied only once its queues were found gone. It goes by the default now.
+#[tokio::test]
+async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retention() {
+    use crate::support::{test_type, Harness};
+    use conveyor_gateway::upkeep::{TaskRetention, UpkeepConfig};
+
+    let served = test_type("served");
+    let forgotten = test_type("forgotten");
+    Harness::publisher_for_tests()
+        .declare_task_type(&forgotten, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let harness = Harness::start_with(vec![served], |config| {
+        config.upkeep = Some(UpkeepConfig {
+            tasks: TaskRetention {
+                default_days: Some(30),
+                archive: None,
+                day: conveyor_gateway::upkeep::DAY,
+            },
+            ..crate::self_healing::fast_upkeep()
+        });
+    })
+    .await;
+    let at = days_ago(40);
+    let ts = uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        at.timestamp() as u64,
+        at.timestamp_subsec_nanos(),
+    );
+    let (old, recent) = (
+        new_task(&forgotten.name, Uuid::new_v7(ts)),
+        new_task(&forgotten.name, Uuid::now_v7()),
+    );
+    harness
+        .db
+        .record_tasks(&[old.clone(), recent.clone()])
+        .await
+        .unwrap();
+    for (task, days) in [(&old, 40), (&recent, 0)] {
+        sqlx::query(
+            "UPDATE tasks SET state = 'COMPLETED', created_at = $2, updated_at = $2 WHERE id = $1",
+        )
+        .bind(task.id)
+        .bind(days_ago(days))
+        .execute(harness.db.pool())
+        .await
+        .unwrap();
+    }
+    wait_until_gone(&harness.db, &[old.id]).await;
+    assert!(harness.db.task(recent.id).await.unwrap().is_some());
+    harness.shutdown().await;
+}
+
 async fn wait_until_gone(db: &Db, ids: &[Uuid]) {
     conveyor_core::testing::wait_until(
         "expired tasks deleted",
