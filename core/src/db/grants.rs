@@ -151,6 +151,7 @@ impl Db {
                  detail) ON task_events TO \"{name}\""
             ),
             format!("GRANT USAGE ON SEQUENCE task_events_seq_seq TO \"{name}\""),
+            format!("GRANT SELECT ON task_events_kept TO \"{name}\""),
             format!("GRANT SELECT, UPDATE (seen_at) ON queue_probes TO \"{name}\""),
             format!("DROP POLICY IF EXISTS \"{name}\" ON tasks"),
             format!(
@@ -162,6 +163,11 @@ impl Db {
                 "CREATE POLICY \"{name}\" ON task_events TO \"{name}\"
                  USING (EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_id))
                  WITH CHECK (EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_id))"
+            ),
+            format!("DROP POLICY IF EXISTS \"{name}\" ON task_events_kept"),
+            format!(
+                "CREATE POLICY \"{name}\" ON task_events_kept TO \"{name}\"
+                 USING (EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_id))"
             ),
             format!("DROP POLICY IF EXISTS \"{name}\" ON queue_probes"),
             format!(
@@ -184,6 +190,8 @@ impl Db {
         let grants = [
             format!("GRANT SELECT, INSERT, UPDATE ON tasks TO \"{name}\""),
             format!("GRANT SELECT, INSERT ON task_events TO \"{name}\""),
+            // The history of open tasks kept past the retention (migration 20261206000001).
+            format!("GRANT SELECT ON task_events_kept TO \"{name}\""),
             format!("GRANT USAGE ON SEQUENCE task_events_seq_seq TO \"{name}\""),
             format!("GRANT SELECT, INSERT, UPDATE, DELETE ON queue_probes TO \"{name}\""),
             // To check that the schema is the one it was built for (`--no-migrate`).
@@ -193,7 +201,8 @@ impl Db {
                  conveyor_drop_event_partitions(integer, date) TO \"{name}\""
             ),
         ];
-        let policies = ["tasks", "task_events", "queue_probes"].into_iter().flat_map(|table| {
+        let tables = ["tasks", "task_events", "task_events_kept", "queue_probes"];
+        let policies = tables.into_iter().flat_map(|table| {
             [
                 format!("DROP POLICY IF EXISTS \"{name}\" ON {table}"),
                 format!(
@@ -229,8 +238,11 @@ impl Db {
         let statements = [
             format!("DROP POLICY IF EXISTS \"{name}\" ON tasks"),
             format!("DROP POLICY IF EXISTS \"{name}\" ON task_events"),
+            format!("DROP POLICY IF EXISTS \"{name}\" ON task_events_kept"),
             format!("DROP POLICY IF EXISTS \"{name}\" ON queue_probes"),
-            format!("REVOKE ALL ON tasks, task_events, queue_probes FROM \"{name}\""),
+            format!(
+                "REVOKE ALL ON tasks, task_events, task_events_kept, queue_probes FROM \"{name}\""
+            ),
             format!("REVOKE ALL ON SEQUENCE task_events_seq_seq FROM \"{name}\""),
             format!("REVOKE ALL ON SCHEMA public FROM \"{name}\""),
             format!("DROP ROLE \"{name}\""),

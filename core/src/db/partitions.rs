@@ -31,8 +31,9 @@ impl Db {
     }
 
     /// Drops the audit partitions of days before `today - keep_days` (UTC; `None`: now),
-    /// keeping the events of tasks not yet COMPLETED or CANCELLED (in the default
-    /// partition), and lets go of kept events whose task has settled since.
+    /// keeping the events of tasks not yet COMPLETED or CANCELLED (copied into
+    /// `task_events_kept` before the drop locks the log), and lets go of kept events whose
+    /// task has settled since.
     pub async fn drop_partitions_before(
         &self,
         keep_days: i32,

@@ -24,11 +24,16 @@ impl Db {
         row.as_ref().map(task_from_row).transpose()
     }
 
-    /// A task's audit timeline, oldest first.
+    /// A task's audit timeline, oldest first: the log, and what retention kept of an open
+    /// task's older days beside it (`task_events_kept`, migration 20261206000001).
     pub async fn events(&self, id: Uuid) -> DbResult<Vec<TaskEvent>> {
         let rows = sqlx::query(
             "SELECT seq, task_id, task_type, from_state, to_state, attempt, worker_id, detail, at
-             FROM task_events WHERE task_id = $1 ORDER BY at, seq",
+             FROM task_events WHERE task_id = $1
+             UNION ALL
+             SELECT seq, task_id, task_type, from_state, to_state, attempt, worker_id, detail, at
+             FROM task_events_kept WHERE task_id = $1
+             ORDER BY at, seq",
         )
         .bind(id)
         .fetch_all(&self.pool)
@@ -54,8 +59,11 @@ impl Db {
     ) -> DbResult<Vec<(Uuid, TaskState, DateTime<Utc>)>> {
         let query = match id {
             Some(id) => sqlx::query(
-                "SELECT task_id, to_state, at FROM task_events
-                 WHERE task_id = $2 AND at <= $1 ORDER BY at DESC, seq DESC LIMIT 1",
+                "SELECT task_id, to_state, at, seq FROM task_events WHERE task_id = $2 AND at <= $1
+                 UNION ALL
+                 SELECT task_id, to_state, at, seq FROM task_events_kept
+                 WHERE task_id = $2 AND at <= $1
+                 ORDER BY at DESC, seq DESC LIMIT 1",
             )
             .bind(at)
             .bind(id),
@@ -66,8 +74,11 @@ impl Db {
                  UNION ALL
                  SELECT t.id, e.to_state, e.at FROM tasks t
                  CROSS JOIN LATERAL (
-                     SELECT to_state, at FROM task_events
-                     WHERE task_id = t.id AND at <= $1 ORDER BY at DESC, seq DESC LIMIT 1
+                     SELECT to_state, at, seq FROM task_events WHERE task_id = t.id AND at <= $1
+                     UNION ALL
+                     SELECT to_state, at, seq FROM task_events_kept
+                     WHERE task_id = t.id AND at <= $1
+                     ORDER BY at DESC, seq DESC LIMIT 1
                  ) e
                  WHERE ($2::text IS NULL OR t.task_type = $2)
                    AND t.updated_at > $1 - make_interval(secs => $3)

@@ -490,8 +490,12 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
     for statement in [
         format!("DROP POLICY \"{role}\" ON tasks"),
         format!("DROP POLICY \"{role}\" ON task_events"),
+        format!("DROP POLICY \"{role}\" ON task_events_kept"),
         format!("DROP POLICY \"{role}\" ON queue_probes"),
-        format!("REVOKE ALL ON tasks, task_events, queue_probes, _sqlx_migrations FROM \"{role}\""),
+        format!(
+            "REVOKE ALL ON tasks, task_events, task_events_kept, queue_probes, _sqlx_migrations \
+             FROM \"{role}\""
+        ),
         format!("REVOKE ALL ON SEQUENCE task_events_seq_seq FROM \"{role}\""),
         format!("REVOKE ALL ON FUNCTION {functions} FROM \"{role}\""),
         format!("REVOKE ALL ON SCHEMA public FROM \"{role}\""),

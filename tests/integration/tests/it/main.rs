@@ -3,6 +3,7 @@
 
 mod support;
 
+mod audit_partitions;
 mod bounded_costs;
 mod cluster_task_types;
 mod console;

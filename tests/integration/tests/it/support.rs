@@ -122,6 +122,23 @@ async fn wait_ready(http: &reqwest::Client, admin_url: &str) {
 
 /// A task of `task_type` in tenant `default` with an empty payload, keyed by its id, as a
 /// gateway would record it.
+/// Noon UTC, `days` days before today.
+pub fn days_ago(days: u64) -> chrono::DateTime<chrono::Utc> {
+    (chrono::Utc::now().date_naive() - chrono::Days::new(days))
+        .and_time(chrono::NaiveTime::from_hms_opt(12, 0, 0).unwrap())
+        .and_utc()
+}
+
+/// Sets a task's state directly, as the tables' owner (a test's shortcut past the lifecycle).
+pub async fn set_state(db: &Db, id: Uuid, state: &str) {
+    sqlx::query("UPDATE tasks SET state = $2 WHERE id = $1")
+        .bind(id)
+        .bind(state)
+        .execute(db.pool())
+        .await
+        .unwrap();
+}
+
 pub fn new_task(task_type: &str, id: Uuid) -> NewTask {
     NewTask {
         id,
