@@ -2,9 +2,15 @@
 //!
 //! A background loop reads each work queue's and retry queue's ready counts every interval
 //! (never per request); submissions compare the sum against the last reading. Only the
-//! types with work are read each interval (submitted to since their last reading, or with
-//! messages waiting); an idle type is read once every [`IDLE_EVERY`], so five hundred idle
-//! types cost a few broker calls a second, not a thousand.
+//! types with work are read (submitted to since their last reading, or with messages
+//! waiting), and the types someone looked at whose reading is older than [`STALE_AFTER`]:
+//! an idle type costs nothing after its first reading, however many there are.
+//!
+//! An idle type's queue may still fill while this replica does not read it (retries coming
+//! back, submissions to other replicas). Its first submission here is then checked against
+//! a reading that is too low, and makes it read at the next interval: `maxQueueDepth` is
+//! overshot by at most one interval's submissions to this replica, the same bound as for a
+//! busy type between two readings.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,9 +22,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
 
-/// How often a type with nothing waiting and nothing submitted is read (its queue may still
-/// fill: retries coming back, or submissions to other gateway replicas).
-pub const IDLE_EVERY: Duration = Duration::from_secs(30);
+/// A reading this old is read again at the next interval once someone looks at it (the
+/// task types overview).
+pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy)]
 struct Reading {
@@ -28,6 +34,8 @@ struct Reading {
     drain_rate: f64,
     /// Published since this reading; needed to tell drained from added.
     published_since: u64,
+    /// Looked at while stale: read at the next interval.
+    wanted: bool,
 }
 
 /// Latest depth per task type.
@@ -64,17 +72,18 @@ impl DepthMonitor {
                 at: now,
                 drain_rate,
                 published_since: 0,
+                wanted: false,
             },
         );
     }
 
     /// Whether `task_type` is read this interval: never read, submitted to since, messages
-    /// waiting at the last reading, or idle for [`IDLE_EVERY`].
+    /// waiting at the last reading, or looked at while stale. Not for being idle a while.
     fn due(&self, task_type: &str) -> bool {
         let readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
         readings
             .get(task_type)
-            .is_none_or(|r| r.published_since > 0 || r.depth > 0 || r.at.elapsed() >= IDLE_EVERY)
+            .is_none_or(|r| r.published_since > 0 || r.depth > 0 || r.wanted)
     }
 
     /// `Some(wait)` when `task_type`'s queue holds more than `max_depth`: how long until it
@@ -95,10 +104,13 @@ impl DepthMonitor {
     }
 
     /// The last reading of `task_type`'s queues: messages waiting, and how many leave per
-    /// second (smoothed); `None` before the first reading.
+    /// second (smoothed); `None` before the first reading. A reading older than
+    /// [`STALE_AFTER`] is answered as it is, and read again at the next interval.
     pub fn backlog(&self, task_type: &str) -> Option<(u64, f64)> {
-        let readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
-        readings.get(task_type).map(|r| (r.depth, r.drain_rate))
+        let mut readings = self.readings.lock().unwrap_or_else(|p| p.into_inner());
+        let reading = readings.get_mut(task_type)?;
+        reading.wanted |= reading.at.elapsed() >= STALE_AFTER;
+        Some((reading.depth, reading.drain_rate))
     }
 
     /// Polls the work queues of the task types that are [`Self::due`] until `shutdown`.
@@ -167,12 +179,18 @@ mod tests {
         assert!(monitor.due("t"), "messages waiting");
         monitor.record("t", 0);
         assert!(!monitor.due("t"));
+        assert_eq!(monitor.backlog("t").map(|(depth, _)| depth), Some(0));
+        assert!(!monitor.due("t"), "looked at while fresh");
         let mut readings = monitor.readings.lock().unwrap();
         let reading = readings.get_mut("t").unwrap();
-        if let Some(long_ago) = reading.at.checked_sub(IDLE_EVERY) {
+        if let Some(long_ago) = reading.at.checked_sub(STALE_AFTER * 100) {
             reading.at = long_ago;
             drop(readings);
-            assert!(monitor.due("t"), "idle for IDLE_EVERY: read again");
+            assert!(!monitor.due("t"), "idle for long: still not read");
+            assert_eq!(monitor.backlog("t").map(|(depth, _)| depth), Some(0));
+            assert!(monitor.due("t"), "looked at while stale: read again");
+            monitor.record("t", 0);
+            assert!(!monitor.due("t"));
         }
     }
 

@@ -1,16 +1,16 @@
-//! Costs that follow the work, not what exists (issue 32, item 6), on the real PostgreSQL:
-//! what a point-in-time read and an idle process cost.
+//! Costs that follow the work, not what exists (issue 32, item 6), on the real PostgreSQL
+//! and RabbitMQ: what a point-in-time read, an idle process and idle task types cost.
 
 use std::time::Duration;
 
 use conveyor_core::db::{Db, DbOptions, Locked};
 use conveyor_core::lifecycle::TaskState;
 use conveyor_core::task::NewTask;
-use conveyor_core::testing::{unique_type, wait_until, TestDatabase};
-
+use conveyor_core::testing::{self, unique_type, wait_until, TestDatabase};
+use serde_json::json;
 use uuid::Uuid;
 
-use crate::support::new_task;
+use crate::support::{new_task, test_type, Harness};
 
 /// Index scans of the audit log by task (`task_events_task` on every partition) so far.
 async fn audit_probes(db: &Db) -> i64 {
@@ -234,4 +234,90 @@ async fn burst_of_six(pool: &Db, open: &OpenCount) {
     )
     .await;
     burst.await.unwrap();
+}
+
+/// Frames the broker has received on `user`'s connections named `name` (its statistics,
+/// refreshed every few seconds).
+async fn frames_received(user: &str, name: &str) -> u64 {
+    let connections: Vec<serde_json::Value> = testing::http_client()
+        .get(format!(
+            "{}/api/connections?columns=user,user_provided_name,recv_cnt",
+            testing::management_url()
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    connections
+        .iter()
+        .filter(|c| c["user"] == user && c["user_provided_name"] == name)
+        .map(|c| c["recv_cnt"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// A gateway read every idle type's queues every 30 s, one passive declare per queue: at ten
+/// thousand types, a thousand broker calls a second from each replica, for nothing. An idle
+/// type now costs nothing after its first reading. Counted by the broker, on the gateway's
+/// depth connection (a broker user of its own tells it apart from other tests').
+#[tokio::test]
+async fn a_gateway_reads_no_idle_types_depth() {
+    let user = format!("idle-depths-{}", &Uuid::new_v4().simple().to_string()[..8]);
+    let admin = testing::http_client();
+    let management = testing::management_url();
+    let everything = json!({"configure": ".*", "write": ".*", "read": ".*"});
+    for (path, body) in [
+        (
+            format!("users/{user}"),
+            json!({"password": "idle", "tags": ""}),
+        ),
+        (format!("permissions/%2F/{user}"), everything),
+    ] {
+        admin
+            .put(format!("{management}/api/{path}"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .error_for_status()
+            .unwrap();
+    }
+    let dev_url = testing::amqp_url();
+    let amqp_url = dev_url.replacen("conveyor:conveyor@", &format!("{user}:idle@"), 1);
+    assert_ne!(
+        amqp_url, dev_url,
+        "the dev broker URL names the conveyor user"
+    );
+    let types: Vec<_> = (0..10).map(|_| test_type("idle")).collect();
+    let harness = Harness::start_with(types.clone(), |config| config.amqp_url = amqp_url).await;
+
+    // Each type's first reading (two queues each), seen in the broker's statistics.
+    let depths = "conveyor-gateway/depths";
+    wait_until(
+        "the gateway's first readings",
+        Duration::from_secs(60),
+        || async { frames_received(&user, depths).await >= 2 * types.len() as u64 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let before = frames_received(&user, depths).await;
+    tokio::time::sleep(conveyor_gateway::backpressure::STALE_AFTER + Duration::from_secs(15)).await;
+    let after = frames_received(&user, depths).await;
+    // Heartbeats are all that may come in meanwhile.
+    assert!(
+        after - before < types.len() as u64,
+        "{} frames from an idle gateway with {} idle types",
+        after - before,
+        types.len()
+    );
+
+    harness.shutdown().await;
+    for spec in &types {
+        testing::delete_queues(&spec.name).await;
+    }
+    let _ = admin
+        .delete(format!("{management}/api/users/{user}"))
+        .send()
+        .await;
 }
