@@ -59,6 +59,8 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 {{- define "conveyor.podSecurity" -}}
 runAsNonRoot: true
 runAsUser: 65532
+# Volumes that support it (the gateway's archive claim) are made writable for that user.
+fsGroup: 65532
 seccompProfile: {type: RuntimeDefault}
 {{- end -}}
 {{- define "conveyor.containerSecurity" -}}

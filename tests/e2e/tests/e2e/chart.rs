@@ -120,8 +120,20 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
         "--set=tenants[0].amqpUrl=amqps://x",
         "--set=tenants[0].caCrt=PEM",
         "--set=networkPolicies.enabled=false",
+        "--set=gateway.retention.archiveClaimName=conveyor-archive",
+        "--set=gateway.retention.taskDays=7",
     ];
     let other_rendered = run("helm", &other).unwrap();
+    for line in [
+        "--task-retention-days=7",
+        "--task-archive-dir=/var/lib/conveyor/archive",
+        "persistentVolumeClaim: {claimName: \"conveyor-archive\"}",
+    ] {
+        assert!(
+            other_rendered.contains(line),
+            "the gateway's task archive goes to the claim named: no {line:?} in\n{other_rendered}"
+        );
+    }
     assert!(
         other_rendered.contains("https://conveyor-gateway.conveyor-system.svc:80"),
         "helm test must speak HTTPS to a gateway that serves it:\n{other_rendered}"
