@@ -1,7 +1,8 @@
 //! Retention of settled tasks (decision 0034): COMPLETED and CANCELLED rows settled longer
 //! ago than their type's retention are handed out a batch at a time (to be exported), then
 //! deleted. A task's idempotency key lives as long as its row: the idempotency window is
-//! the retention. DEAD_LETTER rows stay until redriven or cancelled; open ones always stay.
+//! the retention. DEAD_LETTER rows stay until redriven or cancelled, unless no TaskType
+//! defines their type any more (decision 0044); open ones always stay.
 
 use chrono::{DateTime, Duration, Utc};
 use sqlx::{Postgres, Row, Transaction};
@@ -56,11 +57,11 @@ impl Db {
         .await?)
     }
 
-    /// Locks up to `limit` tasks of `task_type` that settled (COMPLETED or CANCELLED)
-    /// before `cutoff`, in id order after `after`; `None` when there are none. Walks the
-    /// type's tasks by id (UUIDv7, so by creation time) only up to the cutoff: a pass costs
-    /// the tasks made before it, not the table. `whole`: read the whole rows (to archive
-    /// them), not only their ids.
+    /// Locks up to `limit` tasks of `task_type` that settled (COMPLETED or CANCELLED, and
+    /// DEAD_LETTER with `dead_letters`) before `cutoff`, in id order after `after`; `None`
+    /// when there are none. Walks the type's tasks by id (UUIDv7, so by creation time) only
+    /// up to the cutoff: a pass costs the tasks made before it, not the table. `whole`: read
+    /// the whole rows (to archive them), not only their ids.
     pub async fn begin_expiry(
         &self,
         task_type: &str,
@@ -68,15 +69,21 @@ impl Db {
         after: Option<Uuid>,
         limit: i64,
         whole: bool,
+        dead_letters: bool,
     ) -> DbResult<Option<PendingExpiry>> {
         let mut tx = self.pool.begin().await?;
         let columns = if whole { TASK_COLUMNS } else { "id" };
+        let settled: &[_] = if dead_letters {
+            &[Completed, Cancelled, DeadLetter]
+        } else {
+            &[Completed, Cancelled]
+        };
         let rows = sqlx::query(&format!(
             "SELECT {columns} FROM tasks
              WHERE task_type = $1 AND id > $2 AND id < $3 AND state IN ({settled})
                AND updated_at < $4
              ORDER BY id LIMIT $5 FOR UPDATE SKIP LOCKED",
-            settled = state_literals(&[Completed, Cancelled]),
+            settled = state_literals(settled),
         ))
         .bind(task_type)
         .bind(after.unwrap_or(Uuid::nil()))

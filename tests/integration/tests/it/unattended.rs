@@ -270,7 +270,9 @@ async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_re
 
 /// A type no TaskType defines, deleted before the gateway started (its queues kept, under
 /// `Retain`), kept its settled tasks for ever: its own retention was unknown, and the
-/// default applied only once its queues were found gone. It goes by the default now.
+/// default applied only once its queues were found gone. It goes by the default now. Its
+/// dead letters, which nothing could redrive, were kept for ever with their history: they
+/// expire by the default too (decision 0044), while a defined type's stay until redriven.
 #[tokio::test]
 async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retention() {
     use crate::support::{test_type, Harness};
@@ -278,6 +280,7 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
 
     let served = test_type("served");
     let forgotten = test_type("forgotten");
+    let served_name = served.name.clone();
     Harness::publisher_for_tests()
         .declare_task_type(&forgotten, Duration::from_secs(30))
         .await
@@ -299,27 +302,53 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
         at.timestamp() as u64,
         at.timestamp_subsec_nanos(),
     );
-    let (old, recent) = (
-        new_task(&forgotten.name, Uuid::new_v7(ts)),
-        new_task(&forgotten.name, Uuid::now_v7()),
-    );
+    let task = |task_type: &str, at: Option<uuid::Timestamp>| {
+        new_task(task_type, at.map_or_else(Uuid::now_v7, Uuid::new_v7))
+    };
+    let old = task(&forgotten.name, Some(ts));
+    let recent = task(&forgotten.name, None);
+    let old_dead = task(&forgotten.name, Some(ts));
+    let recent_dead = task(&forgotten.name, None);
+    let served_old = task(&served_name, Some(ts));
+    let served_dead = task(&served_name, Some(ts));
+    let all = [
+        &old,
+        &recent,
+        &old_dead,
+        &recent_dead,
+        &served_old,
+        &served_dead,
+    ];
     harness
         .db
-        .record_tasks(&[old.clone(), recent.clone()])
+        .record_tasks(&all.map(Clone::clone))
         .await
         .unwrap();
-    for (task, days) in [(&old, 40), (&recent, 0)] {
-        sqlx::query(
-            "UPDATE tasks SET state = 'COMPLETED', created_at = $2, updated_at = $2 WHERE id = $1",
-        )
-        .bind(task.id)
-        .bind(days_ago(days))
-        .execute(harness.db.pool())
-        .await
-        .unwrap();
+    for (task, state, days) in [
+        (&old, "COMPLETED", 40),
+        (&recent, "COMPLETED", 0),
+        (&old_dead, "DEAD_LETTER", 40),
+        (&recent_dead, "DEAD_LETTER", 0),
+        (&served_old, "COMPLETED", 40),
+        (&served_dead, "DEAD_LETTER", 40),
+    ] {
+        sqlx::query("UPDATE tasks SET state = $2, created_at = $3, updated_at = $3 WHERE id = $1")
+            .bind(task.id)
+            .bind(state)
+            .bind(days_ago(days))
+            .execute(harness.db.pool())
+            .await
+            .unwrap();
     }
-    wait_until_gone(&harness.db, &[old.id]).await;
-    assert!(harness.db.task(recent.id).await.unwrap().is_some());
+    // The served type's old completed task goes in the same batch as its dead letter would.
+    wait_until_gone(&harness.db, &[old.id, old_dead.id, served_old.id]).await;
+    for kept in [&recent, &recent_dead, &served_dead] {
+        assert!(
+            harness.db.task(kept.id).await.unwrap().is_some(),
+            "{} went",
+            kept.id
+        );
+    }
     harness.shutdown().await;
 }
 
