@@ -203,15 +203,7 @@ async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_re
     })
     .await;
     // Tasks made 40 days ago (their ids carry that time, as the gateway's do), and one now.
-    let made = |days: u64| {
-        let at = days_ago(days);
-        let ts = uuid::Timestamp::from_unix(
-            uuid::NoContext,
-            at.timestamp() as u64,
-            at.timestamp_subsec_nanos(),
-        );
-        new_task(&name, Uuid::new_v7(ts))
-    };
+    let made = |days| made_days_ago(&name, days);
     let (done, cancelled, dead, open, recent) = (made(40), made(40), made(40), made(40), made(0));
     let all = [&done, &cancelled, &dead, &open, &recent];
     harness
@@ -226,13 +218,7 @@ async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_re
         (&open, "QUEUED", 40),
         (&recent, "COMPLETED", 0),
     ] {
-        sqlx::query("UPDATE tasks SET state = $2, created_at = $3, updated_at = $3 WHERE id = $1")
-            .bind(task.id)
-            .bind(state)
-            .bind(days_ago(days))
-            .execute(harness.db.pool())
-            .await
-            .unwrap();
+        in_state_since(&harness.db, task, state, days).await;
     }
 
     wait_until_gone(&harness.db, &[done.id, cancelled.id]).await;
@@ -296,21 +282,12 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
         });
     })
     .await;
-    let at = days_ago(40);
-    let ts = uuid::Timestamp::from_unix(
-        uuid::NoContext,
-        at.timestamp() as u64,
-        at.timestamp_subsec_nanos(),
-    );
-    let task = |task_type: &str, at: Option<uuid::Timestamp>| {
-        new_task(task_type, at.map_or_else(Uuid::now_v7, Uuid::new_v7))
-    };
-    let old = task(&forgotten.name, Some(ts));
-    let recent = task(&forgotten.name, None);
-    let old_dead = task(&forgotten.name, Some(ts));
-    let recent_dead = task(&forgotten.name, None);
-    let served_old = task(&served_name, Some(ts));
-    let served_dead = task(&served_name, Some(ts));
+    let old = made_days_ago(&forgotten.name, 40);
+    let recent = made_days_ago(&forgotten.name, 0);
+    let old_dead = made_days_ago(&forgotten.name, 40);
+    let recent_dead = made_days_ago(&forgotten.name, 0);
+    let served_old = made_days_ago(&served_name, 40);
+    let served_dead = made_days_ago(&served_name, 40);
     let all = [
         &old,
         &recent,
@@ -332,13 +309,7 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
         (&served_old, "COMPLETED", 40),
         (&served_dead, "DEAD_LETTER", 40),
     ] {
-        sqlx::query("UPDATE tasks SET state = $2, created_at = $3, updated_at = $3 WHERE id = $1")
-            .bind(task.id)
-            .bind(state)
-            .bind(days_ago(days))
-            .execute(harness.db.pool())
-            .await
-            .unwrap();
+        in_state_since(&harness.db, task, state, days).await;
     }
     // The served type's old completed task goes in the same batch as its dead letter would.
     wait_until_gone(&harness.db, &[old.id, old_dead.id, served_old.id]).await;
@@ -350,6 +321,28 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
         );
     }
     harness.shutdown().await;
+}
+
+/// A task of `task_type` made `days` days ago: its id carries that time, as the gateway's do.
+fn made_days_ago(task_type: &str, days: u64) -> NewTask {
+    let at = days_ago(days);
+    let ts = uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        at.timestamp() as u64,
+        at.timestamp_subsec_nanos(),
+    );
+    new_task(task_type, Uuid::new_v7(ts))
+}
+
+/// Puts `task` in `state` since `days` days ago (made then too), as the tables' owner.
+async fn in_state_since(db: &Db, task: &NewTask, state: &str, days: u64) {
+    sqlx::query("UPDATE tasks SET state = $2, created_at = $3, updated_at = $3 WHERE id = $1")
+        .bind(task.id)
+        .bind(state)
+        .bind(days_ago(days))
+        .execute(db.pool())
+        .await
+        .unwrap();
 }
 
 async fn wait_until_gone(db: &Db, ids: &[Uuid]) {
