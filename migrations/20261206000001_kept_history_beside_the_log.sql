@@ -31,19 +31,26 @@ WITH oldest AS (
 INSERT INTO task_events_kept SELECT * FROM moved;
 
 -- Whoever may read the log reads its kept part, under the same rule: the gateway's roles
--- every row, a tenant's role the rows of its own tasks (roles granted from now on get the
--- same from core/src/db/grants.rs).
+-- (a policy admitting every row of the log) every row, a tenant's role the rows of its own
+-- tasks (roles granted from now on get the same from core/src/db/grants.rs).
 DO $$
 DECLARE
     role record;
 BEGIN
     FOR role IN
-        SELECT DISTINCT unnest(roles)::text AS grantee, qual FROM pg_policies
+        SELECT DISTINCT unnest(roles)::text AS grantee, qual = 'true' AS every_row
+        FROM pg_policies
         WHERE schemaname = 'public' AND tablename = 'task_events'
     LOOP
         EXECUTE format('GRANT SELECT ON task_events_kept TO %I', role.grantee);
-        EXECUTE format('CREATE POLICY %I ON task_events_kept TO %I USING (%s)',
-                       role.grantee, role.grantee, role.qual);
+        IF role.every_row THEN
+            EXECUTE format('CREATE POLICY %I ON task_events_kept TO %I USING (true)',
+                           role.grantee, role.grantee);
+        ELSE
+            EXECUTE format('CREATE POLICY %I ON task_events_kept TO %I
+                            USING (EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_id))',
+                           role.grantee, role.grantee);
+        END IF;
     END LOOP;
 END
 $$;

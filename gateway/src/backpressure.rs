@@ -12,7 +12,7 @@
 //! overshot by at most one interval's submissions to this replica, the same bound as for a
 //! busy type between two readings.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -129,7 +129,14 @@ impl DepthMonitor {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            for known in task_types.snapshot().values() {
+            let known = task_types.snapshot();
+            // Readings of types that left the set go with them.
+            let names: HashSet<&str> = known.values().map(|k| k.spec.name.as_str()).collect();
+            self.readings
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|name, _| names.contains(name.as_str()));
+            for known in known.values() {
                 let task_type = &known.spec.name;
                 if !self.due(task_type) {
                     continue;

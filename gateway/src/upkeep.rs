@@ -9,11 +9,13 @@
 //!   message is gone (decision 0011);
 //! - audit partitions made two weeks ahead, rows rescued from the default partition, and
 //!   old partitions dropped after the retention period (the history of open tasks kept),
-//!   none of it waiting on a long reader of the log (decision 0031);
+//!   none of it waiting on a long reader of the log (decision 0031), in a task of its own
+//!   (decision 0042);
 //! - the open tasks of types no TaskType defines any more (decision 0033): reaped and swept
 //!   like any while their queues are retained, settled with an audited reason once their
 //!   queues are deleted, and listed meanwhile;
-//! - settled tasks deleted after their retention, archived first when asked (decision 0034);
+//! - settled tasks deleted after their retention, archived first when asked (decision 0034),
+//!   and the dead letters of types deleted with their queues (decision 0044);
 //! - indexes of `tasks` those deletes left sparse, rebuilt without holding writers
 //!   (decision 0037).
 
@@ -67,9 +69,17 @@ pub async fn run(
     metrics: Metrics,
     shutdown: CancellationToken,
 ) {
+    // Partition upkeep may take long (a day's drop first copies the history of its open
+    // tasks, however much a tenant wrote): a task of its own, so reaping and sweeping go on.
+    tokio::spawn(partitions_loop(
+        db.clone(),
+        config.retention_days,
+        config.partitions_every,
+        metrics.clone(),
+        shutdown.clone(),
+    ));
     let mut tick = tokio::time::interval(config.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut partitions_due = Instant::now();
     // The reaper waits until the database has answered for a whole heartbeat timeout: after
     // an outage (or at start) every owner's last beat may be stale through no fault of its.
     let mut reachable_since = Instant::now();
@@ -84,26 +94,9 @@ pub async fn run(
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        if Instant::now() >= partitions_due {
-            match partitions(&db, config.retention_days, &metrics).await {
-                Ok(owed) => {
-                    // Work a long reader of the log held back is tried again soon.
-                    let every = if owed.any() {
-                        config.partitions_every.min(PARTITIONS_OWED_RETRY)
-                    } else {
-                        config.partitions_every
-                    };
-                    partitions_due = Instant::now() + every;
-                }
-                Err(err) => {
-                    note_failure(&metrics, "partitions", &err, &mut reachable_since);
-                    partitions_due = Instant::now() + Duration::from_secs(10);
-                }
-            }
-        }
         if Instant::now() >= tasks_due {
             tasks_due = Instant::now() + config.tasks_every;
-            match expiry::pass(&db, &types, &config.tasks, &metrics).await {
+            match expiry::pass(&db, &types, &config.tasks, looks.gone(), &metrics).await {
                 Ok(0) => {}
                 Ok(deleted) => {
                     tracing::info!(deleted, "settled tasks past their retention deleted")
@@ -150,6 +143,31 @@ pub async fn run(
 /// How soon partition upkeep comes back while it owes work.
 const PARTITIONS_OWED_RETRY: Duration = Duration::from_secs(60);
 
+/// Partition passes until `shutdown`: every `every`, sooner while work is owed (a long
+/// reader of the log held it back) or after a failure.
+async fn partitions_loop(
+    db: Db,
+    retention_days: Option<i32>,
+    every: Duration,
+    metrics: Metrics,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let pause = match partitions(&db, retention_days, &metrics).await {
+            Ok(owed) if owed.any() => every.min(PARTITIONS_OWED_RETRY),
+            Ok(_) => every,
+            Err(err) => {
+                count_failure(&metrics, "partitions", &err);
+                Duration::from_secs(10)
+            }
+        };
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
 /// One partition pass; returns what is still owed (each step waits at most 100 ms for a
 /// lock, so a long reader of the log can hold some of it back).
 async fn partitions(
@@ -185,10 +203,16 @@ async fn partitions(
     Ok(owed)
 }
 
+/// Counts and logs a failed pass; an unavailable database also restarts the time it has
+/// answered for (the reaper waits for a whole heartbeat timeout of it).
 fn note_failure(metrics: &Metrics, what: &str, err: &UpkeepError, reachable_since: &mut Instant) {
     if err.is_db_unavailable() {
         *reachable_since = Instant::now();
     }
+    count_failure(metrics, what, err);
+}
+
+fn count_failure(metrics: &Metrics, what: &str, err: &UpkeepError) {
     metrics.errors.with_label_values(&["upkeep", what]).inc();
     tracing::warn!(what, error = %err, source = ?std::error::Error::source(err), "upkeep pass failed");
 }

@@ -1,8 +1,8 @@
 //! Retention of settled tasks (decision 0034): COMPLETED and CANCELLED rows settled longer
 //! ago than their type's retention are handed out a batch at a time (to be exported), then
 //! deleted. A task's idempotency key lives as long as its row: the idempotency window is
-//! the retention. DEAD_LETTER rows stay until redriven or cancelled, unless no TaskType
-//! defines their type any more (decision 0044); open ones always stay.
+//! the retention. DEAD_LETTER rows stay until redriven or cancelled, unless their TaskType
+//! was deleted with its queues (decision 0044); open ones always stay.
 
 use chrono::{DateTime, Duration, Utc};
 use sqlx::{Postgres, Row, Transaction};

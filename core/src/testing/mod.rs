@@ -123,6 +123,17 @@ impl TestDatabase {
 
     /// A fresh, migrated database on `services`' PostgreSQL.
     pub async fn create_in(services: &Services) -> TestDatabase {
+        let test = Self::create_empty_in(services).await;
+        test.db.migrate().await.expect("migrations apply");
+        test
+    }
+
+    /// A fresh database with no schema (for a test that migrates it step by step).
+    pub async fn create_empty() -> TestDatabase {
+        Self::create_empty_in(&Services::single()).await
+    }
+
+    async fn create_empty_in(services: &Services) -> TestDatabase {
         let admin_url = services.admin_database_url.clone();
         let name = format!("conveyor_test_{}", Uuid::new_v4().simple());
         let admin = Db::connect(&DbOptions::new(&admin_url)).expect("admin database URL");
@@ -133,7 +144,6 @@ impl TestDatabase {
         admin.close().await;
         let url = with_database(&admin_url, &name);
         let db = Db::connect(&DbOptions::new(&url)).expect("test database URL");
-        db.migrate().await.expect("migrations apply");
         TestDatabase { db, url, name }
     }
 }

@@ -1,11 +1,11 @@
 //! Retention of settled tasks (decision 0034): each type's COMPLETED and CANCELLED tasks
-//! settled longer ago than its retention (and its DEAD_LETTER ones, when no TaskType defines
-//! the type any more: decision 0044) are written to the archive, when one is set, and
+//! settled longer ago than its retention (and its DEAD_LETTER ones, once its TaskType was
+//! deleted with its queues: decision 0044) are written to the archive, when one is set, and
 //! deleted, at most [`MAX_BATCHES`] batches per type and pass. The archive is written and
 //! synced before the delete commits: a task is never deleted unarchived (one whose delete
 //! then fails is archived again by the next pass).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -45,13 +45,14 @@ pub const DAY: Duration = Duration::from_secs(86_400);
 /// retention when this process knows its spec (now, or before it left the set); a type it
 /// never knew (deleted before this process started, or left out of the file), by the
 /// default: a deleted type's own setting went with it, and its rows must not stay for ever.
-/// Nor must its dead letters, which nothing can redrive unless the type comes back: those
-/// of a type no TaskType defines now expire too, by the time they were dead-lettered.
-/// Returns how many tasks were deleted.
+/// Nor must the dead letters of a type deleted with its queues (`deleted`, found so by two
+/// looks of [`super::retired`]), which nothing can redrive unless the type comes back: they
+/// expire too, by the time they were dead-lettered. Returns how many tasks were deleted.
 pub(super) async fn pass(
     db: &Db,
     types: &Registry,
     retention: &TaskRetention,
+    deleted: &HashSet<String>,
     metrics: &Metrics,
 ) -> Result<u64, UpkeepError> {
     let started = Instant::now();
@@ -62,7 +63,7 @@ pub(super) async fn pass(
         .collect();
     let mut gone_total = 0;
     for task_type in db.task_types_in_table().await? {
-        let defined = days.contains_key(&task_type);
+        let dead_letters_too = deleted.contains(&task_type) && !days.contains_key(&task_type);
         let own = match days.get(&task_type) {
             Some(own) => Some(*own),
             None => types
@@ -88,7 +89,7 @@ pub(super) async fn pass(
             }
             let whole = retention.archive.is_some();
             let Some(mut pending) = db
-                .begin_expiry(&task_type, cutoff, after, BATCH, whole, !defined)
+                .begin_expiry(&task_type, cutoff, after, BATCH, whole, dead_letters_too)
                 .await?
             else {
                 break;

@@ -30,6 +30,15 @@ pub(super) struct Looks {
     /// so that a replica whose list of TaskTypes lags, or a queue being declared, is not
     /// taken for a deletion.
     missing_queues: HashSet<String>,
+    /// Retired types found without queues at the last two looks: deleted with them.
+    gone: HashSet<String>,
+}
+
+impl Looks {
+    /// Types whose TaskType was deleted with its queues, as far as the last two looks saw.
+    pub(super) fn gone(&self) -> &HashSet<String> {
+        &self.gone
+    }
 }
 
 /// Finds the retired types, lists them in the registry, and settles the open tasks of those
@@ -52,6 +61,7 @@ pub(super) async fn look(
     let mut listed = Vec::with_capacity(found.len());
     let mut retained = Vec::new();
     let mut missing_queues = HashSet::new();
+    let mut gone = HashSet::new();
     for RetiredType { task_type, tenant } in found {
         let spec = types.departed(&task_type).unwrap_or_else(|| {
             let mut spec = NamedTaskType {
@@ -79,6 +89,7 @@ pub(super) async fn look(
             Err(AmqpError::NoQueue { .. }) => {
                 if looks.missing_queues.contains(&spec.name) {
                     settle(db, &spec, metrics, reachable_for).await?;
+                    gone.insert(spec.name.clone());
                 }
                 missing_queues.insert(spec.name.clone());
             }
@@ -91,6 +102,7 @@ pub(super) async fn look(
         }
     }
     looks.missing_queues = missing_queues;
+    looks.gone = gone;
     types.set_retired(listed, since);
     Ok(retained)
 }

@@ -290,3 +290,102 @@ async fn a_flood_of_audit_rows_on_one_open_task_does_not_hold_writers_at_the_day
          the log while it wrote the open task's rows"
     );
 }
+
+/// The migration that made `task_events_kept` gave the roles that existed the same rule on
+/// it as on the log. Its first version copied a tenant policy's text, which names the log
+/// (`task_events.task_id`), and failed on every database with a tenant: the gateway of an
+/// upgraded installation could not start. Migrated here from the version before, with a
+/// tenant granted as that version granted it.
+#[tokio::test]
+async fn an_upgrade_gives_existing_tenants_their_own_kept_history_and_no_one_elses() {
+    use sqlx::migrate::Migrator;
+    let test = TestDatabase::create_empty().await;
+    let db = &test.db;
+    let mut before =
+        Migrator::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations"))
+            .await
+            .unwrap();
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < 20261206000001)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    before.run(db.pool()).await.unwrap();
+    let tenant = format!("up-{}", &Uuid::new_v4().simple().to_string()[..8]);
+    let role = format!("conveyor-{tenant}");
+    for statement in [
+        format!("CREATE ROLE \"{role}\" LOGIN PASSWORD 'upgrade'"),
+        format!("GRANT USAGE ON SCHEMA public TO \"{role}\""),
+        format!("GRANT SELECT ON tasks, task_events TO \"{role}\""),
+        format!("CREATE POLICY \"{role}\" ON tasks TO \"{role}\" USING (tenant = '{tenant}')"),
+        format!(
+            "CREATE POLICY \"{role}\" ON task_events TO \"{role}\"
+             USING (EXISTS (SELECT 1 FROM tasks t WHERE t.id = task_id))"
+        ),
+    ] {
+        sqlx::query(&statement).execute(db.pool()).await.unwrap();
+    }
+
+    let migrated = db.migrate().await;
+    // The role goes whatever happened (roles outlive the test's database).
+    let mine = NewTask {
+        tenant: tenant.clone(),
+        ..new_task(&format!("{tenant}.transcode"), Uuid::new_v4())
+    };
+    let theirs = new_task(&unique_type("other"), Uuid::new_v4());
+    if migrated.is_ok() {
+        db.record_tasks(&[mine.clone(), theirs.clone()])
+            .await
+            .unwrap();
+        for task in [&mine, &theirs] {
+            sqlx::query(
+                "INSERT INTO task_events_kept (task_id, task_type, to_state, attempt, at)
+                 VALUES ($1, $2, 'DEAD_LETTER', 0, $3)",
+            )
+            .bind(task.id)
+            .bind(&task.task_type)
+            .bind(days_ago(40))
+            .execute(db.pool())
+            .await
+            .unwrap();
+        }
+    }
+    let (scheme, rest) = test.url.split_once("://").unwrap();
+    let (_, server) = rest.split_once('@').unwrap();
+    let as_tenant = Db::connect(&conveyor_core::db::DbOptions::new(format!(
+        "{scheme}://{role}:upgrade@{server}"
+    )))
+    .unwrap();
+    let seen = if migrated.is_ok() {
+        Some((
+            as_tenant.events(mine.id).await.map(|e| e.len()),
+            as_tenant.events(theirs.id).await.map(|e| e.len()),
+        ))
+    } else {
+        None
+    };
+    as_tenant.close().await;
+    // Its grants go first, on whichever tables there are.
+    for statement in [
+        format!("DROP POLICY IF EXISTS \"{role}\" ON tasks"),
+        format!("DROP POLICY IF EXISTS \"{role}\" ON task_events"),
+        format!("DROP POLICY IF EXISTS \"{role}\" ON task_events_kept"),
+        format!("REVOKE ALL ON tasks, task_events FROM \"{role}\""),
+        format!("REVOKE ALL ON task_events_kept FROM \"{role}\""),
+        format!("REVOKE ALL ON SCHEMA public FROM \"{role}\""),
+    ] {
+        let _ = sqlx::query(&statement).execute(db.pool()).await;
+    }
+    sqlx::query(&format!("DROP ROLE \"{role}\""))
+        .execute(db.pool())
+        .await
+        .unwrap();
+
+    migrated.expect("the migration applies over a tenant's role");
+    let (mine_seen, theirs_seen) = seen.unwrap();
+    // Its own task: the INGESTED row in the log and the kept one; the other's: nothing.
+    assert_eq!(mine_seen.unwrap(), 2);
+    assert_eq!(theirs_seen.unwrap(), 0);
+}

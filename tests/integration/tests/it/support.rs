@@ -120,8 +120,6 @@ async fn wait_ready(http: &reqwest::Client, admin_url: &str) {
     .await;
 }
 
-/// A task of `task_type` in tenant `default` with an empty payload, keyed by its id, as a
-/// gateway would record it.
 /// Noon UTC, `days` days before today.
 pub fn days_ago(days: u64) -> chrono::DateTime<chrono::Utc> {
     (chrono::Utc::now().date_naive() - chrono::Days::new(days))
@@ -139,6 +137,8 @@ pub async fn set_state(db: &Db, id: Uuid, state: &str) {
         .unwrap();
 }
 
+/// A task of `task_type` in tenant `default` with an empty payload, keyed by its id, as a
+/// gateway would record it.
 pub fn new_task(task_type: &str, id: Uuid) -> NewTask {
     NewTask {
         id,

@@ -256,9 +256,10 @@ async fn settled_tasks_past_their_retention_are_archived_then_deleted_and_the_re
 
 /// A type no TaskType defines, deleted before the gateway started (its queues kept, under
 /// `Retain`), kept its settled tasks for ever: its own retention was unknown, and the
-/// default applied only once its queues were found gone. It goes by the default now. Its
-/// dead letters, which nothing could redrive, were kept for ever with their history: they
-/// expire by the default too (decision 0044), while a defined type's stay until redriven.
+/// default applied only once its queues were found gone. It goes by the default now. The
+/// dead letters of a type deleted with its queues, which nothing could redrive, were kept
+/// for ever with their history: they expire by the default too (decision 0044), while those
+/// of a defined type, or of one whose queues were retained, stay until redriven.
 #[tokio::test]
 async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retention() {
     use crate::support::{test_type, Harness};
@@ -267,6 +268,8 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
     let served = test_type("served");
     let forgotten = test_type("forgotten");
     let served_name = served.name.clone();
+    // Deleted with its queues (none declared), and with a dead letter left.
+    let deleted = unique_type("deleted");
     Harness::publisher_for_tests()
         .declare_task_type(&forgotten, Duration::from_secs(30))
         .await
@@ -288,6 +291,7 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
     let recent_dead = made_days_ago(&forgotten.name, 0);
     let served_old = made_days_ago(&served_name, 40);
     let served_dead = made_days_ago(&served_name, 40);
+    let deleted_dead = made_days_ago(&deleted, 40);
     let all = [
         &old,
         &recent,
@@ -295,6 +299,7 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
         &recent_dead,
         &served_old,
         &served_dead,
+        &deleted_dead,
     ];
     harness
         .db
@@ -308,12 +313,13 @@ async fn settled_tasks_of_a_type_no_longer_defined_expire_by_the_default_retenti
         (&recent_dead, "DEAD_LETTER", 0),
         (&served_old, "COMPLETED", 40),
         (&served_dead, "DEAD_LETTER", 40),
+        (&deleted_dead, "DEAD_LETTER", 40),
     ] {
         in_state_since(&harness.db, task, state, days).await;
     }
-    // The served type's old completed task goes in the same batch as its dead letter would.
-    wait_until_gone(&harness.db, &[old.id, old_dead.id, served_old.id]).await;
-    for kept in [&recent, &recent_dead, &served_dead] {
+    // The other types' old completed tasks go in the same batch as their dead letters would.
+    wait_until_gone(&harness.db, &[old.id, served_old.id, deleted_dead.id]).await;
+    for kept in [&recent, &old_dead, &recent_dead, &served_dead] {
         assert!(
             harness.db.task(kept.id).await.unwrap().is_some(),
             "{} went",
