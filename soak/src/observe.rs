@@ -27,6 +27,9 @@ pub struct Table {
 pub struct Database {
     pub tasks: Table,
     pub task_events: Table,
+    /// The history of open tasks that retention kept past their day (decision 0042).
+    #[serde(default)]
+    pub task_events_kept: Table,
     /// Partitions of the audit log, the default one included.
     pub partitions: i64,
     /// Tasks neither COMPLETED, CANCELLED nor DEAD_LETTER that were created over a minute
@@ -47,11 +50,14 @@ pub struct Latency {
 pub async fn database(db: &Db) -> anyhow::Result<Database> {
     let mut tasks = table(db, "tasks").await?;
     let mut task_events = table(db, "task_events").await?;
+    let mut task_events_kept = table(db, "task_events_kept").await?;
     // Counted, not estimated: the statistics lag behind by an autovacuum.
-    (tasks.rows, task_events.rows) =
-        sqlx::query_as("SELECT (SELECT count(*) FROM tasks), (SELECT count(*) FROM task_events)")
-            .fetch_one(db.pool())
-            .await?;
+    (tasks.rows, task_events.rows, task_events_kept.rows) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM tasks), (SELECT count(*) FROM task_events),
+                (SELECT count(*) FROM task_events_kept)",
+    )
+    .fetch_one(db.pool())
+    .await?;
     let partitions: i64 =
         sqlx::query_scalar("SELECT count(*) FROM pg_partition_tree('task_events') WHERE isleaf")
             .fetch_one(db.pool())
@@ -66,6 +72,7 @@ pub async fn database(db: &Db) -> anyhow::Result<Database> {
     Ok(Database {
         tasks,
         task_events,
+        task_events_kept,
         partitions,
         open_over_a_minute,
         tasks_indexes: indexes(db, "tasks").await?,

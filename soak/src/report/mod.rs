@@ -335,21 +335,22 @@ impl Run {
             .last()
             .map(|s| s.memory_mib.keys().collect())
             .unwrap_or_default();
-        let _ = write!(md, "| s | day | done/s | p50 ms | p99 ms | slowest submit ms | tasks MiB (rows) | task_events MiB (rows) | dead tuples tasks / events | autovacuums | partitions | open > 1 min |");
+        let _ = write!(md, "| s | day | done/s | p50 ms | p99 ms | slowest submit ms | tasks MiB (rows) | task_events MiB (rows) | kept MiB (rows) | dead tuples tasks / events | autovacuums | partitions | open > 1 min |");
         for name in &names {
             let _ = write!(md, " {name} MiB |");
         }
         let _ = writeln!(md);
-        let _ = writeln!(md, "|{}", "---|".repeat(12 + names.len()));
+        let _ = writeln!(md, "|{}", "---|".repeat(13 + names.len()));
         for s in &self.samples {
             let d = &s.database;
             let _ = write!(
                 md,
-                "| {:.0} | {} | {:.1} | {:.0} | {:.0} | {} | {:.1} ({}) | {:.1} ({}) | {} / {} | {} | {} | {} |",
+                "| {:.0} | {} | {:.1} | {:.0} | {:.0} | {} | {:.1} ({}) | {:.1} ({}) | {:.1} ({}) | {} / {} | {} | {} | {} |",
                 s.elapsed_s, s.day, s.throughput, s.latency.p50_ms, s.latency.p99_ms,
                 s.window.slowest_ms,
                 d.tasks.data_mib + d.tasks.index_mib, d.tasks.rows,
                 d.task_events.data_mib + d.task_events.index_mib, d.task_events.rows,
+                d.task_events_kept.data_mib + d.task_events_kept.index_mib, d.task_events_kept.rows,
                 d.tasks.dead_rows, d.task_events.dead_rows,
                 d.tasks.autovacuums + d.task_events.autovacuums, d.partitions, d.open_over_a_minute
             );
