@@ -124,18 +124,26 @@ impl DepthMonitor {
     ) {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_set = None;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
             let known = task_types.snapshot();
-            // Readings of types that left the set go with them.
-            let names: HashSet<&str> = known.values().map(|k| k.spec.name.as_str()).collect();
-            self.readings
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .retain(|name, _| names.contains(name.as_str()));
+            // Readings of types that left the set go with them (looked at only when the
+            // registry installed a new set, not every interval).
+            if !last_set
+                .as_ref()
+                .is_some_and(|last| Arc::ptr_eq(last, &known))
+            {
+                let names: HashSet<&str> = known.values().map(|k| k.spec.name.as_str()).collect();
+                self.readings
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .retain(|name, _| names.contains(name.as_str()));
+                last_set = Some(known.clone());
+            }
             for known in known.values() {
                 let task_type = &known.spec.name;
                 if !self.due(task_type) {

@@ -9,7 +9,7 @@ use conveyor_core::task::NewTask;
 use conveyor_core::testing::{unique_type, TestDatabase};
 use uuid::Uuid;
 
-use crate::support::{days_ago, new_task, set_state};
+use crate::support::{connect_as, days_ago, new_task, set_state};
 
 /// An audit row for `task`, written by the tables' owner at a time of its choosing.
 async fn old_event(db: &Db, task: &NewTask, at: chrono::DateTime<Utc>) {
@@ -352,12 +352,7 @@ async fn an_upgrade_gives_existing_tenants_their_own_kept_history_and_no_one_els
             .unwrap();
         }
     }
-    let (scheme, rest) = test.url.split_once("://").unwrap();
-    let (_, server) = rest.split_once('@').unwrap();
-    let as_tenant = Db::connect(&conveyor_core::db::DbOptions::new(format!(
-        "{scheme}://{role}:upgrade@{server}"
-    )))
-    .unwrap();
+    let as_tenant = connect_as(&test, &role, "upgrade");
     let seen = if migrated.is_ok() {
         Some((
             as_tenant.events(mine.id).await.map(|e| e.len()),

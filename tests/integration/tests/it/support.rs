@@ -120,6 +120,14 @@ async fn wait_ready(http: &reqwest::Client, admin_url: &str) {
     .await;
 }
 
+/// A connection to the test database as `user` (a tenant's role, say).
+pub fn connect_as(database: &TestDatabase, user: &str, password: &str) -> Db {
+    let (scheme, rest) = database.url.split_once("://").unwrap();
+    let (_, server) = rest.split_once('@').unwrap();
+    let url = format!("{scheme}://{user}:{password}@{server}");
+    Db::connect(&conveyor_core::db::DbOptions::new(&url)).unwrap()
+}
+
 /// Noon UTC, `days` days before today.
 pub fn days_ago(days: u64) -> chrono::DateTime<chrono::Utc> {
     (chrono::Utc::now().date_naive() - chrono::Days::new(days))

@@ -4,20 +4,12 @@
 
 use std::time::Duration;
 
-use conveyor_core::db::{Db, DbOptions, Locked, OrphanRule, TenantRole};
+use conveyor_core::db::{Db, Locked, OrphanRule, TenantRole};
 use conveyor_core::task::NewTask;
 use conveyor_core::testing::{unique_type, TestDatabase};
 
-use crate::support::{days_ago, new_task};
+use crate::support::{connect_as, days_ago, new_task};
 use uuid::Uuid;
-
-/// A connection to the test database as `role`.
-fn connect_as(database: &TestDatabase, role: &TenantRole) -> Db {
-    let (scheme, rest) = database.url.split_once("://").unwrap();
-    let (_, server) = rest.split_once('@').unwrap();
-    let url = format!("{scheme}://{}:{}@{server}", role.name(), role.password());
-    Db::connect(&DbOptions::new(&url)).unwrap()
-}
 
 fn denied(result: &Result<sqlx::postgres::PgQueryResult, sqlx::Error>) -> bool {
     matches!(result, Err(sqlx::Error::Database(err)) if err.code().as_deref() == Some("42501"))
@@ -54,7 +46,7 @@ async fn a_tenants_role_can_neither_forge_audit_times_nor_move_probes_nor_lock_t
     .await
     .unwrap();
 
-    let tenant_db = connect_as(&database, &role);
+    let tenant_db = connect_as(&database, role.name(), role.password());
     let pool = tenant_db.pool();
     // An audit row in a day of its choosing: refused. One at the database's time: fine.
     let forged = sqlx::query(
