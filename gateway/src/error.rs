@@ -5,6 +5,7 @@ use std::time::Duration;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use conveyor_core::amqp::AmqpError;
 use serde::Serialize;
 
 /// Every error code the gateway answers with: its status and when. The OpenAPI document
@@ -126,6 +127,12 @@ pub const CODES: &[(&str, u16, &str)] = &[
         "RabbitMQ did not confirm; nothing is lost, retry with the same key",
     ),
     (
+        "task_type_not_ready",
+        503,
+        "the type's queues are not declared (its TaskType is not Ready yet, or its queues \
+         were deleted); other types are unaffected; retry with the same key",
+    ),
+    (
         "database_unavailable",
         503,
         "PostgreSQL cannot be reached; retry later",
@@ -150,6 +157,10 @@ fn code_schema() -> impl Into<utoipa::openapi::RefOr<utoipa::openapi::Schema>> {
             "Stable, for programs; the API description's table says when each is given.",
         ))
 }
+
+/// `Retry-After` of `task_type_not_ready`: about the operator's time to see a missing
+/// queue or exchange (one broker poll) and declare it again.
+const TYPE_NOT_READY_WAIT: Duration = Duration::from_secs(5);
 
 /// An error: `code` is stable and meant for programs (see [`CODES`]), `message` for people.
 #[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
@@ -204,6 +215,30 @@ impl ApiError {
         ApiError {
             retry_after: Some(Duration::from_secs(1)),
             ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        }
+    }
+
+    /// The broker did not take a task: a missing queue is its type's state alone
+    /// (`task_type_not_ready`, with time for the operator to declare it again), anything
+    /// else the broker's (`broker_unavailable`). `outcome` says what the client may do.
+    pub fn not_published(task_type: &str, err: &AmqpError, outcome: &str) -> Self {
+        match err {
+            AmqpError::NoQueue { queue } => ApiError {
+                retry_after: Some(TYPE_NOT_READY_WAIT),
+                ..Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "task_type_not_ready",
+                    format!(
+                        "task type {task_type} has no queue {queue} now (its TaskType is not \
+                         Ready yet, or its queues were deleted and are being declared again); \
+                         {outcome}"
+                    ),
+                )
+            },
+            err => Self::unavailable(
+                "broker_unavailable",
+                format!("the broker did not take the task ({err}); {outcome}"),
+            ),
         }
     }
 

@@ -336,11 +336,10 @@ impl Ingestor {
                 .with_label_values(&["broker", err.category()])
                 .inc();
             tracing::warn!(task = %task.id, error = %err, "publish failed");
-            return Err(ApiError::unavailable(
-                "broker_unavailable",
-                format!(
-                    "the broker did not confirm the task ({err}); retry with the same Idempotency-Key"
-                ),
+            return Err(ApiError::not_published(
+                &submitted.task_type,
+                &err,
+                "retry with the same Idempotency-Key",
             ));
         }
         let state = if task.state == TaskState::Ingested {

@@ -30,7 +30,7 @@ use std::time::Duration;
 use crate::registry::Registry;
 use anyhow::Context;
 use conveyor_core::admin;
-use conveyor_core::amqp::{Publisher, QueueObserver};
+use conveyor_core::amqp::{Publisher, QueueObserver, Via};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::TaskTypes;
@@ -141,12 +141,16 @@ pub async fn run(
             checked => checked.context("checking the task database's schema")?,
         }
     }
-    let publisher = Arc::new(Publisher::with_channels(
-        &config.amqp_url,
-        "conveyor-gateway",
-        config.confirm_timeout,
-        config.publish_channels,
-    ));
+    // Through the default exchange: a tenant's missing exchange fails only its own tasks.
+    let publisher = Arc::new(
+        Publisher::with_channels(
+            &config.amqp_url,
+            "conveyor-gateway",
+            config.confirm_timeout,
+            config.publish_channels,
+        )
+        .via(Via::DefaultExchange),
+    );
     let declared = Arc::new(AtomicBool::new(false));
     let types = match source {
         Checked::File(registry) => {

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{CancelOutcome, TaskFilter};
 use conveyor_core::remediation::drop_stale;
-use conveyor_core::requeue::publish_and_commit;
+use conveyor_core::requeue::{publish_and_commit, RequeueError};
 use conveyor_core::task::TaskRecord;
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState;
@@ -164,10 +164,11 @@ async fn send_back(state: &ApiState, task: &TaskRecord, detail: &str) -> Result<
         .await
         .map_err(|err| {
             tracing::warn!(task = %task.id, error = %conveyor_core::with_causes(&err), "retry not sent");
-            ApiError::unavailable(
-                "broker_unavailable",
-                format!("task {} could not be sent back to work; nothing changed", task.id),
-            )
+            let outcome = format!("task {} was not sent back to work; nothing changed", task.id);
+            match &err {
+                RequeueError::Publish(amqp) => ApiError::not_published(&task.task_type, amqp, &outcome),
+                RequeueError::Commit(_) => ApiError::unavailable("database_unavailable", outcome),
+            }
         })?;
     Ok(true)
 }

@@ -5,8 +5,12 @@
 //! poller pauses three times as long as the list took. A snapshot older than [`STALE_AFTER`]
 //! (or than two such pauses) is not used: the reader gets the poller's last error (or
 //! [`ManagementError::Stale`]), and an autoscaled pool holds.
+//!
+//! Each poll also lists the exchanges' names: a type whose exchange went (a tenant's user
+//! may delete its own) is woken and declared again at once, not at its next re-declaration
+//! half an hour later (decision 0045).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -33,6 +37,9 @@ pub struct BrokerStats {
 #[derive(Default)]
 struct State {
     snapshot: Option<(Arc<Queues>, Instant)>,
+    /// The exchanges' names in the last list that came through with the queues' (`None`
+    /// when that list failed: nothing is then said missing).
+    exchanges: Option<HashSet<String>>,
     last_error: Option<ManagementError>,
     /// How long the last list took.
     took: Duration,
@@ -62,10 +69,51 @@ impl BrokerStats {
     async fn fetch(&self, api: &ManagementApi) -> Result<BTreeSet<String>, ManagementError> {
         let started = Instant::now();
         let fetched = api.list_queues().await;
+        let exchanges = match &fetched {
+            Ok(_) => match api.list_exchange_names().await {
+                Ok(names) => Some(names),
+                Err(err) => {
+                    tracing::warn!(error = %err, "cannot list the broker's exchanges");
+                    None
+                }
+            },
+            Err(_) => None,
+        };
         if fetched.is_ok() {
             self.state.write().unwrap_or_else(|p| p.into_inner()).took = started.elapsed();
         }
-        self.store_changes(fetched)
+        let mut changed = self.store_changes(fetched)?;
+        changed.extend(self.store_exchanges(exchanges));
+        Ok(changed)
+    }
+
+    /// Keeps the exchange names; answers the keys of the types whose exchange appeared or
+    /// went since the last list.
+    fn store_exchanges(&self, exchanges: Option<HashSet<String>>) -> BTreeSet<String> {
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let changed = match (&state.exchanges, &exchanges) {
+            (Some(before), Some(now)) => before
+                .symmetric_difference(now)
+                .filter_map(|name| type_key(name))
+                .collect(),
+            _ => BTreeSet::new(),
+        };
+        state.exchanges = exchanges;
+        changed
+    }
+
+    /// A task type's depths, as [`BrokerStats::depths`], and whether its exchange is there:
+    /// a listed type without one is [`ManagementError::ExchangeMissing`].
+    pub fn declared(&self, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
+        let depths = self.depths(spec)?;
+        let exchange = conveyor_core::amqp::QueueNames::of(&spec.name).main;
+        let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+        match &state.exchanges {
+            Some(names) if !names.contains(&exchange) => {
+                Err(ManagementError::ExchangeMissing { exchange })
+            }
+            _ => Ok(depths),
+        }
     }
 
     #[cfg(test)]
@@ -248,6 +296,42 @@ mod tests {
         tokio::time::advance(STALE_AFTER).await;
         let err = stats.depths(&spec).unwrap_err();
         assert_eq!(err.category(), "RabbitMQUnavailable", "{err}");
+    }
+
+    #[test]
+    fn a_type_whose_exchange_went_is_woken_and_reads_as_missing() {
+        let stats = BrokerStats::default();
+        let spec = NamedTaskType::in_namespace("video", "t", Default::default());
+        let names = [
+            "conveyor.video.t",
+            "conveyor.video.t.retry",
+            "conveyor.video.t.remediation",
+        ];
+        stats.store(Ok(queues(&names))).unwrap();
+        let exchanges = |names: &[&str]| Some(names.iter().map(|n| n.to_string()).collect());
+        assert!(stats
+            .store_exchanges(exchanges(&["", "conveyor.video.t"]))
+            .is_empty());
+        assert!(stats.declared(&spec).is_ok());
+        // Deleted by hand: the type is named, and reads as missing until it is back.
+        let changed: Vec<String> = stats
+            .store_exchanges(exchanges(&[""]))
+            .into_iter()
+            .collect();
+        assert_eq!(changed, ["video.t"]);
+        let err = stats.declared(&spec).unwrap_err();
+        assert!(
+            matches!(err, ManagementError::ExchangeMissing { .. }),
+            "{err}"
+        );
+        assert_eq!(err.category(), "ExchangeMissing");
+        assert!(
+            stats.depths(&spec).is_ok(),
+            "depths do not need the exchange"
+        );
+        // A failed exchange list says nothing missing.
+        assert!(stats.store_exchanges(None).is_empty());
+        assert!(stats.declared(&spec).is_ok());
     }
 
     #[test]

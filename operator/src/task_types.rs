@@ -141,7 +141,7 @@ fn resync(depths: Option<&QueueDepths>) -> Duration {
 }
 
 /// Declares again only when needed: the spec changed, the poller's queue list misses one of
-/// the type's queues (deleted by hand, or a broker that lost them), the poller has had no
+/// the type's queues or its exchange (deleted by hand, or a broker that lost them), the poller has had no
 /// list for [`crate::broker_stats::STALE_AFTER`] (a broker stopped or hung: one declaration
 /// at a time finds it out, see [`Next`]), or [`REDECLARE_EVERY`] passed (policies edited by
 /// hand). A thousand types must not mean a thousand declarations and policy writes every
@@ -153,7 +153,7 @@ async fn declare_unless_current(
 ) -> Result<Queues> {
     let key = declared_key(task_type);
     let generation = task_type.meta().generation;
-    let listed = ctx.broker.depths(spec);
+    let listed = ctx.broker.declared(spec);
     let declared = lock(&ctx.declared).get(&key).copied();
     let ready = ready_at(task_type, generation);
     match next(declared, &key, generation, ready, &listed, || {
@@ -230,7 +230,9 @@ fn next(
         None => ready,
     };
     match listed {
-        Err(ManagementError::QueueMissing { .. }) => Next::Declare,
+        Err(ManagementError::QueueMissing { .. } | ManagementError::ExchangeMissing { .. }) => {
+            Next::Declare
+        }
         _ if !current => Next::Declare,
         Err(err) if err.says_broker_out() => {
             if probe() {
@@ -478,6 +480,15 @@ mod tests {
         assert_eq!(
             next(None, "k", Some(2), true, &missing, never),
             Next::Declare
+        );
+        let exchange_gone = Err(ManagementError::ExchangeMissing {
+            exchange: "conveyor.ns.t".into(),
+        });
+        let just_declared = Some((Some(2), Instant::now()));
+        assert_eq!(
+            next(just_declared, "k", Some(2), true, &exchange_gone, never),
+            Next::Declare,
+            "an exchange deleted by hand is declared again at once"
         );
         let no_list_yet = Err(ManagementError::Stale { age: None });
         assert_eq!(

@@ -133,6 +133,25 @@ async fn declared(ctx: &Context, name: &str) -> bool {
     }
 }
 
+/// A context whose API server takes `patches` status patches of `tt` (TaskType `name` in
+/// `video`), after a first reconcile of it.
+async fn reconciled_once(
+    tt: &TaskType,
+    name: &str,
+    patches: usize,
+) -> (Arc<Context>, JoinHandle<Vec<Seen>>) {
+    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
+    let script = (0..patches)
+        .map(|_| expect(Method::PATCH, &path, 200, status_answer(tt)))
+        .collect();
+    let (client, verifier) = api_server(script);
+    let ctx = context(client, MANAGEMENT);
+    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
+        .await
+        .unwrap();
+    (ctx, verifier)
+}
+
 const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/video/events";
 const MANAGEMENT: &str = testing::MANAGEMENT_API;
 
@@ -275,6 +294,56 @@ async fn an_unchanged_type_reconciled_again_declares_nothing_and_writes_no_polic
 }
 
 #[tokio::test]
+async fn an_exchange_deleted_by_hand_is_declared_again_at_the_next_reconcile() {
+    // A tenant's broker user may configure its own `conveyor.NS.` objects, so it can delete
+    // its type's exchange: its workers' publishes then fail until the exchange is back.
+    // The poller lists exchanges too, and the next reconcile declares it again (decision
+    // 0045), not the re-declaration half an hour later. Seen from the broker.
+    let name = testing::unique_type("unbound");
+    let tt = task_type(&name, TaskTypeSpec::default());
+    let names = QueueNames::of(&in_video(&name).name);
+    let exchange = format!(
+        "{}/api/exchanges/%2f/{}",
+        testing::management_url(),
+        names.exchange()
+    );
+    let (ctx, verifier) = reconciled_once(&tt, &name, 2).await;
+    let http = testing::http_client();
+    let conn = conveyor_core::amqp::connect(&testing::amqp_url(), "tenant-by-hand")
+        .await
+        .unwrap();
+    conveyor_core::amqp::delete_exchange(&conn, &names).await;
+    let status = http.get(&exchange).send().await.unwrap().status();
+    assert_eq!(status, 404, "the exchange was deleted");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        ctx.broker.refresh(&ctx.management).await.unwrap();
+        match ctx.broker.declared(&in_video(&name)) {
+            Err(ManagementError::ExchangeMissing { .. }) => break,
+            other => assert!(
+                std::time::Instant::now() < deadline,
+                "the missing exchange was never seen: {other:?}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    task_types::reconcile(Arc::new(tt), ctx.clone())
+        .await
+        .unwrap();
+    let status = http.get(&exchange).send().await.unwrap().status();
+    assert!(status.is_success(), "declared again: {status}");
+    // With its bindings: a mandatory publish through it reaches the work queue.
+    let publisher = Publisher::new(testing::amqp_url(), "tenant-worker", Duration::from_secs(5));
+    publisher
+        .publish_probe(&in_video(&name).name, uuid::Uuid::new_v4())
+        .await
+        .unwrap();
+    verifier.await.unwrap();
+    conn.close(200, "done").await.ok();
+    testing::delete_queues(&in_video(&name).name).await;
+}
+
+#[tokio::test]
 async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read() {
     // An operator that has no queue list yet (just started, under load) knows nothing
     // about the queues: had that counted as queues missing, every type would declare again
@@ -282,16 +351,8 @@ async fn a_current_type_is_not_declared_again_when_the_queue_list_cannot_be_read
     // never shows: the poller's snapshot is trusted for 30 s.)
     let name = testing::unique_type("unread");
     let tt = task_type(&name, TaskTypeSpec::default());
-    let path = format!("/apis/conveyor.dev/v1alpha1/namespaces/video/tasktypes/{name}/status");
-    let (client, verifier) = api_server(vec![
-        expect(Method::PATCH, &path, 200, status_answer(&tt)),
-        expect(Method::PATCH, &path, 200, status_answer(&tt)),
-    ]);
     // The poller has no list yet.
-    let ctx = context(client, MANAGEMENT);
-    task_types::reconcile(Arc::new(tt.clone()), ctx.clone())
-        .await
-        .unwrap();
+    let (ctx, verifier) = reconciled_once(&tt, &name, 2).await;
     let declarations = || amqp_declarations(&ctx);
     assert_eq!(declarations(), 1, "the first reconcile declares");
     assert!(ctx.broker.depths(&in_video(&name)).is_err());

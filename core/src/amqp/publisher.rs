@@ -4,13 +4,13 @@ use std::time::Duration;
 
 use futures_util::future::join_all;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
+use super::confirms::{Confirmed, Confirms};
 use super::connection::{close_bounded, connect};
 use super::consume::PROBE_KIND;
 use super::error::{clone_error, AmqpError, AmqpResult};
@@ -49,7 +49,14 @@ struct Link {
 
 struct Open {
     conn: Connection,
-    channels: Vec<Channel>,
+    channels: Vec<Shared>,
+}
+
+/// A shared channel, and in confirm mode its confirm reader.
+#[derive(Clone)]
+struct Shared {
+    channel: Channel,
+    confirms: Option<Confirms>,
 }
 
 impl Link {
@@ -65,19 +72,19 @@ impl Link {
     }
 
     /// The first shared channel (see [`Link::channels`]).
-    async fn channel(&self) -> AmqpResult<Channel> {
+    async fn channel(&self) -> AmqpResult<Shared> {
         let mut channels = self.channels().await?;
         Ok(channels.swap_remove(0))
     }
 
     /// The shared channels, reconnecting when the connection was lost, and opening a new
     /// channel on the same connection for one that was closed (a 404 or 406 closes it).
-    async fn channels(&self) -> AmqpResult<Vec<Channel>> {
+    async fn channels(&self) -> AmqpResult<Vec<Shared>> {
         let mut slot = self.slot.lock().await;
         let open = self.connected(&mut slot).await?;
-        for channel in &mut open.channels {
-            if !channel.status().connected() {
-                *channel = self.open_channel(&open.conn).await?;
+        for shared in &mut open.channels {
+            if !shared.channel.status().connected() {
+                *shared = self.open_channel(&open.conn).await?;
             }
         }
         Ok(open.channels.clone())
@@ -113,18 +120,34 @@ impl Link {
         Ok(slot.as_mut().expect("connected just above"))
     }
 
-    async fn open_channel(&self, conn: &Connection) -> AmqpResult<Channel> {
+    async fn open_channel(&self, conn: &Connection) -> AmqpResult<Shared> {
         let channel = conn
             .create_channel()
             .await
             .map_err(AmqpError::Unavailable)?;
-        if self.confirms {
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .map_err(AmqpError::Unavailable)?;
+        if !self.confirms {
+            return Ok(Shared {
+                channel,
+                confirms: None,
+            });
         }
-        Ok(channel)
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(AmqpError::Unavailable)?;
+        Ok(Shared {
+            channel,
+            confirms: Some(Confirms::start()),
+        })
+    }
+
+    /// Whether the link's connection is open now.
+    async fn is_open(&self) -> bool {
+        self.slot
+            .lock()
+            .await
+            .as_ref()
+            .is_some_and(|open| open.conn.status().connected())
     }
 
     /// Drops the connection so that the next call starts afresh (the close is bounded:
@@ -136,9 +159,22 @@ impl Link {
     }
 }
 
+/// Which exchange a [`Publisher`] sends through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// The type's own exchange: all that a tenant's broker user may write (decision 0013).
+    TypeExchange,
+    /// The default exchange, by queue name: for the components that serve every tenant
+    /// (their users write `amq.default`, decision 0015). It cannot be missing, so no type's
+    /// state can close a channel that other tenants' publishes share; a missing queue is a
+    /// return, which fails only its own message (decision 0045).
+    DefaultExchange,
+}
+
 /// A confirmed publisher over one lazily (re)opened connection.
 pub struct Publisher {
     link: Link,
+    via: Via,
     confirm_timeout: Duration,
     /// Where the next batch starts among the channels, so that small batches spread too.
     turn: AtomicUsize,
@@ -166,8 +202,23 @@ impl Publisher {
     ) -> Self {
         Publisher {
             link: Link::new(url.into(), name.into(), true, channels),
+            via: Via::TypeExchange,
             confirm_timeout,
             turn: AtomicUsize::new(0),
+        }
+    }
+
+    /// Sends through `via` (the type's exchange unless told otherwise).
+    pub fn via(mut self, via: Via) -> Self {
+        self.via = via;
+        self
+    }
+
+    /// The exchange a message to one of `names`' queues goes through.
+    fn exchange<'a>(&self, names: &'a QueueNames) -> &'a str {
+        match self.via {
+            Via::TypeExchange => names.exchange(),
+            Via::DefaultExchange => "",
         }
     }
 
@@ -176,7 +227,7 @@ impl Publisher {
         self.link.connects.load(Ordering::Relaxed)
     }
 
-    async fn channel(&self) -> AmqpResult<Channel> {
+    async fn channel(&self) -> AmqpResult<Shared> {
         self.link.channel().await
     }
 
@@ -227,17 +278,20 @@ impl Publisher {
             .with_type(ShortString::from(PROBE_KIND))
             .with_message_id(ShortString::from(id.to_string()));
         let result = self
-            .confirmed(&channel, names.exchange(), &names.main, &body, properties)
+            .confirmed(
+                &channel,
+                self.exchange(&names),
+                &names.main,
+                &body,
+                properties,
+            )
             .await;
-        // A missing exchange closes the channel, too.
-        if matches!(
-            result,
-            Err(AmqpError::Unavailable(_)
-                | AmqpError::ConnectTimeout(_)
-                | AmqpError::ConfirmTimeout(_)
-                | AmqpError::NoQueue { .. })
-        ) {
-            self.reset().await;
+        // A missing queue or exchange is the type's state, not the link's: a channel it
+        // closed is reopened by the next call, on the same connection.
+        if let Err(err) = &result {
+            if self.link_failed(err).await {
+                self.reset().await;
+            }
         }
         result
     }
@@ -258,18 +312,30 @@ impl Publisher {
             self.publish_one(&channels[(start + run) % channels.len()], out)
         });
         let results = join_all(sends).await;
-        if results.iter().any(|r| {
-            matches!(
-                r,
-                Err(AmqpError::Unavailable(_) | AmqpError::ConfirmTimeout(_))
-            )
-        }) {
-            self.reset().await;
+        for result in &results {
+            if let Err(err) = result {
+                if self.link_failed(err).await {
+                    self.reset().await;
+                    break;
+                }
+            }
         }
         results
     }
 
-    async fn publish_one(&self, channel: &Channel, out: &Outgoing) -> AmqpResult<()> {
+    /// Whether `err` says the connection itself is gone or hung. A publish that met a
+    /// channel closed under it (by another message's missing exchange) is not that: the
+    /// closed channel is replaced on the next call, and the connection, which every other
+    /// publish shares, stays.
+    async fn link_failed(&self, err: &AmqpError) -> bool {
+        match err {
+            AmqpError::ConnectTimeout(_) | AmqpError::ConfirmTimeout(_) => true,
+            AmqpError::Unavailable(_) => !self.link.is_open().await,
+            _ => false,
+        }
+    }
+
+    async fn publish_one(&self, channel: &Shared, out: &Outgoing) -> AmqpResult<()> {
         let names = QueueNames::of(&out.message.task_type);
         let queue = match out.route {
             Requeue::Retry => names.retry_tier(out.retry_tier),
@@ -295,15 +361,15 @@ impl Publisher {
             properties =
                 properties.with_expiration(ShortString::from(delay.as_millis().to_string()));
         }
-        self.confirmed(channel, names.exchange(), queue, &body, properties)
+        self.confirmed(channel, self.exchange(&names), queue, &body, properties)
             .await
     }
 
     /// One mandatory publish through `exchange` to `queue`, confirmed within the confirm
-    /// timeout.
+    /// timeout. Its message id must be unique: a return is matched to its publish by it.
     async fn confirmed(
         &self,
-        channel: &Channel,
+        shared: &Shared,
         exchange: &str,
         queue: &str,
         body: &[u8],
@@ -313,11 +379,26 @@ impl Publisher {
             mandatory: true,
             ..BasicPublishOptions::default()
         };
+        let message_id = properties
+            .message_id()
+            .as_ref()
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let confirms = shared
+            .confirms
+            .as_ref()
+            .expect("a publisher's channels are in confirm mode");
         let confirm = async {
-            channel
+            let confirm = shared
+                .channel
                 .basic_publish(exchange, queue, options, body, properties)
-                .await?
-                .await
+                .await?;
+            match confirms.track(message_id, confirm).await {
+                Ok(answer) => answer,
+                Err(_) => Err(lapin::Error::InvalidChannelState(
+                    lapin::ChannelState::Closed,
+                )),
+            }
         };
         match tokio::time::timeout(self.confirm_timeout, confirm).await {
             Err(_) => Err(AmqpError::ConfirmTimeout(self.confirm_timeout)),
@@ -328,12 +409,11 @@ impl Publisher {
                 })
             }
             Ok(Err(err)) => Err(AmqpError::Unavailable(err)),
-            Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-            Ok(Ok(Confirmation::Ack(Some(_returned)))) => Err(AmqpError::NoQueue {
+            Ok(Ok(Confirmed::Routed)) => Ok(()),
+            Ok(Ok(Confirmed::Returned)) => Err(AmqpError::NoQueue {
                 queue: queue.to_owned(),
             }),
-            Ok(Ok(Confirmation::Nack(_))) => Err(AmqpError::Nacked),
-            Ok(Ok(Confirmation::NotRequested)) => Err(AmqpError::Nacked),
+            Ok(Ok(Confirmed::Nacked)) => Err(AmqpError::Nacked),
         }
     }
 }
@@ -354,7 +434,7 @@ impl QueueObserver {
 
     /// Ready messages in a queue; a missing queue is [`AmqpError::NoQueue`].
     pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
-        let channel = self.link.channel().await?;
+        let channel = self.link.channel().await?.channel;
         let result = ready_count(&channel, queue).await;
         self.reset_after(&result).await;
         result
@@ -362,7 +442,7 @@ impl QueueObserver {
 
     /// Ready messages and consumers of a queue; a missing queue is [`AmqpError::NoQueue`].
     pub async fn counts(&self, queue: &str) -> AmqpResult<QueueCounts> {
-        let channel = self.link.channel().await?;
+        let channel = self.link.channel().await?.channel;
         let result = queue_counts(&channel, queue).await;
         self.reset_after(&result).await;
         result

@@ -34,6 +34,8 @@ pub mod reasons {
     pub const RABBITMQ_REFUSED: &str = "RabbitMQRefused";
     /// A TaskType's queue is not in the broker yet (not declared, or deleted).
     pub const QUEUE_MISSING: &str = "QueueMissing";
+    /// A TaskType's exchange is not in the broker (deleted by hand, say): declared again.
+    pub const EXCHANGE_MISSING: &str = "ExchangeMissing";
     /// The operator's own RabbitMQ settings are incomplete (no broker URL).
     pub const RABBITMQ_SETTINGS: &str = "RabbitMQSettings";
     pub const INVALID_OBJECT: &str = "InvalidObject";

@@ -35,6 +35,10 @@ pub enum ManagementError {
     /// yet (or its queues were deleted), which is neither an outage nor a refusal.
     #[error("queue {queue} is not in the broker's queue list (its TaskType is not declared yet)")]
     QueueMissing { queue: String },
+    /// A task type's exchange is not in the broker's exchange list: deleted (a tenant's
+    /// user may configure its own), so its workers' publishes fail until it is declared.
+    #[error("exchange {exchange} is not in the broker's exchange list (deleted?)")]
+    ExchangeMissing { exchange: String },
     /// The broker answered without a counter (statistics not collected yet, or disabled):
     /// unknown, never zero, so a pool is not scaled down on a number nobody measured.
     #[error("queue {queue} has no {counter} statistic yet")]
@@ -65,6 +69,7 @@ impl ManagementError {
             ManagementError::Certificate { .. } => reasons::TLS_SETTINGS,
             ManagementError::Refused { .. } => reasons::RABBITMQ_REFUSED,
             ManagementError::QueueMissing { .. } => reasons::QUEUE_MISSING,
+            ManagementError::ExchangeMissing { .. } => reasons::EXCHANGE_MISSING,
             ManagementError::StatsMissing { .. } | ManagementError::Stale { .. } => {
                 reasons::METRICS_UNAVAILABLE
             }

@@ -1,6 +1,7 @@
 //! RabbitMQ's management API: policies (settings that may change after a queue exists) and
 //! queue depths. Queue declaration itself goes over AMQP (`conveyor_core::amqp`).
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,8 +18,8 @@ mod queues;
 
 pub use error::ManagementError;
 pub use queues::{
-    consumers_in, depths_in, rates_in, QueueInfo, QueuePage, Queues, Rates, LIST_ATTEMPTS,
-    LIST_PAGE,
+    consumers_in, depths_in, rates_in, ExchangePage, QueueInfo, QueuePage, Queues, Rates,
+    LIST_ATTEMPTS, LIST_PAGE,
 };
 
 /// Where the management API is and who talks to it: the same flags for the operator and
@@ -352,6 +353,34 @@ impl ManagementApi {
             queues.extend(answer.items.into_iter().map(|q| (q.name.clone(), q)));
             if page >= answer.page_count {
                 return Ok((queues, steady));
+            }
+            page += 1;
+        }
+    }
+
+    /// The names of the vhost's exchanges, page by page. Names only: a missing type
+    /// exchange is declared again ([`crate::broker_stats`]); nothing else is read.
+    pub async fn list_exchange_names(&self) -> Result<HashSet<String>, ManagementError> {
+        let mut names = HashSet::new();
+        let mut page = 1;
+        loop {
+            let url = format!(
+                "{}/api/exchanges/{}?page={page}&page_size={LIST_PAGE}&columns=name",
+                self.base,
+                encode(&self.vhost)
+            );
+            let answer: ExchangePage = self
+                .send(
+                    format!("page {page} of the exchange list"),
+                    self.http.get(url),
+                )
+                .await?
+                .json()
+                .await
+                .map_err(|err| self.unreachable(err))?;
+            names.extend(answer.items.into_iter().map(|e| e.name));
+            if page >= answer.page_count {
+                return Ok(names);
             }
             page += 1;
         }

@@ -74,6 +74,18 @@ pub struct QueuePage {
     pub total_count: u64,
 }
 
+/// One page of the exchange list, names only.
+#[derive(Debug, Deserialize)]
+pub struct ExchangePage {
+    pub items: Vec<ExchangeName>,
+    pub page_count: u64,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ExchangeName {
+    pub name: String,
+}
+
 /// Queues by name.
 pub type Queues = std::collections::HashMap<String, QueueInfo>;
 

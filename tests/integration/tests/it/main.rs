@@ -13,6 +13,7 @@ mod example_handlers;
 mod find_and_fix;
 mod gateway_api;
 mod grouped_writes;
+mod hostile_tenants;
 mod least_privilege;
 mod lifecycle_flows;
 mod outages;

@@ -1,0 +1,176 @@
+//! One hostile namespace beside a well-behaved one, on the real services (issue 33): what
+//! the hostile tenant does to its own objects stays with them.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use conveyor_core::amqp::{self, QueueNames};
+use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
+use conveyor_core::testing;
+use conveyor_gateway::auth::Tokens;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+use crate::support::{queue, Harness};
+
+const CALM: &str = "calm-tenant-token-1";
+const HOSTILE: &str = "hostile-tenant-token-1";
+
+/// A type of one name in namespaces `calm` and `hostile`, and a client of each.
+async fn calm_and_hostile(extra_hostile_types: &[&str]) -> (Harness, String) {
+    let name = testing::unique_type("shared");
+    let mut types: Vec<NamedTaskType> = ["calm", "hostile"]
+        .map(|ns| NamedTaskType::in_namespace(ns, &name, TaskTypeSpec::default()))
+        .to_vec();
+    for extra in extra_hostile_types {
+        types.push(NamedTaskType::in_namespace(
+            "hostile",
+            &format!("{name}-{extra}"),
+            TaskTypeSpec::default(),
+        ));
+    }
+    let harness = Harness::start_with(types, |config| {
+        config.tokens = Tokens::parse_pairs(&format!("c@calm={CALM},h@hostile={HOSTILE}")).unwrap();
+    })
+    .await;
+    (harness, name)
+}
+
+/// One submission: the status, the error code if any, and whether `Retry-After` was sent.
+async fn submit(h: &Harness, token: &str, task_type: &str) -> (StatusCode, String, bool) {
+    let response = h
+        .http
+        .post(format!("{}/v1/tasks", h.gateway_url))
+        .bearer_auth(token)
+        .header("Idempotency-Key", Uuid::new_v4().to_string())
+        .json(&json!({"taskType": task_type, "payload": {"n": 1}}))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    let retry_after = response.headers().contains_key("retry-after");
+    let text = response.text().await.unwrap_or_default();
+    let body: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    let code = match body["error"]["code"].as_str() {
+        Some(code) => code.to_owned(),
+        None => format!("(no code) {text}"),
+    };
+    (status, code, retry_after)
+}
+
+#[tokio::test]
+async fn a_tenant_that_deletes_its_own_exchange_fails_only_its_own_submissions() {
+    // Issue 33, item 1. The hostile tenant deletes its type's exchange (its broker user may
+    // configure `conveyor.hostile.` objects), and the queues and exchange of a second type
+    // (as a type the operator has not declared yet looks), then submits to both from eight
+    // clients. Before decision 0045 those publishes closed the gateway's shared confirm
+    // channels, and the calm tenant's submissions failed with 503 naming its own queue.
+    let (harness, name) = calm_and_hostile(&["undeclared"]).await;
+    let hostile = QueueNames::of(&format!("hostile.{name}"));
+    let undeclared = QueueNames::of(&format!("hostile.{name}-undeclared"));
+    let conn = amqp::connect(&testing::amqp_url(), "hostile-tenant")
+        .await
+        .unwrap();
+    amqp::delete_exchange(&conn, &hostile).await;
+    amqp::delete_queues(&conn, &undeclared.all(1)).await;
+    amqp::delete_exchange(&conn, &undeclared).await;
+
+    let harness = Arc::new(harness);
+    let stop = Arc::new(AtomicBool::new(false));
+    let hostile_clients: Vec<_> = (0..8)
+        .map(|i| {
+            let (h, stop) = (harness.clone(), stop.clone());
+            let task_type = if i % 2 == 0 {
+                name.clone()
+            } else {
+                format!("{name}-undeclared")
+            };
+            tokio::spawn(async move {
+                let mut answers = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    answers.push((task_type.clone(), submit(&h, HOSTILE, &task_type).await));
+                }
+                answers
+            })
+        })
+        .collect();
+    const CLIENTS: usize = 8;
+    const EACH: usize = 150;
+    let calm_clients: Vec<_> = (0..CLIENTS)
+        .map(|_| {
+            let (h, name) = (harness.clone(), name.clone());
+            tokio::spawn(async move {
+                let mut failed = Vec::new();
+                for _ in 0..EACH {
+                    let (status, code, _) = submit(&h, CALM, &name).await;
+                    if status != StatusCode::CREATED {
+                        failed.push(format!("{status} {code}"));
+                    }
+                }
+                failed
+            })
+        })
+        .collect();
+    let mut calm_failed = Vec::new();
+    for client in calm_clients {
+        calm_failed.extend(client.await.unwrap());
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut hostile_answers = Vec::new();
+    for client in hostile_clients {
+        hostile_answers.extend(client.await.unwrap());
+    }
+
+    assert!(
+        calm_failed.is_empty(),
+        "{} of the calm tenant's {} submissions failed, e.g. {:?}",
+        calm_failed.len(),
+        CLIENTS * EACH,
+        &calm_failed[..calm_failed.len().min(5)]
+    );
+    // Judged from the broker: every accepted task is in the calm tenant's queue.
+    let calm_queue = queue(&format!("calm.{name}")).main;
+    assert_eq!(
+        harness.ready_count(&calm_queue).await,
+        (CLIENTS * EACH) as u32
+    );
+    // The hostile tenant's own answers: the gateway does not need the type's exchange, so
+    // the type whose exchange went still takes tasks; the undeclared one is refused, with
+    // a code that says so and when to come back.
+    let (with_queues, undeclared): (Vec<_>, Vec<_>) = hostile_answers
+        .into_iter()
+        .partition(|(task_type, _)| *task_type == name);
+    assert!(!with_queues.is_empty() && !undeclared.is_empty());
+    let other = |answers: &[(String, (StatusCode, String, bool))],
+                 expected: &dyn Fn(&(StatusCode, String, bool)) -> bool| {
+        answers
+            .iter()
+            .filter(|(_, answer)| !expected(answer))
+            .take(5)
+            .map(|(_, answer)| answer.clone())
+            .collect::<Vec<_>>()
+    };
+    let refused = other(&with_queues, &|(status, _, _)| {
+        *status == StatusCode::CREATED
+    });
+    assert!(
+        refused.is_empty(),
+        "the type without its exchange: {refused:?}"
+    );
+    let unclear = other(&undeclared, &|(status, code, retry_after)| {
+        *status == StatusCode::SERVICE_UNAVAILABLE && code == "task_type_not_ready" && *retry_after
+    });
+    assert!(
+        unclear.is_empty(),
+        "of {} submissions to the undeclared type, answers other than a 503 \
+         task_type_not_ready with Retry-After: {unclear:?}",
+        undeclared.len()
+    );
+    conn.close(200, "done").await.ok();
+    testing::delete_queues(&format!("calm.{name}")).await;
+    testing::delete_queues(&format!("hostile.{name}")).await;
+    if let Ok(harness) = Arc::try_unwrap(harness) {
+        harness.shutdown().await;
+    }
+}
