@@ -9,6 +9,7 @@ pub mod config;
 pub mod crd;
 pub mod db;
 pub mod drain;
+pub mod jsonb;
 pub mod labels;
 pub mod lifecycle;
 pub mod metrics;

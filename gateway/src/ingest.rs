@@ -192,6 +192,19 @@ impl Ingestor {
                 spec.max_payload_bytes
             )));
         }
+        if let Some(at) = conveyor_core::jsonb::nul_at(&submission.payload) {
+            let at = if at.is_empty() { "/".to_owned() } else { at };
+            return Err(ApiError {
+                path: Some(at.clone()),
+                ..ApiError::bad_request(
+                    "invalid_payload",
+                    format!(
+                        "payload holds a NUL character (\\u0000) at {at}, which the task \
+                         database cannot store"
+                    ),
+                )
+            });
+        }
         if let Some(validator) = &known.validator {
             if let Err(error) = validator.validate(&submission.payload) {
                 let path = error.instance_path.to_string();

@@ -164,10 +164,18 @@ async fn send_back(state: &ApiState, task: &TaskRecord, detail: &str) -> Result<
         .await
         .map_err(|err| {
             tracing::warn!(task = %task.id, error = %conveyor_core::with_causes(&err), "retry not sent");
-            let outcome = format!("task {} was not sent back to work; nothing changed", task.id);
             match &err {
-                RequeueError::Publish(amqp) => ApiError::not_published(&task.task_type, amqp, &outcome),
-                RequeueError::Commit(_) => ApiError::unavailable("database_unavailable", outcome),
+                RequeueError::Publish(amqp) => ApiError::not_published(
+                    &task.task_type,
+                    amqp,
+                    &format!("task {} was not sent back to work; nothing changed", task.id),
+                ),
+                // Published, not recorded: the row is still DEAD_LETTER, and the copy sent is
+                // dropped by the worker that takes it (its row says it is not queued).
+                RequeueError::Commit(_) => ApiError::unavailable(
+                    "database_unavailable",
+                    format!("the retry of task {} could not be recorded; it is still dead-lettered, retry later", task.id),
+                ),
             }
         })?;
     Ok(true)

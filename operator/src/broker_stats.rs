@@ -37,8 +37,7 @@ pub struct BrokerStats {
 #[derive(Default)]
 struct State {
     snapshot: Option<(Arc<Queues>, Instant)>,
-    /// The exchanges' names in the last list that came through with the queues' (`None`
-    /// when that list failed: nothing is then said missing).
+    /// The exchanges' names in the last list that came through (`None` before the first).
     exchanges: Option<HashSet<String>>,
     last_error: Option<ManagementError>,
     /// How long the last list took.
@@ -89,31 +88,39 @@ impl BrokerStats {
 
     /// Keeps the exchange names; answers the keys of the types whose exchange appeared or
     /// went since the last list.
+    /// A list that failed keeps the last one, the baseline of the next.
     fn store_exchanges(&self, exchanges: Option<HashSet<String>>) -> BTreeSet<String> {
+        let Some(now) = exchanges else {
+            return BTreeSet::new();
+        };
         let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
-        let changed = match (&state.exchanges, &exchanges) {
-            (Some(before), Some(now)) => before
-                .symmetric_difference(now)
+        let changed = match &state.exchanges {
+            Some(before) => before
+                .symmetric_difference(&now)
                 .filter_map(|name| type_key(name))
                 .collect(),
-            _ => BTreeSet::new(),
+            None => BTreeSet::new(),
         };
-        state.exchanges = exchanges;
+        state.exchanges = Some(now);
         changed
     }
 
-    /// A task type's depths, as [`BrokerStats::depths`], and whether its exchange is there:
-    /// a listed type without one is [`ManagementError::ExchangeMissing`].
+    /// A task type's depths, as [`BrokerStats::depths`], unless a recent list shows its
+    /// exchange missing ([`ManagementError::ExchangeMissing`], whatever the queues'
+    /// statistics say).
     pub fn declared(&self, spec: &NamedTaskType) -> Result<QueueDepths, ManagementError> {
-        let depths = self.depths(spec)?;
-        let exchange = conveyor_core::amqp::QueueNames::of(&spec.name).main;
-        let state = self.state.read().unwrap_or_else(|p| p.into_inner());
-        match &state.exchanges {
-            Some(names) if !names.contains(&exchange) => {
-                Err(ManagementError::ExchangeMissing { exchange })
+        if self.latest().is_ok() {
+            let exchange = conveyor_core::amqp::QueueNames::of(&spec.name).main;
+            let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+            if state
+                .exchanges
+                .as_ref()
+                .is_some_and(|names| !names.contains(&exchange))
+            {
+                return Err(ManagementError::ExchangeMissing { exchange });
             }
-            _ => Ok(depths),
         }
+        self.depths(spec)
     }
 
     #[cfg(test)]
@@ -329,8 +336,14 @@ mod tests {
             stats.depths(&spec).is_ok(),
             "depths do not need the exchange"
         );
-        // A failed exchange list says nothing missing.
+        // A failed exchange list changes nothing; the next compares with the last good one.
         assert!(stats.store_exchanges(None).is_empty());
+        assert!(stats.declared(&spec).is_err());
+        let changed: Vec<String> = stats
+            .store_exchanges(exchanges(&["", "conveyor.video.t"]))
+            .into_iter()
+            .collect();
+        assert_eq!(changed, ["video.t"]);
         assert!(stats.declared(&spec).is_ok());
     }
 

@@ -42,9 +42,29 @@ pub struct ProgressBoard {
     callback_base: Option<String>,
 }
 
-/// Why a report was refused.
-#[derive(Debug, PartialEq, Eq)]
-pub struct TooLarge(pub usize);
+/// Longest report as the database prints it (`tasks_progress_bounded`, migration
+/// `20261203000003`): `jsonb` writes numbers out in full, so a few bytes of JSON (`1e300`)
+/// can be hundreds there.
+pub const MAX_STORED: usize = 2048;
+
+/// Why a report was refused: too large, or one the database would refuse. Each is refused
+/// here, alone: the flush writes every running attempt's report in one statement, which a
+/// refused value would fail for all of them, every second.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("a progress report is at most {MAX_REPORT} bytes of JSON, not {0}")]
+    TooLarge(usize),
+    #[error(
+        "a progress report holds a NUL character (\\u0000) at {0:?}, which the task \
+         database cannot store"
+    )]
+    Nul(String),
+    #[error(
+        "a progress report is {0} bytes as the task database prints it (numbers written out \
+         in full), more than {MAX_STORED}"
+    )]
+    TooLong(usize),
+}
 
 impl ProgressBoard {
     pub fn new(callback_base: Option<String>) -> ProgressBoard {
@@ -63,10 +83,17 @@ impl ProgressBoard {
         }
     }
 
-    fn report(&self, id: Uuid, attempt: i32, value: serde_json::Value) -> Result<(), TooLarge> {
+    fn report(&self, id: Uuid, attempt: i32, value: serde_json::Value) -> Result<(), Refused> {
         let size = value.to_string().len();
         if size > MAX_REPORT {
-            return Err(TooLarge(size));
+            return Err(Refused::TooLarge(size));
+        }
+        if let Some(at) = conveyor_core::jsonb::nul_at(&value) {
+            return Err(Refused::Nul(at));
+        }
+        let stored = conveyor_core::jsonb::text_len(&value);
+        if stored > MAX_STORED {
+            return Err(Refused::TooLong(stored));
         }
         lock(&self.pending).insert((id, attempt), value);
         Ok(())
@@ -118,7 +145,7 @@ impl ProgressSink {
         ProgressBoard::default().sink(Uuid::nil(), 0)
     }
 
-    pub fn report(&self, value: serde_json::Value) -> Result<(), TooLarge> {
+    pub fn report(&self, value: serde_json::Value) -> Result<(), Refused> {
         self.board.report(self.id, self.attempt, value)
     }
 
@@ -168,14 +195,37 @@ pub async fn flush_loop(
                     (Fence { id, attempt, owner }, value.clone())
                 })
                 .collect();
-            if let Err(err) = recorder.db.report_progress(&reports).await {
-                recorder
-                    .metrics
-                    .errors
-                    .with_label_values(&["database", err.category()])
-                    .inc();
-                tracing::debug!(error = %err, reports = reports.len(), "progress not written yet");
-                board.put_back(taken, &in_flight.claims());
+            match recorder.db.report_progress(&reports).await {
+                Ok(_) => {}
+                Err(err) if err.is_permanent() => {
+                    // Refused as a value (checked when reported, so only a rule this worker
+                    // does not know): each alone, so that it fails only its own attempt.
+                    let mut kept = Vec::new();
+                    for (report, taken) in reports.iter().zip(taken) {
+                        match recorder
+                            .db
+                            .report_progress(std::slice::from_ref(report))
+                            .await
+                        {
+                            Ok(_) => {}
+                            Err(err) if err.is_permanent() => {
+                                tracing::warn!(task = %report.0.id, error = %conveyor_core::with_causes(&err),
+                                    "progress report refused by the database; dropped");
+                            }
+                            Err(_) => kept.push(taken),
+                        }
+                    }
+                    board.put_back(kept, &in_flight.claims());
+                }
+                Err(err) => {
+                    recorder
+                        .metrics
+                        .errors
+                        .with_label_values(&["database", err.category()])
+                        .inc();
+                    tracing::debug!(error = %err, reports = reports.len(), "progress not written yet");
+                    board.put_back(taken, &in_flight.claims());
+                }
             }
         }
         board.forget_finished(&in_flight.claims());
@@ -203,10 +253,8 @@ async fn callback(
     }
     match board.report(id, attempt, value) {
         Ok(()) => (StatusCode::NO_CONTENT, String::new()),
-        Err(TooLarge(size)) => (
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("a progress report is at most {MAX_REPORT} bytes of JSON, not {size}"),
-        ),
+        Err(refused @ Refused::TooLarge(_)) => (StatusCode::PAYLOAD_TOO_LARGE, refused.to_string()),
+        Err(refused) => (StatusCode::BAD_REQUEST, refused.to_string()),
     }
 }
 
@@ -231,7 +279,13 @@ mod tests {
         sink.report(serde_json::json!({"percent": 1})).unwrap();
         sink.report(serde_json::json!({"percent": 2})).unwrap();
         let big = serde_json::json!({ "message": "x".repeat(MAX_REPORT) });
-        assert!(sink.report(big).is_err());
+        assert!(matches!(sink.report(big), Err(Refused::TooLarge(_))));
+        // What the database would refuse is refused here, and the last good report stays.
+        let nul = parse_line("frame\u{0} 10");
+        assert_eq!(sink.report(nul), Err(Refused::Nul("/message".into())));
+        let long = serde_json::json!([1e300, 1e300, 1e300, 1e300, 1e300, 1e300, 1e300]);
+        assert!(long.to_string().len() < MAX_REPORT);
+        assert_eq!(sink.report(long), Err(Refused::TooLong(2 + 7 * 301 + 12)));
         assert_eq!(
             board.take(),
             vec![((id, 3), serde_json::json!({"percent": 2}))]

@@ -3,14 +3,15 @@
 use std::time::Duration;
 
 use futures_util::future::join_all;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::ConfirmSelectOptions;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use super::confirms::{Confirmed, Confirms};
+use super::confirms::{Confirmed, Confirms, LastConfirm, Message};
 use super::connection::{close_bounded, connect};
 use super::consume::PROBE_KIND;
 use super::error::{clone_error, AmqpError, AmqpResult};
@@ -45,6 +46,8 @@ struct Link {
     width: usize,
     slot: Mutex<Option<Open>>,
     connects: AtomicU64,
+    /// When any of its channels last had a confirm completed.
+    last_confirm: Arc<LastConfirm>,
 }
 
 struct Open {
@@ -68,6 +71,7 @@ impl Link {
             width: width.max(1),
             slot: Mutex::new(None),
             connects: AtomicU64::new(0),
+            last_confirm: Arc::default(),
         }
     }
 
@@ -136,8 +140,8 @@ impl Link {
             .await
             .map_err(AmqpError::Unavailable)?;
         Ok(Shared {
+            confirms: Some(Confirms::start(channel.clone(), self.last_confirm.clone())),
             channel,
-            confirms: Some(Confirms::start()),
         })
     }
 
@@ -282,7 +286,7 @@ impl Publisher {
                 &channel,
                 self.exchange(&names),
                 &names.main,
-                &body,
+                body,
                 properties,
             )
             .await;
@@ -326,10 +330,12 @@ impl Publisher {
     /// Whether `err` says the connection itself is gone or hung. A publish that met a
     /// channel closed under it (by another message's missing exchange) is not that: the
     /// closed channel is replaced on the next call, and the connection, which every other
-    /// publish shares, stays.
+    /// publish shares, stays. Nor is a confirm that timed out while others kept coming (one
+    /// slow queue, which a tenant can make of its own).
     async fn link_failed(&self, err: &AmqpError) -> bool {
         match err {
-            AmqpError::ConnectTimeout(_) | AmqpError::ConfirmTimeout(_) => true,
+            AmqpError::ConnectTimeout(_) => true,
+            AmqpError::ConfirmTimeout(window) => !self.link.last_confirm.within(*window),
             AmqpError::Unavailable(_) => !self.link.is_open().await,
             _ => false,
         }
@@ -361,7 +367,7 @@ impl Publisher {
             properties =
                 properties.with_expiration(ShortString::from(delay.as_millis().to_string()));
         }
-        self.confirmed(channel, self.exchange(&names), queue, &body, properties)
+        self.confirmed(channel, self.exchange(&names), queue, body, properties)
             .await
     }
 
@@ -372,48 +378,37 @@ impl Publisher {
         shared: &Shared,
         exchange: &str,
         queue: &str,
-        body: &[u8],
+        body: Vec<u8>,
         properties: BasicProperties,
     ) -> AmqpResult<()> {
-        let options = BasicPublishOptions {
-            mandatory: true,
-            ..BasicPublishOptions::default()
-        };
-        let message_id = properties
-            .message_id()
-            .as_ref()
-            .map(ToString::to_string)
-            .unwrap_or_default();
         let confirms = shared
             .confirms
             .as_ref()
             .expect("a publisher's channels are in confirm mode");
-        let confirm = async {
-            let confirm = shared
-                .channel
-                .basic_publish(exchange, queue, options, body, properties)
-                .await?;
-            match confirms.track(message_id, confirm).await {
-                Ok(answer) => answer,
-                Err(_) => Err(lapin::Error::InvalidChannelState(
-                    lapin::ChannelState::Closed,
-                )),
-            }
+        let answer = confirms.publish(Message {
+            exchange: exchange.to_owned(),
+            routing_key: queue.to_owned(),
+            body,
+            properties,
+        });
+        let answer = match tokio::time::timeout(self.confirm_timeout, answer).await {
+            Err(_) => return Err(AmqpError::ConfirmTimeout(self.confirm_timeout)),
+            Ok(Err(_)) => Err(lapin::Error::InvalidChannelState(
+                lapin::ChannelState::Closed,
+            )),
+            Ok(Ok(answer)) => answer,
         };
-        match tokio::time::timeout(self.confirm_timeout, confirm).await {
-            Err(_) => Err(AmqpError::ConfirmTimeout(self.confirm_timeout)),
+        match answer {
             // No such exchange: the type is not declared (or was deleted), as for a return.
-            Ok(Err(lapin::Error::ProtocolError(e))) if e.get_id() == 404 => {
-                Err(AmqpError::NoQueue {
-                    queue: queue.to_owned(),
-                })
-            }
-            Ok(Err(err)) => Err(AmqpError::Unavailable(err)),
-            Ok(Ok(Confirmed::Routed)) => Ok(()),
-            Ok(Ok(Confirmed::Returned)) => Err(AmqpError::NoQueue {
+            Err(lapin::Error::ProtocolError(e)) if e.get_id() == 404 => Err(AmqpError::NoQueue {
                 queue: queue.to_owned(),
             }),
-            Ok(Ok(Confirmed::Nacked)) => Err(AmqpError::Nacked),
+            Err(err) => Err(AmqpError::Unavailable(err)),
+            Ok(Confirmed::Routed) => Ok(()),
+            Ok(Confirmed::Returned) => Err(AmqpError::NoQueue {
+                queue: queue.to_owned(),
+            }),
+            Ok(Confirmed::Nacked) => Err(AmqpError::Nacked),
         }
     }
 }

@@ -67,8 +67,8 @@ impl ProgressFile {
                     if let Some(end) = partial.rfind('\n') {
                         let complete: String = partial.drain(..=end).collect();
                         if let Some(last) = complete.lines().rev().find(|l| !l.trim().is_empty()) {
-                            if let Err(too_large) = sink.report(parse_line(last)) {
-                                tracing::debug!(bytes = too_large.0, "progress report too large");
+                            if let Err(refused) = sink.report(parse_line(last)) {
+                                tracing::debug!(error = %refused, "progress report refused");
                             }
                         }
                     }

@@ -32,6 +32,8 @@ async fn calm_and_hostile(extra_hostile_types: &[&str]) -> (Harness, String) {
     }
     let harness = Harness::start_with(types, |config| {
         config.tokens = Tokens::parse_pairs(&format!("c@calm={CALM},h@hostile={HOSTILE}")).unwrap();
+        // The sweeper probes every type with queued tasks, a hostile one's too.
+        config.upkeep = Some(crate::self_healing::fast_upkeep());
     })
     .await;
     (harness, name)
@@ -63,12 +65,18 @@ async fn submit(h: &Harness, token: &str, task_type: &str) -> (StatusCode, Strin
 async fn a_tenant_that_deletes_its_own_exchange_fails_only_its_own_submissions() {
     // Issue 33, item 1. The hostile tenant deletes its type's exchange (its broker user may
     // configure `conveyor.hostile.` objects), and the queues and exchange of a second type
-    // (as a type the operator has not declared yet looks), then submits to both from eight
-    // clients. Before decision 0045 those publishes closed the gateway's shared confirm
-    // channels, and the calm tenant's submissions failed with 503 naming its own queue.
+    // that has tasks queued (so that it looks like a type the operator has not declared
+    // yet, and the sweeper probes it), then submits to both from eight clients. Before
+    // decision 0045 those publishes and probes closed the gateway's shared confirm channels
+    // or reset its connection, and lapin gave their returns to other publishes: the calm
+    // tenant's submissions failed with 503 naming its own queue.
     let (harness, name) = calm_and_hostile(&["undeclared"]).await;
     let hostile = QueueNames::of(&format!("hostile.{name}"));
     let undeclared = QueueNames::of(&format!("hostile.{name}-undeclared"));
+    for _ in 0..20 {
+        let (status, code, _) = submit(&harness, HOSTILE, &format!("{name}-undeclared")).await;
+        assert_eq!(status, StatusCode::CREATED, "{code}");
+    }
     let conn = amqp::connect(&testing::amqp_url(), "hostile-tenant")
         .await
         .unwrap();
@@ -88,7 +96,8 @@ async fn a_tenant_that_deletes_its_own_exchange_fails_only_its_own_submissions()
             };
             tokio::spawn(async move {
                 let mut answers = Vec::new();
-                while !stop.load(Ordering::Relaxed) {
+                // Bounded: the calm tenant's 1,200 decide how long this runs.
+                while !stop.load(Ordering::Relaxed) && answers.len() < 1_000 {
                     answers.push((task_type.clone(), submit(&h, HOSTILE, &task_type).await));
                 }
                 answers
@@ -168,6 +177,55 @@ async fn a_tenant_that_deletes_its_own_exchange_fails_only_its_own_submissions()
         undeclared.len()
     );
     conn.close(200, "done").await.ok();
+    testing::delete_queues(&format!("calm.{name}")).await;
+    testing::delete_queues(&format!("hostile.{name}")).await;
+    if let Ok(harness) = Arc::try_unwrap(harness) {
+        harness.shutdown().await;
+    }
+}
+
+#[tokio::test]
+async fn a_payload_the_database_refuses_is_refused_at_the_edge_and_alone() {
+    // Issue 33, item 4. A NUL character passes JSON and schema checks, but jsonb refuses
+    // it: before, it failed the whole group-committed insert, every request in it was run
+    // again one by one, and its sender got 500. Now it is a 400 naming where, nothing of
+    // it is recorded, and the calm tenant's submissions beside it are taken.
+    let (harness, name) = calm_and_hostile(&[]).await;
+    let harness = Arc::new(harness);
+    let poisoned: Vec<_> = (0..4)
+        .map(|i| {
+            let (h, name) = (harness.clone(), name.clone());
+            tokio::spawn(async move {
+                let response = h
+                    .http
+                    .post(format!("{}/v1/tasks", h.gateway_url))
+                    .bearer_auth(HOSTILE)
+                    .json(&json!({"taskType": name, "payload": {"title": ["ok", format!("x\u{0}{i}")]}}))
+                    .send()
+                    .await
+                    .unwrap();
+                (response.status(), response.json::<Value>().await.unwrap())
+            })
+        })
+        .collect();
+    let calm: Vec<_> = (0..32)
+        .map(|_| {
+            let (h, name) = (harness.clone(), name.clone());
+            tokio::spawn(async move { submit(&h, CALM, &name).await })
+        })
+        .collect();
+    for answer in poisoned {
+        let (status, body) = answer.await.unwrap();
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(body["error"]["code"], "invalid_payload", "{body}");
+        assert_eq!(body["error"]["path"], "/title/1", "{body}");
+    }
+    for answer in calm {
+        let (status, code, _) = answer.await.unwrap();
+        assert_eq!(status, StatusCode::CREATED, "{code}");
+    }
+    assert_eq!(harness.total_tasks(&format!("hostile.{name}")).await, 0);
+    assert_eq!(harness.total_tasks(&format!("calm.{name}")).await, 32);
     testing::delete_queues(&format!("calm.{name}")).await;
     testing::delete_queues(&format!("hostile.{name}")).await;
     if let Ok(harness) = Arc::try_unwrap(harness) {

@@ -101,6 +101,12 @@ async fn an_http_handler_reports_through_its_callback_and_bad_reports_are_refuse
                 let post = |body: Value| http.post(&callback).json(&body).send();
                 let too_big = json!({"message": "x".repeat(2000)});
                 assert_eq!(post(too_big).await.unwrap().status().as_u16(), 413);
+                // What the database would refuse is refused here, alone (issue 33, item 4): a
+                // NUL, or numbers jsonb writes out in full (7 × 301 bytes from 42 of JSON).
+                let nul = json!({"message": "frame\u{0}10"});
+                assert_eq!(post(nul).await.unwrap().status().as_u16(), 400);
+                let long = json!([1e300, 1e300, 1e300, 1e300, 1e300, 1e300, 1e300]);
+                assert_eq!(post(long).await.unwrap().status().as_u16(), 400);
                 assert_eq!(
                     post(json!({"percent": 70}))
                         .await
