@@ -77,7 +77,10 @@ pub async fn adopt(
         let Some(last) = waiting.last() else { break };
         after = Some(last.id);
         for task in waiting {
-            if let Some(pending) = db.begin_return(task.id, task.attempt, &why).await? {
+            if let Some(pending) = db
+                .begin_return(task.id, task.attempt, &task.task_type, &why)
+                .await?
+            {
                 publish_and_commit(publisher, pending, &spec)
                     .await
                     .with_context(|| format!("re-publishing task {}", task.id))?;

@@ -357,8 +357,9 @@ async fn run(cli: &Cli) -> anyhow::Result<()> {
             let direct = Direct::connect(database, amqp)?;
             let report = redrive::redrive(&direct, &cli.type_key(task_type), *limit, by).await?;
             println!(
-                "redriven: {}  returned (still waiting): {}  stale messages dropped: {}  kept parked: {}",
-                report.redriven, report.returned, report.stale, report.kept
+                "redriven: {}  returned (still waiting): {}  stale messages dropped: {}  kept parked: {}  \
+                 naming another type's task, dropped: {}",
+                report.redriven, report.returned, report.stale, report.kept, report.foreign
             );
         }
         Command::Adopt {

@@ -25,6 +25,9 @@ pub struct RedriveReport {
     /// Messages of tasks that are owned right now, or unknown to this database: left
     /// parked, never dropped.
     pub kept: usize,
+    /// Messages naming a task of another type (or tenant): a tenant may write its own
+    /// queue, so a body proves nothing. Acked and dropped, the task untouched.
+    pub foreign: usize,
 }
 
 /// Moves up to `limit` messages from `task_type`'s remediation queue back to its work queue.
@@ -52,7 +55,9 @@ pub async fn redrive(
     // Kept messages stay unacked until the end, so that `basic.get` moves on past them.
     let mut kept = Vec::new();
     let result = async {
-        while report.redriven + report.returned + report.stale + report.kept < limit {
+        while report.redriven + report.returned + report.stale + report.kept + report.foreign
+            < limit
+        {
             let Some(delivery) = amqp::get_one(&channel, &queue).await? else {
                 break;
             };
@@ -79,24 +84,41 @@ pub async fn redrive(
             // message, returned. Otherwise the row says whether to keep or drop it.
             let returned =
                 format!("its message was parked in {queue} while it waited; returned by {by}");
-            let requeued = match db.begin_redrive(task.id, task.attempt, by).await? {
+            let requeued = match db
+                .begin_redrive(task.id, task.attempt, task_type, by)
+                .await?
+            {
                 Some(pending) => Some((pending, &mut report.redriven)),
                 None => db
-                    .begin_return(task.id, task.attempt, &returned)
+                    .begin_return(task.id, task.attempt, task_type, &returned)
                     .await?
                     .map(|pending| (pending, &mut report.returned)),
             };
-            if let Some((pending, count)) = requeued {
-                publish_and_commit(publisher, pending, &main_only)
-                    .await
-                    .with_context(|| format!("sending task {} back to work", task.id))?;
-                *count += 1;
-            } else if verdict(&task, db.task(task.id).await?.as_ref()) == Verdict::Keep {
-                report.kept += 1;
-                kept.push(delivery);
-                continue;
-            } else {
-                report.stale += 1;
+            let row = match requeued {
+                Some((pending, count)) => {
+                    publish_and_commit(publisher, pending, &main_only)
+                        .await
+                        .with_context(|| format!("sending task {} back to work", task.id))?;
+                    *count += 1;
+                    None
+                }
+                None => Some(db.task(task.id).await?),
+            };
+            match row {
+                None => {}
+                Some(Some(row)) if row.task_type != task_type => {
+                    eprintln!(
+                        "a message in {queue} names task {} of type {}; dropped, the task untouched",
+                        task.id, row.task_type
+                    );
+                    report.foreign += 1;
+                }
+                Some(row) if verdict(&task, row.as_ref()) == Verdict::Keep => {
+                    report.kept += 1;
+                    kept.push(delivery);
+                    continue;
+                }
+                Some(_) => report.stale += 1,
             }
             delivery
                 .acker

@@ -151,7 +151,7 @@ async fn send_back(state: &ApiState, task: &TaskRecord, detail: &str) -> Result<
     let ingestor = &state.ingestor;
     let pending = ingestor
         .db
-        .begin_retry(task.id, task.attempt, detail)
+        .begin_retry(task.id, task.attempt, &task.task_type, detail)
         .await
         .map_err(|err| db_error(&ingestor.metrics, &err))?;
     let Some(pending) = pending else {

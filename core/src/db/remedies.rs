@@ -64,6 +64,7 @@ impl Db {
         &self,
         id: Uuid,
         attempt: i32,
+        task_type: &str,
         detail: &str,
     ) -> DbResult<Option<PendingRequeue>> {
         let back = BackToWork {
@@ -72,6 +73,6 @@ impl Db {
             by: None,
             detail: detail.to_owned(),
         };
-        self.begin_back_to_work(id, attempt, back).await
+        self.begin_back_to_work(id, attempt, task_type, back).await
     }
 }

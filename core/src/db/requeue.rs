@@ -167,12 +167,15 @@ impl Db {
         Ok(Some(PendingRequeue { tx, tasks }))
     }
 
-    /// DEAD_LETTER → QUEUED for a task parked at `attempt`, with a fresh retry budget.
-    /// `None` when the task is not (or no longer) dead-lettered at that attempt.
+    /// DEAD_LETTER → QUEUED for a task of `task_type` parked at `attempt`, with a fresh
+    /// retry budget. `None` when the task is not (or no longer) dead-lettered at that
+    /// attempt, or is of another type: a message body names the task, and a tenant may
+    /// write its own queue (issue 33, item 5).
     pub async fn begin_redrive(
         &self,
         id: Uuid,
         attempt: i32,
+        task_type: &str,
         by: &str,
     ) -> DbResult<Option<PendingRequeue>> {
         let back = BackToWork {
@@ -181,26 +184,29 @@ impl Db {
             by: Some(by),
             detail: format!("redriven by {by}"),
         };
-        self.begin_back_to_work(id, attempt, back).await
+        self.begin_back_to_work(id, attempt, task_type, back).await
     }
 
-    /// Locks the task at `attempt` if it is in one of `back.from`, and moves it on to
-    /// QUEUED at attempt + 1 with one audit row, ready to publish to the work queue.
+    /// Locks the task of `task_type` at `attempt` if it is in one of `back.from`, and moves
+    /// it on to QUEUED at attempt + 1 with one audit row, ready to publish to the work queue.
     pub(super) async fn begin_back_to_work(
         &self,
         id: Uuid,
         attempt: i32,
+        task_type: &str,
         back: BackToWork<'_>,
     ) -> DbResult<Option<PendingRequeue>> {
         let mut tx = self.pool.begin().await?;
         let from: Vec<&str> = back.from.iter().map(|s| s.as_str()).collect();
         let row = sqlx::query(&format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE id = $1 AND attempt = $2 AND state = ANY($3)
+            "SELECT {TASK_COLUMNS} FROM tasks
+             WHERE id = $1 AND attempt = $2 AND state = ANY($3) AND task_type = $4
              FOR UPDATE"
         ))
         .bind(id)
         .bind(attempt)
         .bind(&from)
+        .bind(task_type)
         .fetch_optional(&mut *tx)
         .await?;
         let Some(row) = row else { return Ok(None) };

@@ -215,11 +215,13 @@ impl Db {
 
     /// The message in hand (for example in the remediation queue) is the live copy of a task
     /// that is still waiting for a worker at `attempt`: re-queue it with attempt + 1 so that
-    /// it can be published to the work queue. `None` if the task is anywhere else.
+    /// it can be published to the work queue. `None` if the task is anywhere else, or of
+    /// another type than `task_type`.
     pub async fn begin_return(
         &self,
         id: Uuid,
         attempt: i32,
+        task_type: &str,
         why: &str,
     ) -> DbResult<Option<PendingRequeue>> {
         let back = BackToWork {
@@ -228,7 +230,7 @@ impl Db {
             by: None,
             detail: why.to_owned(),
         };
-        self.begin_back_to_work(id, attempt, back).await
+        self.begin_back_to_work(id, attempt, task_type, back).await
     }
 }
 

@@ -4,7 +4,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use conveyor_core::amqp::{self, QueueNames};
+use conveyor_core::amqp::{self, Outgoing, QueueNames};
+use conveyor_core::task::Requeue;
 use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
 use conveyor_core::testing;
 use conveyor_gateway::auth::Tokens;
@@ -12,7 +13,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::support::{queue, Harness};
+use crate::support::{queue, set_state, Harness};
 
 const CALM: &str = "calm-tenant-token-1";
 const HOSTILE: &str = "hostile-tenant-token-1";
@@ -231,4 +232,75 @@ async fn a_payload_the_database_refuses_is_refused_at_the_edge_and_alone() {
     if let Ok(harness) = Arc::try_unwrap(harness) {
         harness.shutdown().await;
     }
+}
+
+#[tokio::test]
+async fn a_redrive_of_a_tenants_queue_touches_no_other_tenants_task() {
+    // Issue 33, item 5. The hostile tenant publishes into its own remediation queue (its
+    // broker user may write its own exchange) a message naming the calm tenant's
+    // dead-lettered task. Before, an administrator's `redrive-queue` of the hostile type
+    // redrove the victim's task. Now only rows of the queue's own type are acted on, and
+    // the forged message is reported and dropped.
+    let (harness, name) = calm_and_hostile(&[]).await;
+    let response = harness
+        .http
+        .post(format!("{}/v1/tasks", harness.gateway_url))
+        .bearer_auth(CALM)
+        .json(&json!({"taskType": name, "payload": {"n": 1}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let body: Value = response.json().await.unwrap();
+    let victim: Uuid = body["id"].as_str().unwrap().parse().unwrap();
+    set_state(&harness.db, victim, "DEAD_LETTER").await;
+    let before = harness.events(victim).await.len();
+    let mut forged = harness.db.task(victim).await.unwrap().unwrap().message();
+    forged.task_type = format!("hostile.{name}");
+    let published = harness
+        .publisher()
+        .publish(&[Outgoing {
+            message: forged,
+            route: Requeue::Remediation,
+            delay: None,
+            retry_tier: 0,
+        }])
+        .await;
+    assert!(published.iter().all(Result::is_ok), "{published:?}");
+
+    let stdout = harness.conveyorctl(&[
+        "redrive-queue",
+        "--type",
+        &format!("hostile.{name}"),
+        "--by",
+        "ops-test",
+    ]);
+    assert!(stdout.contains("redriven: 0"), "{stdout}");
+    assert!(
+        stdout.contains("another type's task, dropped: 1"),
+        "{stdout}"
+    );
+    let row = harness.db.task(victim).await.unwrap().unwrap();
+    assert_eq!(row.state, conveyor_core::TaskState::DeadLetter);
+    assert_eq!(
+        harness.events(victim).await.len(),
+        before,
+        "no step audited"
+    );
+    // Judged from the broker: the calm queue holds only the task's first message.
+    assert_eq!(
+        harness
+            .ready_count(&queue(&format!("calm.{name}")).main)
+            .await,
+        1
+    );
+    assert_eq!(
+        harness
+            .ready_count(&queue(&format!("hostile.{name}")).remediation)
+            .await,
+        0
+    );
+    testing::delete_queues(&format!("calm.{name}")).await;
+    testing::delete_queues(&format!("hostile.{name}")).await;
+    harness.shutdown().await;
 }
