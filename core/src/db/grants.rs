@@ -24,8 +24,10 @@ impl Login {
         Login { name, password }
     }
 
-    /// Creates the role, or gives it the new password, and lets it into the schema.
-    fn statements(&self) -> [String; 3] {
+    /// Creates the role, or gives it the new password, and lets it into the schema, where
+    /// it may create nothing (every role may on PostgreSQL 14 and older) and searches
+    /// `pg_catalog` first: nothing it could make shadows what the application calls.
+    fn statements(&self) -> [String; 5] {
         let Login { name, password } = self;
         [
             format!(
@@ -37,6 +39,8 @@ impl Login {
             ),
             format!("ALTER ROLE \"{name}\" LOGIN PASSWORD '{password}'"),
             format!("GRANT USAGE ON SCHEMA public TO \"{name}\""),
+            format!("REVOKE CREATE ON SCHEMA public FROM PUBLIC, \"{name}\""),
+            format!("ALTER ROLE \"{name}\" SET search_path = pg_catalog, public"),
         ]
     }
 }

@@ -5,15 +5,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use conveyor_core::amqp::{self, Outgoing, QueueNames};
+use conveyor_core::db::TenantRole;
 use conveyor_core::task::Requeue;
 use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
-use conveyor_core::testing;
+use conveyor_core::testing::{self, TestDatabase};
 use conveyor_gateway::auth::Tokens;
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::support::{queue, set_state, Harness};
+use crate::support::{connect_as, queue, set_state, Harness};
 
 const CALM: &str = "calm-tenant-token-1";
 const HOSTILE: &str = "hostile-tenant-token-1";
@@ -303,4 +304,102 @@ async fn a_redrive_of_a_tenants_queue_touches_no_other_tenants_task() {
     testing::delete_queues(&format!("calm.{name}")).await;
     testing::delete_queues(&format!("hostile.{name}")).await;
     harness.shutdown().await;
+}
+
+/// What a tenant's role may do in `public`, asked over its own connection: whether it may
+/// create a table there, and the `search_path` it gets.
+async fn in_public_as(test: &TestDatabase, role: &str, password: &str) -> (bool, String) {
+    let as_tenant = connect_as(test, role, password);
+    let created = sqlx::query("CREATE TABLE public.shadow_of_tasks (id uuid)")
+        .execute(as_tenant.pool())
+        .await;
+    if let Err(sqlx::Error::Database(err)) = &created {
+        assert_eq!(err.code().as_deref(), Some("42501"), "{err}");
+    }
+    let path: String = sqlx::query_scalar("SHOW search_path")
+        .fetch_one(as_tenant.pool())
+        .await
+        .unwrap();
+    (created.is_ok(), path)
+}
+
+#[tokio::test]
+async fn a_tenants_role_creates_nothing_in_public_even_where_postgres_14_let_everyone() {
+    // Issue 33, item 6. PostgreSQL 14 and older let every role create in `public` (a
+    // database upgraded from one keeps that grant): a tenant could put objects there that
+    // shadow what the application calls. Granted afresh, or carried over by the migration,
+    // a tenant's role creates nothing there and searches pg_catalog first.
+    use sqlx::migrate::Migrator;
+    let test = TestDatabase::create_empty().await;
+    let db = &test.db;
+    let mut before =
+        Migrator::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations"))
+            .await
+            .unwrap();
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < 20261206000002)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    before.run(db.pool()).await.unwrap();
+    sqlx::query("GRANT CREATE ON SCHEMA public TO PUBLIC")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    // One role granted before the upgrade (as the grant of then made it), one after.
+    let old_tenant = format!("pg14-{}", &Uuid::new_v4().simple().to_string()[..8]);
+    let old = TenantRole::new(&old_tenant).unwrap();
+    for statement in [
+        format!(
+            "CREATE ROLE \"{}\" LOGIN PASSWORD '{}'",
+            old.name(),
+            old.password()
+        ),
+        format!("GRANT USAGE ON SCHEMA public TO \"{}\"", old.name()),
+        format!("GRANT SELECT ON tasks TO \"{}\"", old.name()),
+    ] {
+        sqlx::query(&statement).execute(db.pool()).await.unwrap();
+    }
+    let old_before = in_public_as(&test, old.name(), old.password()).await;
+    sqlx::query("DROP TABLE IF EXISTS public.shadow_of_tasks")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    let migrated = db.migrate().await;
+    let new_tenant = format!("pg14-{}", &Uuid::new_v4().simple().to_string()[..8]);
+    let new = TenantRole::new(&new_tenant).unwrap();
+    let granted = db.grant_tenant(&new).await;
+    let old_after = in_public_as(&test, old.name(), old.password()).await;
+    let new_after = in_public_as(&test, new.name(), new.password()).await;
+    // The roles go whatever happened (roles outlive the test's database).
+    let _ = sqlx::query("DROP TABLE IF EXISTS public.shadow_of_tasks")
+        .execute(db.pool())
+        .await;
+    db.revoke_tenant(&new_tenant).await.unwrap();
+    for statement in [
+        format!("REVOKE ALL ON tasks FROM \"{}\"", old.name()),
+        format!("REVOKE ALL ON SCHEMA public FROM \"{}\"", old.name()),
+        format!("DROP ROLE \"{}\"", old.name()),
+    ] {
+        sqlx::query(&statement).execute(db.pool()).await.unwrap();
+    }
+
+    assert!(
+        old_before.0,
+        "the PostgreSQL 14 default is in place before the upgrade"
+    );
+    migrated.expect("the migration applies");
+    granted.expect("the grant applies");
+    assert_eq!(
+        old_after,
+        (false, "pg_catalog, public".to_owned()),
+        "migrated"
+    );
+    assert_eq!(
+        new_after,
+        (false, "pg_catalog, public".to_owned()),
+        "granted"
+    );
 }
