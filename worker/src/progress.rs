@@ -32,7 +32,7 @@ pub const FLUSH_EVERY: Duration = Duration::from_secs(1);
 type Attempt = (Uuid, i32);
 
 /// The latest unwritten report of each running attempt.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct ProgressBoard {
     pending: Arc<Mutex<HashMap<Attempt, serde_json::Value>>>,
     /// Attempts whose last report was taken for their outcome: a report of theirs that a
@@ -40,6 +40,8 @@ pub struct ProgressBoard {
     finished: Arc<Mutex<HashSet<Attempt>>>,
     /// `http://host:port` of this worker's admin server, for http handlers' callbacks.
     callback_base: Option<String>,
+    /// This process's key for the callbacks' secrets ([`ProgressBoard::secret`]).
+    key: Arc<[u8; 32]>,
 }
 
 /// Longest report as the database prints it (`tasks_progress_bounded`, migration
@@ -66,12 +68,50 @@ pub enum Refused {
     TooLong(usize),
 }
 
+impl Default for ProgressBoard {
+    fn default() -> Self {
+        ProgressBoard {
+            pending: Arc::default(),
+            finished: Arc::default(),
+            callback_base: None,
+            key: Arc::new(rand::random()),
+        }
+    }
+}
+
 impl ProgressBoard {
     pub fn new(callback_base: Option<String>) -> ProgressBoard {
         ProgressBoard {
             callback_base,
             ..ProgressBoard::default()
         }
+    }
+
+    /// The secret in one attempt's callback URL: only the handler it is given to can report
+    /// for that attempt (the admin port is reachable from other pods, issue 33, item 2).
+    /// Keyed by this process, so nothing is stored per attempt.
+    fn secret(&self, id: Uuid, attempt: i32) -> String {
+        use hmac::{Hmac, Mac};
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(self.key.as_slice())
+            .expect("HMAC takes a key of any length");
+        mac.update(id.as_bytes());
+        mac.update(&attempt.to_be_bytes());
+        mac.finalize()
+            .into_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Whether `given` is the secret of the attempt, compared in constant time.
+    fn admits(&self, id: Uuid, attempt: i32, given: &str) -> bool {
+        let secret = self.secret(id, attempt);
+        secret.len() == given.len()
+            && secret
+                .bytes()
+                .zip(given.bytes())
+                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+                == 0
     }
 
     /// The sink of one attempt.
@@ -152,7 +192,11 @@ impl ProgressSink {
     /// The URL an http handler POSTs its reports to, when the admin server runs.
     pub fn callback_url(&self) -> Option<String> {
         let base = self.board.callback_base.as_ref()?;
-        Some(format!("{base}/progress/{}/{}", self.id, self.attempt))
+        let secret = self.board.secret(self.id, self.attempt);
+        Some(format!(
+            "{base}/progress/{}/{}/{secret}",
+            self.id, self.attempt
+        ))
     }
 }
 
@@ -236,16 +280,17 @@ pub async fn flush_loop(
 /// for an attempt running here.
 pub fn router(board: ProgressBoard, in_flight: InFlight) -> Router {
     Router::new()
-        .route("/progress/{id}/{attempt}", post(callback))
+        .route("/progress/{id}/{attempt}/{secret}", post(callback))
         .with_state((board, in_flight))
 }
 
 async fn callback(
     State((board, in_flight)): State<(ProgressBoard, InFlight)>,
-    Path((id, attempt)): Path<(Uuid, i32)>,
+    Path((id, attempt, secret)): Path<(Uuid, i32, String)>,
     Json(value): Json<serde_json::Value>,
 ) -> (StatusCode, String) {
-    if !in_flight.claims().contains(&(id, attempt)) {
+    // A wrong secret answers as an attempt not running here: nothing to learn from it.
+    if !board.admits(id, attempt, &secret) || !in_flight.claims().contains(&(id, attempt)) {
         return (
             StatusCode::NOT_FOUND,
             format!("task {id} attempt {attempt} is not running on this worker"),
@@ -291,10 +336,17 @@ mod tests {
             vec![((id, 3), serde_json::json!({"percent": 2}))]
         );
         assert!(board.take().is_empty());
-        assert_eq!(
-            sink.callback_url().unwrap(),
-            format!("http://127.0.0.1:9/progress/{id}/3")
+        let url = sink.callback_url().unwrap();
+        let secret = url
+            .strip_prefix(&format!("http://127.0.0.1:9/progress/{id}/3/"))
+            .unwrap();
+        assert!(board.admits(id, 3, secret));
+        assert!(!board.admits(id, 4, secret), "another attempt's");
+        assert!(
+            !ProgressBoard::default().admits(id, 3, secret),
+            "another worker's"
         );
+        assert!(!board.admits(id, 3, ""));
     }
 
     #[test]

@@ -115,15 +115,27 @@ async fn an_http_handler_reports_through_its_callback_and_bad_reports_are_refuse
                         .as_u16(),
                     204
                 );
-                let stale = callback.rsplit_once('/').unwrap().0.to_owned() + "/99";
-                let status = http
-                    .post(stale)
-                    .json(&json!({}))
-                    .send()
-                    .await
-                    .unwrap()
-                    .status();
-                assert_eq!(status.as_u16(), 404, "another attempt is not running here");
+                // Only the URL given reports: not another attempt's, not one without its
+                // secret or with a guessed one (any pod may reach the admin port).
+                let (attempt_url, secret) = callback.rsplit_once('/').unwrap();
+                let task_url = attempt_url.rsplit_once('/').unwrap().0;
+                for (url, why) in [
+                    (format!("{task_url}/99/{secret}"), "another attempt"),
+                    (attempt_url.to_owned(), "no secret"),
+                    (
+                        format!("{attempt_url}/{}", "0".repeat(secret.len())),
+                        "a guessed secret",
+                    ),
+                ] {
+                    let status = http
+                        .post(url)
+                        .json(&json!({"percent": 99}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .status();
+                    assert_eq!(status.as_u16(), 404, "{why}");
+                }
                 for _ in 0..300 {
                     let task: Value = http
                         .get(format!("{gateway}/v1/tasks/{id}"))
