@@ -99,8 +99,10 @@ up() {
   kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev \
     crd/clienttokens.conveyor.dev >/dev/null
 
+  # The key of the workers' admin tokens: made once, kept, so that a restart rolls no pool.
+  [ -s "$DEV/admin-key" ] || (umask 077; od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >"$DEV/admin-key")
   KUBECONFIG=$(kubeconfig_as conveyor-operator) POD_NAMESPACE=conveyor-system \
-    CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 \
+    CONVEYOR_OPERATOR_LISTEN=$OPERATOR CONVEYOR_LEASE_SECONDS=5 CONVEYOR_ADMIN_KEY=$(cat "$DEV/admin-key") \
     start operator "$OPERATOR_BIN" run
   KUBECONFIG=$(kubeconfig_as conveyor-gateway) \
     start gateway "$BIN/conveyor-gateway" --listen "$GATEWAY" --admin-listen "$GATEWAY_ADMIN" \

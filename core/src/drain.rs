@@ -19,3 +19,54 @@ pub struct DrainState {
     /// released.
     pub idle: bool,
 }
+
+/// The environment variable that gives a worker its admin token: with one, `POST` and
+/// `DELETE` on [`DRAIN_PATH`] need it as a bearer token (any pod may reach the admin port;
+/// issue 33, item 2). Handlers never see it: they run with a scrubbed environment.
+pub const ADMIN_TOKEN_ENV: &str = "CONVEYOR_ADMIN_TOKEN";
+
+/// The admin token of a pool's workers: HMAC-SHA256 of `namespace/pool` under the
+/// operator's key, in hex. Derived, so the operator stores nothing per pool and a restart
+/// changes nothing; another pool's token says nothing about this one's.
+pub fn pool_token(key: &[u8], namespace: &str, pool: &str) -> String {
+    use hmac::{Hmac, Mac};
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).expect("HMAC takes any key length");
+    mac.update(namespace.as_bytes());
+    mac.update(b"/");
+    mac.update(pool.as_bytes());
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Whether an `Authorization` header carries `Bearer <token>`, compared in constant time.
+pub fn bearer_matches(header: Option<&str>, token: &str) -> bool {
+    let given = header
+        .and_then(|h| h.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pools_token_is_its_own_and_only_a_bearer_of_it_matches() {
+        let token = pool_token(b"key", "video", "transcode");
+        assert_eq!(token.len(), 64);
+        assert_ne!(token, pool_token(b"key", "video", "thumbs"));
+        assert_ne!(token, pool_token(b"other", "video", "transcode"));
+        assert!(bearer_matches(Some(&format!("Bearer {token}")), &token));
+        assert!(!bearer_matches(Some(&token), &token));
+        assert!(!bearer_matches(None, &token));
+        assert!(!bearer_matches(Some("Bearer "), &token));
+    }
+}

@@ -49,6 +49,11 @@ pub struct RunArgs {
         default_value = "conveyor-connections"
     )]
     pub connection_secret: String,
+    /// The key each pool's worker admin token is derived from (`conveyorctl grant
+    /// --component operator` makes one). Without it, any pod that reaches a worker's admin
+    /// port may pause its intake.
+    #[arg(long, env = "CONVEYOR_ADMIN_KEY", hide_env_values = true)]
+    pub admin_key: Option<String>,
     #[command(flatten)]
     pub amqp: AmqpArgs,
     #[command(flatten)]
@@ -120,24 +125,32 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         controller: "conveyor-operator".into(),
         instance: Some(args.identity.clone()),
     };
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        reporter,
-        args.management
-            .api("/", &args.ca.roots().context("--ca-file")?)
-            .context("RabbitMQ management API client")?
-            .counted(metrics.broker_requests.with_label_values(&["management"])),
-        Publisher::new(
-            args.amqp.connection_url(),
-            "conveyor-operator",
-            args.amqp.confirm_timeout(),
-        ),
-        ConnectionSecret {
-            name: args.connection_secret.clone(),
-            ..ConnectionSecret::default()
-        },
-        metrics,
-    ));
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            reporter,
+            args.management
+                .api("/", &args.ca.roots().context("--ca-file")?)
+                .context("RabbitMQ management API client")?
+                .counted(metrics.broker_requests.with_label_values(&["management"])),
+            Publisher::new(
+                args.amqp.connection_url(),
+                "conveyor-operator",
+                args.amqp.confirm_timeout(),
+            ),
+            ConnectionSecret {
+                name: args.connection_secret.clone(),
+                ..ConnectionSecret::default()
+            },
+            metrics,
+        )
+        .with_admin_key(args.admin_key.as_deref()),
+    );
+    if args.admin_key.as_deref().unwrap_or_default().is_empty() {
+        tracing::warn!(
+            "no --admin-key: workers' /drain is open to any pod that reaches their admin port"
+        );
+    }
 
     // Reconciles still under way when the lease is lost or shutdown begins get a bound to
     // finish in, well inside the renew deadline; then the process exits regardless.

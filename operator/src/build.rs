@@ -71,6 +71,28 @@ impl BuildError {
     }
 }
 
+/// Gives the pool's workers their admin token ([`conveyor_core::drain::ADMIN_TOKEN_ENV`]):
+/// an env value, so it is as visible as the Deployment (to the pool's namespace); handlers
+/// never see it.
+pub fn set_admin_token(deployment: &mut Deployment, token: &str) {
+    let containers = deployment
+        .spec
+        .as_mut()
+        .and_then(|spec| spec.template.spec.as_mut())
+        .map(|pod| &mut pod.containers);
+    if let Some(worker) = containers.and_then(|c| c.iter_mut().find(|c| c.name == WORKER_CONTAINER))
+    {
+        worker
+            .env
+            .get_or_insert_with(Vec::new)
+            .push(k8s_openapi::api::core::v1::EnvVar {
+                name: conveyor_core::drain::ADMIN_TOKEN_ENV.to_owned(),
+                value: Some(token.to_owned()),
+                value_from: None,
+            });
+    }
+}
+
 /// Everything a pool runs on.
 pub struct PoolObjects {
     pub config_map: ConfigMap,

@@ -26,6 +26,8 @@ use crate::shared::lock;
 
 pub struct Context {
     pub client: Client,
+    /// See [`Context::with_admin_key`].
+    admin_key: Option<Vec<u8>>,
     pub recorder: Recorder,
     reporter: Reporter,
     pub management: ManagementApi,
@@ -83,6 +85,23 @@ pub struct Applied {
 }
 
 impl Context {
+    /// The key each pool's worker admin token is derived from
+    /// ([`conveyor_core::drain::pool_token`]); without one the workers' `/drain` is open.
+    pub fn with_admin_key(mut self, key: Option<&str>) -> Self {
+        self.admin_key = key.filter(|k| !k.is_empty()).map(|k| k.as_bytes().to_vec());
+        self
+    }
+
+    /// The admin token of `pool`'s workers, when this operator has a key.
+    pub fn admin_token(&self, pool: &WorkerPool) -> Option<String> {
+        let key = self.admin_key.as_ref()?;
+        Some(conveyor_core::drain::pool_token(
+            key,
+            &pool.namespace().unwrap_or_default(),
+            &pool.name_any(),
+        ))
+    }
+
     pub fn new(
         client: Client,
         reporter: Reporter,
@@ -114,6 +133,7 @@ impl Context {
             drains: Default::default(),
             declarations: Declarations::default(),
             started: Instant::now(),
+            admin_key: None,
         }
     }
 

@@ -54,6 +54,52 @@ fn transcode_pool_matches_its_fixture() {
     );
 }
 
+/// With an admin token the worker container gets it in its environment, and nothing else
+/// changes (issue 33, item 2).
+#[test]
+fn an_admin_token_reaches_the_worker_container_only() {
+    let (input, _) = fixture("transcode-pool");
+    let build = || {
+        pool_objects(
+            &input.pool,
+            &input.task_types,
+            3,
+            &ConnectionSecret::default(),
+        )
+        .unwrap()
+    };
+    let (plain, mut tokened) = (build(), build());
+    conveyor_operator::build::set_admin_token(&mut tokened.deployment, "t0ken");
+    let containers = |objects: &conveyor_operator::build::PoolObjects| {
+        objects
+            .deployment
+            .spec
+            .clone()
+            .unwrap()
+            .template
+            .spec
+            .unwrap()
+            .containers
+    };
+    let (before, after) = (containers(&plain), containers(&tokened));
+    assert_eq!(before.len(), after.len());
+    for (b, a) in before.iter().zip(&after) {
+        let added: Vec<_> = a
+            .env
+            .iter()
+            .flatten()
+            .filter(|e| !b.env.iter().flatten().any(|x| x == *e))
+            .collect();
+        if a.name == conveyor_core::crd::worker_pool::WORKER_CONTAINER {
+            assert_eq!(added.len(), 1, "{added:?}");
+            assert_eq!(added[0].name, conveyor_core::drain::ADMIN_TOKEN_ENV);
+            assert_eq!(added[0].value.as_deref(), Some("t0ken"));
+        } else {
+            assert!(added.is_empty(), "{}: {added:?}", a.name);
+        }
+    }
+}
+
 /// A node lost takes its pods away after 30 s (not Kubernetes' 300 s), unless the pool says
 /// otherwise for a taint; and pods spread over nodes where they can.
 #[test]

@@ -12,9 +12,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
 use axum::routing::get;
 use axum::{Json, Router};
-use conveyor_core::drain::{DrainState, DRAIN_PATH};
+use conveyor_core::drain::{bearer_matches, DrainState, DRAIN_PATH};
 use prometheus::IntGauge;
 use tokio::sync::watch;
 
@@ -111,25 +112,58 @@ impl Drop for Handling {
 }
 
 /// `GET /drain` (the state), `POST /drain` (stop taking tasks), `DELETE /drain` (take them
-/// again); each answers the state after it.
-pub fn router(intake: Intake) -> Router {
+/// again); each answers the state after it. With `token`, `POST` and `DELETE` need it as a
+/// bearer token (401 without), so that no other pod can pause this one.
+pub fn router(intake: Intake, token: Option<String>) -> Router {
     Router::new()
         .route(DRAIN_PATH, get(state).post(drain).delete(resume))
-        .with_state(intake)
+        .with_state(Admin {
+            intake,
+            token: token.map(Arc::from),
+        })
 }
 
-async fn state(State(intake): State<Intake>) -> Json<DrainState> {
-    Json(intake.state())
+#[derive(Clone)]
+struct Admin {
+    intake: Intake,
+    token: Option<Arc<str>>,
 }
 
-async fn drain(State(intake): State<Intake>) -> Json<DrainState> {
-    intake.drain();
-    Json(intake.state())
+impl Admin {
+    fn admits(&self, headers: &HeaderMap) -> Result<(), (StatusCode, &'static str)> {
+        let header = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|h| h.to_str().ok());
+        match &self.token {
+            Some(token) if !bearer_matches(header, token) => Err((
+                StatusCode::UNAUTHORIZED,
+                "this worker's admin token is required (the operator has it)",
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
-async fn resume(State(intake): State<Intake>) -> Json<DrainState> {
-    intake.resume();
-    Json(intake.state())
+async fn state(State(admin): State<Admin>) -> Json<DrainState> {
+    Json(admin.intake.state())
+}
+
+async fn drain(
+    State(admin): State<Admin>,
+    headers: HeaderMap,
+) -> Result<Json<DrainState>, (StatusCode, &'static str)> {
+    admin.admits(&headers)?;
+    admin.intake.drain();
+    Ok(Json(admin.intake.state()))
+}
+
+async fn resume(
+    State(admin): State<Admin>,
+    headers: HeaderMap,
+) -> Result<Json<DrainState>, (StatusCode, &'static str)> {
+    admin.admits(&headers)?;
+    admin.intake.resume();
+    Ok(Json(admin.intake.state()))
 }
 
 #[cfg(test)]

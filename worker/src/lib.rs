@@ -70,6 +70,9 @@ pub struct WorkerConfig {
     pub declare_queues: bool,
     /// Where the spans of each task's processing go (`conveyor_core::trace`).
     pub tracer: conveyor_core::trace::Tracer,
+    /// The bearer token `POST`/`DELETE /drain` need ([`conveyor_core::drain::ADMIN_TOKEN_ENV`]);
+    /// `None` leaves them open to anything that reaches the admin port.
+    pub admin_token: Option<String>,
 }
 
 /// How often a worker that found some of its queues missing looks for them again.
@@ -172,7 +175,7 @@ pub async fn run(
     if let Some(listener) = admin_listener {
         let ready = readiness::check(recorder.clone(), intake.clone(), unseen.clone());
         let app = admin::router(metrics.registry.clone(), ready)
-            .merge(intake::router(intake.clone()))
+            .merge(intake::router(intake.clone(), config.admin_token.clone()))
             .merge(progress::router(progress.clone(), in_flight.clone()));
         let stop = background.clone();
         tokio::spawn(async move {

@@ -63,6 +63,10 @@ struct Args {
     /// them (and deletes them with a `Delete` TaskType), as in every pod it runs.
     #[arg(long, env = "CONVEYOR_NO_DECLARE")]
     no_declare: bool,
+    /// The bearer token `POST` and `DELETE /drain` need on the admin port (the operator sets
+    /// it per pool). Without one, anything that reaches the port may pause this worker.
+    #[arg(long, env = conveyor_core::drain::ADMIN_TOKEN_ENV, hide_env_values = true)]
+    admin_token: Option<String>,
     #[command(flatten)]
     database: DatabaseArgs,
     #[command(flatten)]
@@ -100,7 +104,13 @@ async fn main() -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)?;
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     let tracer = args.telemetry.tracer("conveyor-worker");
+    if args.admin_token.is_none() && args.metrics_listen.is_some() {
+        tracing::warn!(
+            "no admin token: anything that reaches the admin port may pause this worker's intake"
+        );
+    }
     let config = WorkerConfig {
+        admin_token: args.admin_token.clone(),
         tracer: tracer.clone(),
         worker_id: format!("{}-{}", args.worker_name, &suffix[..8]),
         task_types,

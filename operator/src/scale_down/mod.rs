@@ -116,8 +116,10 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
         .filter_map(|pod| Some((pod.name_any(), pod.status.as_ref()?.pod_ip.clone()?)))
         .collect();
     let now = chrono::Utc::now().to_rfc3339();
+    let token = ctx.admin_token(pool);
+    let token = token.as_deref();
     for pod in &plan.drain {
-        if ask(&http, &addresses, pod, reqwest::Method::POST).await {
+        if ask(&http, &addresses, pod, reqwest::Method::POST, token).await {
             annotate(&pods, pod, json!({DRAINING_SINCE: now, DELETION_COST: "0"})).await;
         }
     }
@@ -125,7 +127,7 @@ pub async fn settle(pool: &WorkerPool, ctx: &Context, current: i32, wanted: i32)
     for pod in &plan.resume {
         // An unstarted or unreachable worker cannot be asked: its stamp stays, and it is
         // asked again next round.
-        if ask(&http, &addresses, pod, reqwest::Method::DELETE).await {
+        if ask(&http, &addresses, pod, reqwest::Method::DELETE, token).await {
             annotate(
                 &pods,
                 pod,
@@ -290,18 +292,24 @@ async fn pool_pods(
     Ok(listed.items)
 }
 
-/// Asks a worker to drain (POST) or resume (DELETE); whether it answered.
+/// Asks a worker to drain (POST) or resume (DELETE), with the pool's admin token when there
+/// is one; whether it answered.
 async fn ask(
     http: &reqwest::Client,
     addresses: &HashMap<String, String>,
     pod: &str,
     method: reqwest::Method,
+    token: Option<&str>,
 ) -> bool {
     let Some(ip) = addresses.get(pod) else {
         return false;
     };
     let url = format!("http://{ip}:{METRICS_PORT}{DRAIN_PATH}");
-    match http.request(method.clone(), &url).send().await {
+    let mut request = http.request(method.clone(), &url);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    match request.send().await {
         Ok(answer) if answer.status().is_success() => true,
         Ok(answer) => {
             tracing::warn!(pod, %method, status = %answer.status(), "worker refused the drain request");

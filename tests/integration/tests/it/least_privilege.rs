@@ -407,6 +407,8 @@ async fn the_gateway_and_operator_run_with_credentials_that_cannot_rewrite_histo
     );
     let password = secret_value(&secret, "rabbitmq-password");
     assert_eq!(secret_value(&secret, "rabbitmq-user"), operator_user);
+    // The key of the workers' admin tokens (issue 33, item 2): random, long.
+    assert_eq!(secret_value(&secret, "admin-key").len(), 64, "{secret}");
     let policy = format!("{management}/api/policies/%2f/conveyor-lp-{suffix}");
     let put = harness
         .http

@@ -336,6 +336,7 @@ impl Harness {
             declare_queues: true,
             db_call_timeout: Duration::from_secs(2),
             tracer: conveyor_core::trace::Tracer::disabled(),
+            admin_token: None,
         }
     }
 

@@ -166,10 +166,15 @@ async fn sigterm_drains_in_flight_work_and_releases_what_cannot_finish() {
 }
 
 /// A worker's answer to a drain request (`POST` drains, `DELETE` resumes).
+/// The admin token the drained worker below is started with (the operator sets one per
+/// pool).
+const ADMIN_TOKEN: &str = "drain-test-admin-token";
+
 async fn ask_drain(harness: &Harness, method: reqwest::Method, url: &str) -> serde_json::Value {
     harness
         .http
         .request(method, url)
+        .bearer_auth(ADMIN_TOKEN)
         .send()
         .await
         .unwrap()
@@ -194,8 +199,41 @@ async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes()
             "2",
             "--metrics-listen",
             &listen,
+            "--admin-token",
+            ADMIN_TOKEN,
         ],
     );
+    // Another pod reaches the admin port, but without the token it cannot pause the worker
+    // (issue 33, item 2).
+    let drain = format!("http://{listen}/drain");
+    wait_until(
+        "the admin port answers",
+        Duration::from_secs(20),
+        || async { harness.http.get(&drain).send().await.is_ok() },
+    )
+    .await;
+    for (token, method) in [
+        (None, reqwest::Method::POST),
+        (Some("a-guess"), reqwest::Method::POST),
+        (None, reqwest::Method::DELETE),
+    ] {
+        let mut request = harness.http.request(method.clone(), &drain);
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let status = request.send().await.unwrap().status();
+        assert_eq!(status, 401, "{method} with {token:?}");
+    }
+    let state: serde_json::Value = harness
+        .http
+        .get(&drain)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(state["draining"], false, "{state}");
     let held: Vec<_> = futures_util::future::join_all(
         (0..2).map(|_| harness.submit_ok(&name, serde_json::json!({"sleepMs": 3000}))),
     )
@@ -206,7 +244,6 @@ async fn a_drained_worker_finishes_what_it_holds_takes_nothing_new_and_resumes()
     .await;
 
     // The operator's scale-down handshake: stop taking tasks, finish what is held.
-    let drain = format!("http://{listen}/drain");
     let answer = ask_drain(&harness, reqwest::Method::POST, &drain).await;
     assert_eq!(answer["draining"], true, "{answer}");
     assert_eq!(answer["idle"], false, "two tasks in hand: {answer}");
