@@ -46,10 +46,15 @@ pub fn bearer_matches(header: Option<&str>, token: &str) -> bool {
     let given = header
         .and_then(|h| h.strip_prefix("Bearer "))
         .unwrap_or_default();
-    given.len() == token.len()
+    same_secret(given, token)
+}
+
+/// Whether `given` is `secret`, in time that does not depend on where they differ.
+pub fn same_secret(given: &str, secret: &str) -> bool {
+    given.len() == secret.len()
         && given
             .bytes()
-            .zip(token.bytes())
+            .zip(secret.bytes())
             .fold(0u8, |diff, (a, b)| diff | (a ^ b))
             == 0
 }

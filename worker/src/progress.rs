@@ -105,13 +105,7 @@ impl ProgressBoard {
 
     /// Whether `given` is the secret of the attempt, compared in constant time.
     fn admits(&self, id: Uuid, attempt: i32, given: &str) -> bool {
-        let secret = self.secret(id, attempt);
-        secret.len() == given.len()
-            && secret
-                .bytes()
-                .zip(given.bytes())
-                .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-                == 0
+        conveyor_core::drain::same_secret(given, &self.secret(id, attempt))
     }
 
     /// The sink of one attempt.

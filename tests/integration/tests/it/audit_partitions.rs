@@ -9,7 +9,7 @@ use conveyor_core::task::NewTask;
 use conveyor_core::testing::{unique_type, TestDatabase};
 use uuid::Uuid;
 
-use crate::support::{connect_as, days_ago, new_task, set_state};
+use crate::support::{connect_as, days_ago, migrated_before, new_task, set_state};
 
 /// An audit row for `task`, written by the tables' owner at a time of its choosing.
 async fn old_event(db: &Db, task: &NewTask, at: chrono::DateTime<Utc>) {
@@ -298,21 +298,8 @@ async fn a_flood_of_audit_rows_on_one_open_task_does_not_hold_writers_at_the_day
 /// tenant granted as that version granted it.
 #[tokio::test]
 async fn an_upgrade_gives_existing_tenants_their_own_kept_history_and_no_one_elses() {
-    use sqlx::migrate::Migrator;
-    let test = TestDatabase::create_empty().await;
+    let test = migrated_before(20261206000001).await;
     let db = &test.db;
-    let mut before =
-        Migrator::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations"))
-            .await
-            .unwrap();
-    before.migrations = before
-        .migrations
-        .iter()
-        .filter(|m| m.version < 20261206000001)
-        .cloned()
-        .collect::<Vec<_>>()
-        .into();
-    before.run(db.pool()).await.unwrap();
     let tenant = format!("up-{}", &Uuid::new_v4().simple().to_string()[..8]);
     let role = format!("conveyor-{tenant}");
     for statement in [

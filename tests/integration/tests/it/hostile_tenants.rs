@@ -14,7 +14,7 @@ use reqwest::StatusCode;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::support::{connect_as, queue, set_state, Harness};
+use crate::support::{connect_as, migrated_before, queue, set_state, Harness};
 
 const CALM: &str = "calm-tenant-token-1";
 const HOSTILE: &str = "hostile-tenant-token-1";
@@ -329,21 +329,8 @@ async fn a_tenants_role_creates_nothing_in_public_even_where_postgres_14_let_eve
     // database upgraded from one keeps that grant): a tenant could put objects there that
     // shadow what the application calls. Granted afresh, or carried over by the migration,
     // a tenant's role creates nothing there and searches pg_catalog first.
-    use sqlx::migrate::Migrator;
-    let test = TestDatabase::create_empty().await;
+    let test = migrated_before(20261206000002).await;
     let db = &test.db;
-    let mut before =
-        Migrator::new(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations"))
-            .await
-            .unwrap();
-    before.migrations = before
-        .migrations
-        .iter()
-        .filter(|m| m.version < 20261206000002)
-        .cloned()
-        .collect::<Vec<_>>()
-        .into();
-    before.run(db.pool()).await.unwrap();
     sqlx::query("GRANT CREATE ON SCHEMA public TO PUBLIC")
         .execute(db.pool())
         .await

@@ -129,6 +129,25 @@ pub fn connect_as(database: &TestDatabase, user: &str, password: &str) -> Db {
 }
 
 /// Noon UTC, `days` days before today.
+/// A database migrated up to, not including, migration `version`: an upgrade's "before".
+pub async fn migrated_before(version: i64) -> TestDatabase {
+    let test = TestDatabase::create_empty().await;
+    let mut before = sqlx::migrate::Migrator::new(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../migrations"),
+    )
+    .await
+    .expect("the migrations folder");
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < version)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    before.run(test.db.pool()).await.expect("migrations before");
+    test
+}
+
 pub fn days_ago(days: u64) -> chrono::DateTime<chrono::Utc> {
     (chrono::Utc::now().date_naive() - chrono::Days::new(days))
         .and_time(chrono::NaiveTime::from_hms_opt(12, 0, 0).unwrap())
