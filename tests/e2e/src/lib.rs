@@ -419,7 +419,7 @@ impl Stack {
     }
 }
 
-pub(crate) fn repo_root() -> std::path::PathBuf {
+pub fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
