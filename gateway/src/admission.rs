@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -102,6 +103,22 @@ pub(crate) async fn admit(
     let Some(client) = state.tokens.current().client(header).cloned() else {
         return ApiError::unauthorized().into_response();
     };
+    let presented = header
+        .and_then(|h| h.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    if client.self_service() && !crate::auth::strong_enough(presented.trim()) {
+        tracing::warn!(
+            client = client.name,
+            "a ClientToken's token is too weak; refused"
+        );
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "this ClientToken's token is too weak to be accepted: make one from a random \
+             source (`openssl rand -hex 32`) and put its digest in the ClientToken",
+        )
+        .into_response();
+    }
     let Some(permit) = state.admit_one(&client) else {
         let message = format!(
             "client {} has {} requests in flight already",

@@ -18,6 +18,9 @@ pub const ALL_TENANTS: &str = "*";
 pub struct Client {
     pub name: String,
     tenants: Vec<String>,
+    /// Made by a namespace's own ClientToken resource, whose token nobody but its team saw:
+    /// held to [`strong_enough`] when it is presented.
+    self_service: bool,
 }
 
 impl Client {
@@ -25,7 +28,13 @@ impl Client {
         Client {
             name: name.to_owned(),
             tenants: tenants.iter().map(|t| (*t).to_owned()).collect(),
+            self_service: false,
         }
+    }
+
+    /// Whether a ClientToken resource made this client (see [`strong_enough`]).
+    pub fn self_service(&self) -> bool {
+        self.self_service
     }
 
     /// Whether this client may submit to and read the tasks of `tenant`.
@@ -172,7 +181,11 @@ impl Tokens {
             }
             return Ok(());
         }
-        self.push(name, digest, &[tenant])
+        self.push(name, digest, &[tenant])?;
+        if let Some((client, _)) = self.clients.last_mut() {
+            client.self_service = true;
+        }
+        Ok(())
     }
 
     pub fn merge(mut self, other: Tokens) -> Tokens {
@@ -197,6 +210,34 @@ impl Tokens {
         }
         found
     }
+}
+
+/// The fewest bits of entropy a ClientToken's token may show: a resource holds only a
+/// digest, so its token is judged when presented. A guessable token would let anyone in
+/// the cluster act as that namespace (issue 33, item 7).
+pub const MIN_TOKEN_BITS: f64 = 96.0;
+
+/// Whether `token` looks drawn from a random source: at least 22 characters, and at least
+/// [`MIN_TOKEN_BITS`] by the Shannon entropy of its own characters times its length (32
+/// random hex digits show about 120; `password123` about 36; a long run of one letter 0).
+/// An estimate from below for random tokens, never proof of randomness.
+pub fn strong_enough(token: &str) -> bool {
+    let n = token.chars().count();
+    if n < 22 {
+        return false;
+    }
+    let mut counts = std::collections::HashMap::new();
+    for c in token.chars() {
+        *counts.entry(c).or_insert(0usize) += 1;
+    }
+    let per_char: f64 = counts
+        .values()
+        .map(|&k| {
+            let p = k as f64 / n as f64;
+            -p * p.log2()
+        })
+        .sum();
+    per_char * n as f64 >= MIN_TOKEN_BITS
 }
 
 /// The tokens in force: those of the file and environment, and (in a cluster) those of the
@@ -328,5 +369,29 @@ mod tests {
         .unwrap();
         assert!(Tokens::load(&file).unwrap_err().contains("exactly one"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_clienttokens_token_must_look_random() {
+        assert!(
+            strong_enough("3f9c1e0a7b2d4c6e8f1a3b5c7d9e0f21"),
+            "32 random hex digits"
+        );
+        assert!(strong_enough(&format!(
+            "team-token-{}",
+            uuid::Uuid::new_v4()
+        )));
+        assert!(!strong_enough("password123"), "short");
+        assert!(!strong_enough(&"a".repeat(64)), "one letter");
+        assert!(
+            !strong_enough("abababababababababababababababab"),
+            "two letters"
+        );
+        let mut tokens = Tokens::default();
+        let digest = "ab".repeat(32);
+        tokens.add_listed("team", &digest, "video").unwrap();
+        assert!(tokens.clients[0].0.self_service());
+        let fixed = Tokens::parse_pairs("ci@video=a-fixed-token").unwrap();
+        assert!(!fixed.clients[0].0.self_service());
     }
 }

@@ -225,6 +225,31 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
     assert_eq!(read(own_id).await, reqwest::StatusCode::OK);
     assert_eq!(read(their_id).await, reqwest::StatusCode::NOT_FOUND);
 
+    // A guessable token in a ClientToken is refused when presented, with what to do
+    // (issue 33, item 7): anyone in the cluster could otherwise act as this namespace.
+    let weak = "password-password-123".to_owned();
+    let weak_digest: String = {
+        use sha2::Digest;
+        sha2::Sha256::digest(weak.as_bytes())
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    };
+    mine.apply(&format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: ClientToken\nmetadata: {{name: weak}}\n\
+         spec: {{tokenSha256: {weak_digest}}}\n"
+    ));
+    let refused = std::cell::RefCell::new(serde_json::Value::Null);
+    wait_until("the weak token refused as weak", MINUTE, || async {
+        let (status, body) = submit(weak.clone(), None).await;
+        let weak_said = body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("too weak"));
+        *refused.borrow_mut() = body;
+        status == reqwest::StatusCode::UNAUTHORIZED && weak_said
+    })
+    .await;
+
     // Deleting the ClientToken takes the token away.
     mine.kubectl(&["delete", "clienttoken", "team"]);
     wait_until("the deleted token refused", MINUTE, || async {
