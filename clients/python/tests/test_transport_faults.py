@@ -9,7 +9,7 @@ import unittest
 import uuid
 from typing import Any, Dict
 
-from conveyor_client import Client, NewTask, NoAnswer, RetryPolicy, State
+from conveyor_client import Client, ConveyorError, NewTask, NoAnswer, RetryPolicy, State
 
 from .support import FAST_RETRIES, LocalServer, Reply, Seen, json_reply, script
 
@@ -71,6 +71,20 @@ class TransportFaultTests(unittest.TestCase):
         self.assertEqual(answer.idempotency_key, first.headers["idempotency-key"])
         self.assertTrue(answer.created)
         self.assertGreaterEqual(took, 0.95, "waited the second Retry-After asked for")
+
+    def test_a_redirect_is_not_followed_and_the_token_goes_nowhere_else(self) -> None:
+        # Issue 33, item 7: a 3xx (a proxy, another host) must not receive the token.
+        with LocalServer(script(json_reply(200, task_view(str(uuid.uuid4()), "QUEUED")))) as elsewhere:
+            moved = (302, {"Location": elsewhere.url + "/v1/tasks/x"}, b"")
+            with LocalServer(script(moved)) as server:
+                for call in (
+                    lambda c: c.get(str(uuid.uuid4())),
+                    lambda c: c.submit("t", {"n": 3}),
+                ):
+                    with self.assertRaises(ConveyorError) as raised:
+                        call(self.client(server))
+                    self.assertEqual(raised.exception.status, 302)
+        self.assertEqual(elsewhere.requests, [], "nothing reached the redirect's target")
 
     def test_a_dropped_connection_is_retried_with_the_same_key(self) -> None:
         with LocalServer(script(HANG_UP, accepted)) as server:

@@ -72,8 +72,17 @@ def _never_better(error: BaseException) -> bool:
     return isinstance(reason, ssl.SSLCertVerificationError)
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """The gateway never redirects: a 3xx comes from something else (a proxy, a login
+    page, another host), and following it would hand the token to it. The 3xx is answered
+    as an error instead."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        return None
+
+
 class Http:
-    """Sends JSON requests with the token, following a `RetryPolicy`."""
+    """Sends JSON requests with the token, following a `RetryPolicy`; never a redirect."""
 
     def __init__(
         self,
@@ -93,7 +102,9 @@ class Http:
             "User-Agent": f"conveyor-client-python/{__version__}",
         }
         context = ssl.create_default_context(cafile=ca_file)
-        self.opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=context))
+        self.opener = urllib.request.build_opener(
+            urllib.request.HTTPSHandler(context=context), _NoRedirects()
+        )
 
     def call(
         self,
@@ -129,8 +140,15 @@ class Http:
                 if _never_better(failure):
                     raise error
             else:
-                if status < 400:
+                if status < 300:
                     return Reply(status, self._parse(status, raw))
+                if status < 400:
+                    raise ConveyorError(
+                        f"{method} {path}: answered {status}, a redirect, which is not followed "
+                        "(the token goes to the gateway's URL only); check the URL",
+                        status=status,
+                        code="redirect_refused",
+                    )
                 error = ConveyorError.from_answer(status, raw, retry_after)
                 error.attempts, error.unanswered = attempt, unanswered
                 if not error.retryable:
@@ -169,6 +187,13 @@ class Http:
                 ) from None
         except (OSError, http.client.HTTPException) as failure:
             raise NoAnswer(f"GET {path}: no answer ({failure})", attempts=1, unanswered=1) from failure
+        if response.status >= 300:
+            response.close()
+            raise ConveyorError(
+                f"GET {path}: answered {response.status}, a redirect, which is not followed",
+                status=response.status,
+                code="redirect_refused",
+            )
         with response:
             event, data = "message", []  # type: Tuple[str, List[str]]
             for raw in response:
