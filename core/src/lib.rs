@@ -13,6 +13,7 @@ pub mod jsonb;
 pub mod labels;
 pub mod lifecycle;
 pub mod metrics;
+pub mod plaintext;
 pub mod policies;
 pub mod remediation;
 pub mod requeue;

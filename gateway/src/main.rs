@@ -5,6 +5,7 @@ use anyhow::Context;
 use clap::Parser;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret, TelemetryArgs};
 use conveyor_core::metrics::Metrics;
+use conveyor_core::plaintext::Link;
 use conveyor_core::task_type::load_task_types;
 use conveyor_core::upkeep::SweepSettings;
 use conveyor_gateway::api::RequestLimits;
@@ -173,6 +174,8 @@ struct Args {
     amqp: AmqpArgs,
     #[command(flatten)]
     telemetry: TelemetryArgs,
+    #[command(flatten)]
+    require_tls: conveyor_core::plaintext::RequireTls,
 }
 
 /// How often the upkeep looks for open tasks of types no TaskType defines any more.
@@ -205,6 +208,15 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     args.telemetry.init();
+    args.require_tls
+        .check(&[
+            Link::Database(args.database.url.expose()),
+            Link::Broker(args.amqp.url.expose()),
+            Link::Served {
+                tls: args.tls_cert_file.is_some(),
+            },
+        ])
+        .map_err(anyhow::Error::msg)?;
     let mut tokens = Tokens::default();
     if let Some(path) = &args.tokens_file {
         tokens = tokens.merge(Tokens::load(path).map_err(anyhow::Error::msg)?);

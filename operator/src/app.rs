@@ -1,6 +1,7 @@
 //! The operator process, wired as a library so the binary stays a command line: the admin
 //! server, leader election, the shared context and the controllers, and how it stops.
 
+use conveyor_core::plaintext::Link;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -58,12 +59,20 @@ pub struct RunArgs {
     pub amqp: AmqpArgs,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
+    #[command(flatten)]
+    pub require_tls: conveyor_core::plaintext::RequireTls,
 }
 
 /// Runs until a signal (releasing the lease) or until leadership is lost (an error, so the
 /// process exits and its Deployment starts it again as a standby).
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     args.telemetry.init();
+    args.require_tls
+        .check(&[
+            Link::Broker(args.amqp.url.expose()),
+            Link::Management(&args.management.management_url),
+        ])
+        .map_err(anyhow::Error::msg)?;
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes")?;

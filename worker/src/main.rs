@@ -1,3 +1,4 @@
+use conveyor_core::plaintext::Link;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -73,6 +74,8 @@ struct Args {
     amqp: AmqpArgs,
     #[command(flatten)]
     telemetry: TelemetryArgs,
+    #[command(flatten)]
+    require_tls: conveyor_core::plaintext::RequireTls,
 }
 
 #[tokio::main]
@@ -84,6 +87,12 @@ async fn main() -> anyhow::Result<()> {
     if let Err(err) = nix::sys::prctl::set_dumpable(false) {
         tracing::warn!(error = %err, "cannot hide the worker's environment from its handlers");
     }
+    args.require_tls
+        .check(&[
+            Link::Database(args.database.url.expose()),
+            Link::Broker(args.amqp.url.expose()),
+        ])
+        .map_err(anyhow::Error::msg)?;
     let known = load_task_types(&args.task_types)?;
     let task_types = args
         .consume

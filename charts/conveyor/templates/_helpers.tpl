@@ -40,6 +40,10 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 - name: CONVEYOR_CA_FILE
   value: {{ .Values.ca.file | quote }}
 {{- end }}
+{{- if .Values.requireTls }}
+- name: CONVEYOR_REQUIRE_TLS
+  value: "true"
+{{- end }}
 {{- end -}}
 {{- define "conveyor.caMount" -}}
 {{- if .Values.ca.secretName }}

@@ -335,3 +335,34 @@ async fn a_renewed_certificate_is_served_without_a_restart() {
     assert!(answers(client_trusting(&old_ca)).await.is_err());
     harness.shutdown().await;
 }
+
+#[test]
+fn with_require_tls_no_component_starts_over_a_plaintext_link() {
+    // Issue 33, item 7: a production switch, so that a wrong URL cannot quietly fall back
+    // to plaintext. Each component refuses at start, naming the link and not its password.
+    let plaintext = [
+        (
+            "CONVEYOR_DATABASE_URL",
+            "postgres://conveyor:hunter2@127.0.0.1:5432/conveyor",
+        ),
+        ("CONVEYOR_AMQP_URL", "amqp://conveyor:hunter2@127.0.0.1:5672/%2f"),
+        ("CONVEYOR_RABBITMQ_MANAGEMENT_URL", "http://127.0.0.1:15672"),
+    ];
+    for (component, args, expected) in [
+        ("conveyor-gateway", vec![], "served without TLS"),
+        ("conveyor-worker", vec!["--consume", "t"], "amqps"),
+        ("conveyor-operator", vec!["run"], "management URL"),
+    ] {
+        let output = Command::new(binary(component))
+            .args(&args)
+            .arg("--require-tls")
+            .envs(plaintext)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{component} started");
+        assert!(stderr.contains("--require-tls refuses"), "{component}: {stderr}");
+        assert!(stderr.contains(expected), "{component}: {stderr}");
+        assert!(!stderr.contains("hunter2"), "{component} showed a password: {stderr}");
+    }
+}
