@@ -4,13 +4,15 @@
 //!
 //! The gateway reads the row for the client, backing off from 100 ms to a second while
 //! nothing changes: one indexed read per stream per second at most. Each stream holds one
-//! of its client's in-flight requests, so one client cannot open thousands.
+//! of its client's in-flight requests, so one client cannot open thousands. A stream whose
+//! token is revoked (its ClientToken deleted) ends with `event: error`, `unauthorized`.
 
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::extract::{Extension, Path, State};
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
@@ -18,7 +20,7 @@ use conveyor_core::TaskState;
 use futures_util::stream;
 
 use crate::api::{own_task, ApiState, InFlight};
-use crate::auth::Client;
+use crate::auth::{Client, Tokens};
 use crate::error::{ApiError, ErrorBody};
 use crate::ingest::db_error;
 use crate::views::TaskSummary;
@@ -37,6 +39,11 @@ struct Follow {
     done: bool,
     pause: Duration,
     until: Instant,
+    /// The request's `Authorization`, looked up again whenever the tokens change.
+    authorization: String,
+    tenant: String,
+    /// The token set the stream was last found in.
+    tokens: Arc<Tokens>,
     _in_flight: InFlight,
 }
 
@@ -56,11 +63,20 @@ pub(crate) async fn stream_task(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
     Extension(in_flight): Extension<InFlight>,
+    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     // Checked before the stream starts: another tenant's id answers 404, not a stream.
     let task = own_task(&state, &client, &id).await?;
+    let authorization = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
     let follow = Follow {
+        tokens: state.tokens.current(),
+        authorization,
+        tenant: task.tenant.clone(),
         state,
         id: task.id,
         sent: None,
@@ -82,6 +98,10 @@ impl Follow {
     /// The next event to send, once there is one; `None` ends the stream.
     async fn next(&mut self) -> Option<Event> {
         while !self.done && Instant::now() < self.until {
+            if let Some(revoked) = self.revoked() {
+                self.done = true;
+                return Event::default().event("error").json_data(&revoked).ok();
+            }
             let ingestor = &self.state.ingestor;
             let task = match ingestor.db.task(self.id).await {
                 Ok(Some(task)) => task,
@@ -111,5 +131,25 @@ impl Follow {
             self.pause = (self.pause * 2).min(LONGEST_PAUSE);
         }
         None
+    }
+
+    /// An error when the tokens changed and the stream's token no longer reaches the task's
+    /// tenant. Only a new token set is looked at: one pointer comparison per read.
+    fn revoked(&mut self) -> Option<ApiError> {
+        let now = self.state.tokens.current();
+        if Arc::ptr_eq(&now, &self.tokens) {
+            return None;
+        }
+        let allowed = now
+            .client(Some(&self.authorization))
+            .is_some_and(|client| client.may_use(&self.tenant));
+        self.tokens = now;
+        (!allowed).then(|| {
+            ApiError::new(
+                axum::http::StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "the token of this stream was revoked",
+            )
+        })
     }
 }

@@ -222,7 +222,7 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
                 .status()
         }
     };
-    assert_eq!(read(own_id).await, reqwest::StatusCode::OK);
+    assert_eq!(read(own_id.clone()).await, reqwest::StatusCode::OK);
     assert_eq!(read(their_id).await, reqwest::StatusCode::NOT_FOUND);
 
     // A guessable token in a ClientToken is refused when presented, with what to do
@@ -250,12 +250,37 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
     })
     .await;
 
-    // Deleting the ClientToken takes the token away.
+    // A stream opened with the token (the task waits: no pool here) stays open...
+    let mut stream = http
+        .get(format!("{}/v1/tasks/{own_id}/stream", mine.gateway))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), reqwest::StatusCode::OK);
+    let first = stream.chunk().await.unwrap().unwrap_or_default();
+    assert!(String::from_utf8_lossy(&first).contains("event: task"));
+
+    // Deleting the ClientToken takes the token away...
     mine.kubectl(&["delete", "clienttoken", "team"]);
     wait_until("the deleted token refused", MINUTE, || async {
         submit(token.clone(), None).await.0 == reqwest::StatusCode::UNAUTHORIZED
     })
     .await;
+    // ...and ends its streams (issue 33, item 3), not an hour later.
+    let rest = tokio::time::timeout(MINUTE, async {
+        let mut rest = String::new();
+        while let Ok(Some(chunk)) = stream.chunk().await {
+            rest.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        rest
+    })
+    .await
+    .expect("the revoked token's stream ended");
+    assert!(
+        rest.contains("event: error") && rest.contains("revoked"),
+        "{rest}"
+    );
     theirs.finish().await;
     mine.finish().await;
 }

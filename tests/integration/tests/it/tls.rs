@@ -345,7 +345,10 @@ fn with_require_tls_no_component_starts_over_a_plaintext_link() {
             "CONVEYOR_DATABASE_URL",
             "postgres://conveyor:hunter2@127.0.0.1:5432/conveyor",
         ),
-        ("CONVEYOR_AMQP_URL", "amqp://conveyor:hunter2@127.0.0.1:5672/%2f"),
+        (
+            "CONVEYOR_AMQP_URL",
+            "amqp://conveyor:hunter2@127.0.0.1:5672/%2f",
+        ),
         ("CONVEYOR_RABBITMQ_MANAGEMENT_URL", "http://127.0.0.1:15672"),
     ];
     for (component, args, expected) in [
@@ -361,8 +364,14 @@ fn with_require_tls_no_component_starts_over_a_plaintext_link() {
             .unwrap();
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(!output.status.success(), "{component} started");
-        assert!(stderr.contains("--require-tls refuses"), "{component}: {stderr}");
+        assert!(
+            stderr.contains("--require-tls refuses"),
+            "{component}: {stderr}"
+        );
         assert!(stderr.contains(expected), "{component}: {stderr}");
-        assert!(!stderr.contains("hunter2"), "{component} showed a password: {stderr}");
+        assert!(
+            !stderr.contains("hunter2"),
+            "{component} showed a password: {stderr}"
+        );
     }
 }
