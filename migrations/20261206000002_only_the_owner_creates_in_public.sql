@@ -20,6 +20,9 @@ BEGIN
         SELECT DISTINCT grantee FROM information_schema.role_table_grants
         WHERE table_schema = 'public' AND table_name = 'tasks'
           AND grantee NOT IN ('PUBLIC', current_user)
+          -- The tables' owner makes the audit partitions in `public`: never revoked here.
+          AND grantee <> (SELECT pg_get_userbyid(relowner) FROM pg_class
+                          WHERE oid = 'public.tasks'::regclass)
     LOOP
         BEGIN
             EXECUTE format('REVOKE CREATE ON SCHEMA public FROM %I', role.grantee);

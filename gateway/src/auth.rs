@@ -212,20 +212,34 @@ impl Tokens {
     }
 }
 
-/// The fewest bits of entropy a ClientToken's token may show: a resource holds only a
-/// digest, so its token is judged when presented. A guessable token would let anyone in
-/// the cluster act as that namespace (issue 33, item 7).
-pub const MIN_TOKEN_BITS: f64 = 96.0;
+/// The fewest bits a ClientToken's token must show ([`strong_enough`]): a resource holds
+/// only a digest, so its token is judged when presented. A guessable token would let anyone
+/// in the cluster act as that namespace (issue 33, item 7).
+pub const MIN_TOKEN_BITS: f64 = 128.0;
 
-/// Whether `token` looks drawn from a random source: at least 22 characters, and at least
-/// [`MIN_TOKEN_BITS`] by the Shannon entropy of its own characters times its length (32
-/// random hex digits show about 120; `password123` about 36; a long run of one letter 0).
-/// An estimate from below for random tokens, never proof of randomness.
+/// Whether `token` looks drawn from a random source: at least 20 characters; at least
+/// [`MIN_TOKEN_BITS`] counted as its length times the bits of the character classes it
+/// uses (lower case 26, upper case 26, digits 10, others 33); and no character class of
+/// repetition (its characters' own entropy at least 3 bits each). `openssl rand -hex 16`,
+/// `secrets.token_urlsafe(16)` and a UUID pass; `password123`, the alphabet and a run of
+/// one letter do not. A judgement of form, not proof: a long phrase of words passes.
 pub fn strong_enough(token: &str) -> bool {
     let n = token.chars().count();
-    if n < 22 {
+    if n < 20 {
         return false;
     }
+    type Class = (fn(char) -> bool, f64);
+    let classes: [Class; 4] = [
+        (|c| c.is_ascii_lowercase(), 26.0),
+        (|c| c.is_ascii_uppercase(), 26.0),
+        (|c| c.is_ascii_digit(), 10.0),
+        (|c| !c.is_ascii_alphanumeric(), 33.0),
+    ];
+    let alphabet: f64 = classes
+        .iter()
+        .filter(|(is, _)| token.chars().any(is))
+        .map(|(_, size)| size)
+        .sum();
     let mut counts = std::collections::HashMap::new();
     for c in token.chars() {
         *counts.entry(c).or_insert(0usize) += 1;
@@ -237,7 +251,7 @@ pub fn strong_enough(token: &str) -> bool {
             -p * p.log2()
         })
         .sum();
-    per_char * n as f64 >= MIN_TOKEN_BITS
+    n as f64 * alphabet.log2() >= MIN_TOKEN_BITS && per_char >= 3.0
 }
 
 /// The tokens in force: those of the file and environment, and (in a cluster) those of the

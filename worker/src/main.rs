@@ -113,13 +113,14 @@ async fn main() -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)?;
     let suffix = uuid::Uuid::new_v4().simple().to_string();
     let tracer = args.telemetry.tracer("conveyor-worker");
-    if args.admin_token.is_none() && args.metrics_listen.is_some() {
+    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
+    if admin_token.is_none() && args.metrics_listen.is_some() {
         tracing::warn!(
             "no admin token: anything that reaches the admin port may pause this worker's intake"
         );
     }
     let config = WorkerConfig {
-        admin_token: args.admin_token.clone(),
+        admin_token,
         tracer: tracer.clone(),
         worker_id: format!("{}-{}", args.worker_name, &suffix[..8]),
         task_types,

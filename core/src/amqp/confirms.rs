@@ -7,9 +7,11 @@
 //! another tenant's routed one, and leave the unroutable one looking confirmed (decision
 //! 0045). So one task per channel sends every publish and holds every confirm: no confirm of
 //! the channel exists outside it, and none is dropped by a caller that stopped waiting.
-//! Before it answers, it looks at everything again until nothing new has completed: a
-//! confirm that took another message's return completed before that message's own, so it is
-//! seen, and its return noted by id, before that message is answered.
+//! It notes every return it sees by message id, and answers nothing while a noted return's
+//! own message has not completed: lapin completes the confirms of one ack one by one,
+//! handing out the waiting returns as it goes, so until that message is done another
+//! return may still sit on a confirm not seen yet. Once none is outstanding, a message is
+//! returned exactly when a return carried its id.
 
 use std::collections::HashMap;
 use std::future::{poll_fn, Future};
@@ -62,26 +64,38 @@ pub(super) struct Confirms {
 
 /// When any confirm last completed, shared by a link's channels: a confirm that times out
 /// while others keep completing is one slow queue, not a hung connection.
-#[derive(Default)]
 pub(super) struct LastConfirm {
-    origin: std::sync::OnceLock<Instant>,
+    origin: Instant,
+    /// Milliseconds after `origin`; [`NEVER`] before the first.
     millis: AtomicU64,
+}
+
+const NEVER: u64 = u64::MAX;
+
+impl Default for LastConfirm {
+    fn default() -> Self {
+        LastConfirm {
+            origin: Instant::now(),
+            millis: AtomicU64::new(NEVER),
+        }
+    }
 }
 
 impl LastConfirm {
     fn now(&self) -> u64 {
-        self.origin.get_or_init(Instant::now).elapsed().as_millis() as u64
+        self.origin.elapsed().as_millis() as u64
     }
 
     fn touch(&self) {
         self.millis.store(self.now(), Ordering::Relaxed);
     }
 
-    /// Whether a confirm completed in the last `window`.
+    /// Whether a confirm completed in the last `window` (never, before the first).
     pub(super) fn within(&self, window: std::time::Duration) -> bool {
-        self.now()
-            .saturating_sub(self.millis.load(Ordering::Relaxed))
-            < window.as_millis() as u64
+        match self.millis.load(Ordering::Relaxed) {
+            NEVER => false,
+            at => self.now().saturating_sub(at) < window.as_millis() as u64,
+        }
     }
 }
 
@@ -105,6 +119,8 @@ impl Confirms {
     }
 }
 
+type Completed = (InFlight, lapin::Result<Confirmation>);
+
 /// Everything one channel's task holds.
 struct State {
     channel: Channel,
@@ -112,25 +128,38 @@ struct State {
     open: bool,
     sending: Vec<(InFlight, Sending)>,
     pending: Vec<(InFlight, PublisherConfirm)>,
-    /// Returns noted by message id, not yet claimed by their own confirm.
+    /// Completed, not answered yet (see [`State::settled`]).
+    held: Vec<Completed>,
+    /// Returns noted by message id, not yet claimed by their own message.
     returned: HashMap<String, u32>,
 }
 
 impl State {
     fn busy(&self) -> bool {
-        self.open || !self.sending.is_empty() || !self.pending.is_empty()
+        self.open || !self.sending.is_empty() || !self.pending.is_empty() || !self.held.is_empty()
     }
 
-    /// Takes new messages, moves the sent ones to `pending`, and adds the confirms that
-    /// completed to `completed`; whether anything moved.
-    fn pass(
-        &mut self,
-        cx: &mut Context<'_>,
-        completed: &mut Vec<(InFlight, lapin::Result<Confirmation>)>,
-    ) -> bool {
+    /// Whether a message is on its way out or waiting for its confirm.
+    fn in_flight(&self, id: &str) -> bool {
+        self.sending.iter().any(|(f, _)| f.message_id == id)
+            || self.pending.iter().any(|(f, _)| f.message_id == id)
+    }
+
+    /// Whether every noted return's own message has completed: only then can no other
+    /// return still wait on a confirm not seen yet, and the held answers are final.
+    fn settled(&self) -> bool {
+        !self.returned.keys().any(|id| self.in_flight(id))
+    }
+
+    /// Takes new messages, moves the sent ones to `pending`, and the confirms that completed
+    /// to `held`; whether anything moved.
+    fn pass(&mut self, cx: &mut Context<'_>) -> bool {
         let mut moved = false;
         while self.open {
             match self.incoming.poll_recv(cx) {
+                // A caller that stopped waiting (its request timed out) is told nothing, and
+                // its message is not sent.
+                Poll::Ready(Some((_, answer))) if answer.is_closed() => moved = true,
                 Poll::Ready(Some((message, answer))) => {
                     let message_id = message
                         .properties
@@ -168,7 +197,7 @@ impl State {
                     let (flight, _) = self.sending.swap_remove(i);
                     match sent {
                         Ok(confirm) => self.pending.push((flight, confirm)),
-                        Err(err) => completed.push((flight, Err(err))),
+                        Err(err) => self.held.push((flight, Err(err))),
                     }
                     moved = true;
                 }
@@ -180,7 +209,8 @@ impl State {
             match Pin::new(&mut self.pending[i].1).poll(cx) {
                 Poll::Ready(result) => {
                     let (flight, _) = self.pending.swap_remove(i);
-                    completed.push((flight, result));
+                    let result = self.note_return(&flight, result);
+                    self.held.push((flight, result));
                     moved = true;
                 }
                 Poll::Pending => i += 1,
@@ -189,17 +219,40 @@ impl State {
         moved
     }
 
-    /// Notes every return among `completed`, then answers each.
-    fn answer(&mut self, completed: Vec<(InFlight, lapin::Result<Confirmation>)>) {
-        for (_, result) in &completed {
-            if let Ok(Confirmation::Ack(Some(message)) | Confirmation::Nack(Some(message))) = result
-            {
-                if let Some(id) = message.delivery.properties.message_id() {
-                    *self.returned.entry(id.to_string()).or_default() += 1;
-                }
+    /// Notes the return the confirm of `flight` carries, by its message's id (only of a
+    /// message this task holds, `flight`'s own included: any other is stale), and gives the
+    /// confirm back without it.
+    fn note_return(
+        &mut self,
+        flight: &InFlight,
+        result: lapin::Result<Confirmation>,
+    ) -> lapin::Result<Confirmation> {
+        let (acked, message) = match result? {
+            Confirmation::Ack(message) => (true, message),
+            Confirmation::Nack(message) => (false, message),
+            Confirmation::NotRequested => return Ok(Confirmation::NotRequested),
+        };
+        if let Some(id) = message.and_then(|m| m.delivery.properties.message_id().clone()) {
+            let id = id.to_string();
+            let held = self.held.iter().any(|(f, _)| f.message_id == id);
+            if id == flight.message_id || held || self.in_flight(&id) {
+                *self.returned.entry(id).or_default() += 1;
             }
         }
-        for (flight, result) in completed {
+        Ok(if acked {
+            Confirmation::Ack(None)
+        } else {
+            Confirmation::Nack(None)
+        })
+    }
+
+    /// Once [`State::settled`], answers every held message: returned when a noted return
+    /// carried its id.
+    fn answer_settled(&mut self) {
+        if self.held.is_empty() || !self.settled() {
+            return;
+        }
+        for (flight, result) in std::mem::take(&mut self.held) {
             let returned = match self.returned.get_mut(&flight.message_id) {
                 Some(count) => {
                     *count -= 1;
@@ -231,23 +284,23 @@ async fn run(
         open: true,
         sending: Vec::new(),
         pending: Vec::new(),
+        held: Vec::new(),
         returned: HashMap::new(),
     };
-    while state.busy() {
-        let completed = poll_fn(|cx| {
-            let mut completed = Vec::new();
-            // Until nothing moves: a confirm that completed before one seen here is seen too.
-            while state.pass(cx, &mut completed) {}
-            if completed.is_empty() && state.busy() {
-                Poll::Pending
-            } else {
-                Poll::Ready(completed)
-            }
-        })
-        .await;
-        if !completed.is_empty() {
+    poll_fn(|cx| {
+        let before = state.held.len();
+        // Until nothing moves: a confirm that completed before one seen here is seen too.
+        while state.pass(cx) {}
+        if state.held.len() > before {
             last.touch();
         }
-        state.answer(completed);
-    }
+        state.answer_settled();
+        // Everything outstanding registered this task's waker in the passes.
+        if state.busy() {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
 }

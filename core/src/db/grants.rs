@@ -26,8 +26,10 @@ impl Login {
 
     /// Creates the role, or gives it the new password, and lets it into the schema, where
     /// it may create nothing (every role may on PostgreSQL 14 and older) and searches
-    /// `pg_catalog` first: nothing it could make shadows what the application calls.
-    fn statements(&self) -> [String; 5] {
+    /// `pg_catalog` first: nothing it could make shadows what the application calls. A
+    /// grant that cannot take CREATE away (run by a role that does not own `public`) fails,
+    /// saying what to run, rather than hand out such a role.
+    fn statements(&self) -> [String; 6] {
         let Login { name, password } = self;
         [
             format!(
@@ -41,6 +43,16 @@ impl Login {
             format!("GRANT USAGE ON SCHEMA public TO \"{name}\""),
             format!("REVOKE CREATE ON SCHEMA public FROM PUBLIC, \"{name}\""),
             format!("ALTER ROLE \"{name}\" SET search_path = pg_catalog, public"),
+            format!(
+                "DO $$ BEGIN
+                   IF has_schema_privilege('{name}', 'public', 'CREATE') THEN
+                     RAISE EXCEPTION 'role {name} may still create objects in schema public \
+                       (PostgreSQL 14 and older let every role): run REVOKE CREATE ON SCHEMA \
+                       public FROM PUBLIC as the owner of schema public, then grant again'
+                       USING ERRCODE = 'insufficient_privilege';
+                   END IF;
+                 END $$"
+            ),
         ]
     }
 }

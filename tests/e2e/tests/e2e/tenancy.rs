@@ -227,7 +227,7 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
 
     // A guessable token in a ClientToken is refused when presented, with what to do
     // (issue 33, item 7): anyone in the cluster could otherwise act as this namespace.
-    let weak = "password-password-123".to_owned();
+    let weak = "password123password123".to_owned();
     let weak_digest: String = {
         use sha2::Digest;
         sha2::Sha256::digest(weak.as_bytes())
