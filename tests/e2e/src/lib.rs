@@ -578,9 +578,19 @@ pub fn restart_operator() {
     .expect("delete the operator pod");
 }
 
+/// The key `scripts/stack.sh` gave its operator for the workers' admin tokens (empty when
+/// there is none). Every operator of the cluster needs the same one: with another, it would
+/// rewrite every pool's token and roll its pods.
+pub fn stack_admin_key() -> String {
+    std::fs::read_to_string(repo_root().join(".dev/admin-key"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
 /// A second operator beside the stack's, with identity `identity`, its admin routes on
-/// `listen`, and `env` added (libfaketime's, say): the same binary, credentials and lease
-/// settings as `scripts/stack.sh` gives the first.
+/// `listen`, and `env` added (libfaketime's, say): the same binary, credentials, admin key
+/// and lease settings as `scripts/stack.sh` gives the first.
 pub fn standby_operator(identity: &str, listen: &str, env: &[(&str, &str)]) -> std::process::Child {
     let root = repo_root();
     let tls = "/etc/conveyor/dev-tls";
@@ -588,6 +598,7 @@ pub fn standby_operator(identity: &str, listen: &str, env: &[(&str, &str)]) -> s
     command
         .env("CONVEYOR_CA_FILE", format!("{tls}/ca.crt"))
         .env("CONVEYOR_AMQP_URL", testing::amqp_url())
+        .env("CONVEYOR_ADMIN_KEY", stack_admin_key())
         .envs(env.iter().copied());
     let log = std::fs::File::create(root.join(format!(".dev/operator-{identity}.log")))
         .expect("log file");

@@ -40,14 +40,6 @@ fn run(program: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
-/// The key `scripts/stack.sh` gave its operator (empty when there is none).
-fn stack_admin_key() -> String {
-    std::fs::read_to_string(conveyor_e2e_tests::repo_root().join(".dev/admin-key"))
-        .unwrap_or_default()
-        .trim()
-        .to_owned()
-}
-
 /// Values that satisfy every required setting (connections, tokens, the test's token).
 const REQUIRED: &[&str] = &[
     "--set=operator.connections.existingSecret=ops",
@@ -222,7 +214,10 @@ async fn installed_with_helm_it_runs_a_task_end_to_end_and_passes_helm_test() {
         "operator.connections.rabbitmqPassword=conveyor".to_owned(),
         // The stack operator's key of the workers' admin tokens: the chart's derives the same
         // tokens, so no pool rolls when it takes over, and it may drain the stack's workers.
-        format!("operator.connections.adminKey={}", stack_admin_key()),
+        format!(
+            "operator.connections.adminKey={}",
+            conveyor_e2e_tests::stack_admin_key()
+        ),
         format!("gateway.connections.databaseUrl={database}"),
         format!("gateway.connections.amqpUrl={amqp}"),
         format!("gateway.tokens.list[0]=helm-test@{namespace}=sha256:{digest}"),
