@@ -200,14 +200,7 @@ pub async fn grant_component(
                 ("rabbitmq-user".to_owned(), user.to_owned()),
                 ("rabbitmq-password".to_owned(), password.to_owned()),
                 // The key of each pool's worker admin token (`/drain` needs it).
-                (
-                    "admin-key".to_owned(),
-                    format!(
-                        "{}{}",
-                        uuid::Uuid::new_v4().simple(),
-                        uuid::Uuid::new_v4().simple()
-                    ),
-                ),
+                ("admin-key".to_owned(), conveyor_core::secrets::random()),
             ])
         }
     }

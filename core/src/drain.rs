@@ -29,16 +29,7 @@ pub const ADMIN_TOKEN_ENV: &str = "CONVEYOR_ADMIN_TOKEN";
 /// operator's key, in hex. Derived, so the operator stores nothing per pool and a restart
 /// changes nothing; another pool's token says nothing about this one's.
 pub fn pool_token(key: &[u8], namespace: &str, pool: &str) -> String {
-    use hmac::{Hmac, Mac};
-    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key).expect("HMAC takes any key length");
-    mac.update(namespace.as_bytes());
-    mac.update(b"/");
-    mac.update(pool.as_bytes());
-    mac.finalize()
-        .into_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::secrets::keyed_hex(key, &[namespace.as_bytes(), b"/", pool.as_bytes()])
 }
 
 /// Whether an `Authorization` header carries `Bearer <token>`, compared in constant time.
@@ -46,17 +37,7 @@ pub fn bearer_matches(header: Option<&str>, token: &str) -> bool {
     let given = header
         .and_then(|h| h.strip_prefix("Bearer "))
         .unwrap_or_default();
-    same_secret(given, token)
-}
-
-/// Whether `given` is `secret`, in time that does not depend on where they differ.
-pub fn same_secret(given: &str, secret: &str) -> bool {
-    given.len() == secret.len()
-        && given
-            .bytes()
-            .zip(secret.bytes())
-            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-            == 0
+    crate::secrets::same(given.as_bytes(), token.as_bytes())
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ pub mod plaintext;
 pub mod policies;
 pub mod remediation;
 pub mod requeue;
+pub mod secrets;
 pub mod task;
 pub mod task_type;
 #[cfg(feature = "testing")]

@@ -46,14 +46,8 @@ impl RequireTls {
 
 fn refusal(link: Link<'_>) -> Option<String> {
     match link {
-        Link::Database(url) => {
-            let verified = url::Url::parse(url).ok().is_some_and(|u| {
-                u.query_pairs()
-                    .any(|(k, v)| k == "sslmode" && (v == "verify-full" || v == "verify-ca"))
-            });
-            (!verified)
-                .then(|| "the database URL lacks sslmode=verify-full (or verify-ca)".to_owned())
-        }
+        Link::Database(url) => (!crate::db::verifies_server(url))
+            .then(|| "the database URL lacks sslmode=verify-full (or verify-ca)".to_owned()),
         // Several nodes are separated by commas.
         Link::Broker(urls) => urls
             .split(',')

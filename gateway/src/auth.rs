@@ -204,7 +204,7 @@ impl Tokens {
         // Compare against every digest without stopping early, so timing says nothing.
         let mut found = None;
         for (client, known) in &self.clients {
-            if constant_time_eq(known, &digest) && found.is_none() {
+            if conveyor_core::secrets::same(known, &digest) && found.is_none() {
                 found = Some(client);
             }
         }
@@ -300,10 +300,6 @@ fn parse_digest(hex: &str) -> Option<[u8; 32]> {
         *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
     }
     Some(digest)
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 #[cfg(test)]

@@ -91,21 +91,13 @@ impl ProgressBoard {
     /// for that attempt (the admin port is reachable from other pods, issue 33, item 2).
     /// Keyed by this process, so nothing is stored per attempt.
     fn secret(&self, id: Uuid, attempt: i32) -> String {
-        use hmac::{Hmac, Mac};
-        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(self.key.as_slice())
-            .expect("HMAC takes a key of any length");
-        mac.update(id.as_bytes());
-        mac.update(&attempt.to_be_bytes());
-        mac.finalize()
-            .into_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
+        let attempt = attempt.to_be_bytes();
+        conveyor_core::secrets::keyed_hex(self.key.as_slice(), &[id.as_bytes(), &attempt])
     }
 
     /// Whether `given` is the secret of the attempt, compared in constant time.
     fn admits(&self, id: Uuid, attempt: i32, given: &str) -> bool {
-        conveyor_core::drain::same_secret(given, &self.secret(id, attempt))
+        conveyor_core::secrets::same(given.as_bytes(), self.secret(id, attempt).as_bytes())
     }
 
     /// The sink of one attempt.

@@ -16,11 +16,7 @@ struct Login {
 
 impl Login {
     fn fresh(name: String) -> Login {
-        let password = format!(
-            "{}{}",
-            uuid::Uuid::new_v4().simple(),
-            uuid::Uuid::new_v4().simple()
-        );
+        let password = crate::secrets::random();
         Login { name, password }
     }
 

@@ -91,13 +91,23 @@ impl DbOptions {
 /// the default, even falls back to plaintext). Honoured, since a URL is the operator's
 /// choice, but never silently.
 fn warn_if_unverified(url: &str) {
-    let mode = crate::urls::query_param(url, "sslmode").unwrap_or_else(|| "prefer".to_owned());
-    if !matches!(mode.as_str(), "verify-full" | "verify-ca") {
+    if !verifies_server(url) {
+        let mode = sslmode(url);
         tracing::warn!(
             sslmode = mode,
             "the database's certificate is not verified: use sslmode=verify-full"
         );
     }
+}
+
+fn sslmode(url: &str) -> String {
+    crate::urls::query_param(url, "sslmode").unwrap_or_else(|| "prefer".to_owned())
+}
+
+/// Whether a database URL checks the server's certificate (`sslmode` `verify-full` or
+/// `verify-ca`).
+pub fn verifies_server(url: &str) -> bool {
+    matches!(sslmode(url).as_str(), "verify-full" | "verify-ca")
 }
 
 /// What each pool calls itself to the server (`pg_stat_activity.application_name`), so that

@@ -142,6 +142,19 @@ async fn two_namespaces_with_a_type_of_one_name_work_apart_and_delete_apart() {
     video.finish().await;
 }
 
+/// A ClientToken `name` holding the digest of `token`, as a team applies it.
+fn client_token(name: &str, token: &str) -> String {
+    use sha2::Digest;
+    let digest: String = sha2::Sha256::digest(token.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!(
+        "apiVersion: conveyor.dev/v1alpha1\nkind: ClientToken\nmetadata: {{name: {name}}}\n\
+         spec: {{tokenSha256: {digest}}}\n"
+    )
+}
+
 #[tokio::test]
 async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
     let mut mine = Stack::namespace("token-mine").await;
@@ -153,17 +166,7 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
     }
     // The team's own token, as its digest in its own namespace (no Secret involved).
     let token = format!("team-token-{}", uuid::Uuid::new_v4());
-    let digest: String = {
-        use sha2::Digest;
-        sha2::Sha256::digest(token.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
-    mine.apply(&format!(
-        "apiVersion: conveyor.dev/v1alpha1\nkind: ClientToken\nmetadata: {{name: team}}\n\
-         spec: {{tokenSha256: {digest}}}\n"
-    ));
+    mine.apply(&client_token("team", &token));
     let http = testing::http_client();
     let submit = |token: String, namespace: Option<String>| {
         let http = http.clone();
@@ -228,17 +231,7 @@ async fn a_client_token_of_one_namespace_reaches_only_that_namespaces_tasks() {
     // A guessable token in a ClientToken is refused when presented, with what to do
     // (issue 33, item 7): anyone in the cluster could otherwise act as this namespace.
     let weak = "password123password123".to_owned();
-    let weak_digest: String = {
-        use sha2::Digest;
-        sha2::Sha256::digest(weak.as_bytes())
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    };
-    mine.apply(&format!(
-        "apiVersion: conveyor.dev/v1alpha1\nkind: ClientToken\nmetadata: {{name: weak}}\n\
-         spec: {{tokenSha256: {weak_digest}}}\n"
-    ));
+    mine.apply(&client_token("weak", &weak));
     let refused = std::cell::RefCell::new(serde_json::Value::Null);
     wait_until("the weak token refused as weak", MINUTE, || async {
         let (status, body) = submit(weak.clone(), None).await;
