@@ -142,6 +142,10 @@ KC
   # failCgroupV1: this machine is cgroup v1 (hybrid). The lease is kwok's (16 s), so that a
   # dead node is NotReady within cluster/up.sh's grace period like the simulated ones. Its
   # API (10250) listens on the node's own address only, reachable from this machine alone.
+  # Disk thresholds are absolute: the node shares this machine's disk with its builds, and a
+  # percentage of a large, mostly-reserved disk put it under DiskPressure (every pod evicted or
+  # unscheduled) when a second checkout had been built. Image GC is off: the images were
+  # imported (nothing can pull them again), so a collected one would leave its pods unable to start.
   cat >"$STATE/kubelet.yaml" <<YAML
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
@@ -160,9 +164,9 @@ nodeStatusUpdateFrequency: 4s
 maxPods: 64
 serializeImagePulls: false
 registerWithTaints: [{key: conveyor.dev/real-node, value: "true", effect: NoSchedule}]
-evictionHard: {memory.available: 200Mi, nodefs.available: 2%, imagefs.available: 2%, nodefs.inodesFree: 2%}
-imageGCHighThresholdPercent: 99
-imageGCLowThresholdPercent: 98
+evictionHard: {memory.available: 200Mi, nodefs.available: 512Mi, imagefs.available: 512Mi, nodefs.inodesFree: 2%}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
 YAML
 }
 

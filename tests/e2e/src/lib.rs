@@ -379,15 +379,39 @@ impl Stack {
             .unwrap_or(0)
     }
 
-    /// Waits until `n` workers consume `task_type`'s queue.
+    /// Waits until `n` workers consume `task_type`'s queue; on a timeout, says what the
+    /// namespace's pods and the nodes looked like (a node under DiskPressure, an image that
+    /// could not be found), since the test's own message cannot.
     pub async fn wait_for_workers(&self, task_type: &str, n: u64) {
         let queue = self.queue_of(task_type, "");
-        wait_until(
-            &format!("{n} workers on {queue}"),
-            Duration::from_secs(60),
-            || async { self.consumers(&queue).await == n },
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while self.consumers(&queue).await != n {
+            if std::time::Instant::now() >= deadline {
+                panic!(
+                    "timed out after 60s waiting for: {n} workers on {queue}\n{}",
+                    self.picture()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The namespace's pods and events and the nodes' pressure conditions, for a failure
+    /// message.
+    pub fn picture(&self) -> String {
+        let show = |args: &[&str]| kubectl_with(args, None).unwrap_or_else(|err| err);
+        let ns = self.namespace.as_str();
+        format!(
+            "pods:\n{}\nevents:\n{}\nnodes:\n{}",
+            show(&["-n", ns, "get", "pods", "-o", "wide"]),
+            show(&["-n", ns, "get", "events", "--sort-by=.lastTimestamp"]),
+            show(&[
+                "get",
+                "nodes",
+                "-o",
+                "custom-columns=NAME:.metadata.name,CONDITIONS:.status.conditions[?(@.status==\"True\")].type,TAINTS:.spec.taints[*].key",
+            ]),
         )
-        .await;
     }
 
     /// Deletes the namespace (and with it everything the test applied) and the queues.
