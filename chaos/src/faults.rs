@@ -272,6 +272,12 @@ pub async fn inject(
         | Scenario::NodeLoss => {
             anyhow::bail!("{} runs in the cluster (cluster.rs)", scenario.name())
         }
+        Scenario::TenantDeletesTopology
+        | Scenario::TenantFloodsStreamsAndLists
+        | Scenario::TenantHoldsTransactions
+        | Scenario::TenantPoisonsPayloads => {
+            anyhow::bail!("{} is a tenant's act (hostile.rs)", scenario.name())
+        }
     }
     Ok((healed.unwrap_or_else(Instant::now), failures))
 }

@@ -6,6 +6,7 @@ pub mod broker;
 pub mod cluster;
 pub mod failover;
 pub mod faults;
+pub mod hostile;
 pub mod load;
 pub mod node_loss;
 pub mod observe;

@@ -47,9 +47,22 @@ pub struct Submitted {
     pub answer: Answer,
 }
 
+/// One request of the load, as its client saw it.
+#[derive(Debug, Clone, Copy)]
+pub struct Request {
+    pub sent: Instant,
+    pub latency: Duration,
+    /// The HTTP status; 0 for no answer.
+    pub status: u16,
+    /// Tasks it got accepted.
+    pub accepted: usize,
+}
+
 #[derive(Debug, Default)]
 pub struct Outcome {
     pub tasks: Vec<Submitted>,
+    /// Every request, retries included, in the order they were sent.
+    pub requests: Vec<Request>,
     /// Every refusal seen on the way, by status (retried ones included).
     pub refusals: BTreeMap<u16, usize>,
     /// 429 and 503 answers without a Retry-After header.
@@ -140,12 +153,19 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
                 "payload": payloads[i].1, "idempotencyKey": payloads[i].0})
             })
             .collect();
+        let started = Instant::now();
         let sent = http
             .post(format!("{gateway}/v1/tasks:batch"))
             .bearer_auth(&token)
             .json(&json!({ "tasks": tasks }))
             .send()
             .await;
+        let mut request = Request {
+            sent: started,
+            latency: Duration::ZERO,
+            status: 0,
+            accepted: 0,
+        };
         let mut again = Vec::new();
         let mut wait = Duration::from_millis(500);
         match sent {
@@ -161,6 +181,7 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
             }
             Ok(response) => {
                 let status = response.status().as_u16();
+                request.status = status;
                 if let Some(after) = retry_after(response.headers()) {
                     wait = after;
                 } else if status == 429 || status == 503 {
@@ -172,6 +193,7 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
                         for (result, &i) in results.iter().zip(&batch) {
                             let code = result["status"].as_u64().unwrap_or(0) as u16;
                             if result["id"].is_string() {
+                                request.accepted += 1;
                                 answers.insert(payloads[i].0, Answer::Accepted);
                             } else {
                                 *outcome.refusals.entry(code).or_default() += 1;
@@ -195,6 +217,9 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
                 }
             }
         }
+        // Until the whole answer was read: what a client waits for.
+        request.latency = started.elapsed();
+        outcome.requests.push(request);
         if !again.is_empty() {
             retries.push((Instant::now() + wait, again));
         }

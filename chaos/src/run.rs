@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use crate::cluster::ClusterTarget;
 use crate::failover;
 use crate::faults;
+use crate::hostile;
 use crate::load;
 use crate::observe::{self, Observer, SAMPLE_EVERY};
 use crate::oracle;
@@ -18,6 +19,9 @@ use crate::scenarios::{Row, Scale, Scenario};
 use crate::sidecar::Sidecar;
 use crate::system::{self, System};
 use crate::telemetry::Telemetry;
+
+/// How long a hostile tenant acts (`hostile.rs`).
+const HOSTILE_WINDOW: Duration = Duration::from_secs(20);
 
 /// Longest wait for every accepted task to settle after the load ends.
 const QUIET_WITHIN: Duration = Duration::from_secs(120);
@@ -112,6 +116,14 @@ impl Target {
             Target::Processes(system) if scenario.replicated() => {
                 failover::inject(scenario, system, scale, observer, notes).await
             }
+            Target::Processes(system) if hostile::is_hostile(scenario) => {
+                let act = hostile::act(scenario, system, HOSTILE_WINDOW);
+                let system = &**system;
+                let acted =
+                    observe::sampling(act, async || observer.sample_system(system).await).await;
+                notes.extend(acted?);
+                Ok((Instant::now(), Vec::new()))
+            }
             Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
             // Faults through Kubernetes take up to minutes (a node lost three times).
             Target::Cluster(cluster) => {
@@ -148,8 +160,12 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         let system = System::start(scenario.name(), scenario.options(), &sidecar.url, logs);
         Target::Processes(Box::new(system.await?))
     };
+    if let Target::Processes(system) = &target {
+        hostile::prepare(scenario, system).await?;
+    }
     let plan = scenario.plan(scale);
     let over = plan.over;
+    let load_started = Instant::now();
     let load = tokio::spawn(load::run(target.client(), plan));
     let mut observer = Observer::default();
     let fault_at = Instant::now() + over / 3;
@@ -219,6 +235,12 @@ pub async fn run(scenario: Scenario, scale: &Scale, logs: &Path) -> anyhow::Resu
         && outcome.refusals.get(&503).copied().unwrap_or(0) == 0
     {
         failures.push("the gateway never answered 503 while the database was gone".to_owned());
+    }
+    if hostile::is_hostile(scenario) {
+        let (calm_failures, note) =
+            hostile::compare(&outcome.requests, load_started, fault, healed);
+        failures.extend(calm_failures);
+        notes.push(note);
     }
     if outcome.missing_retry_after > 0 {
         failures.push(format!(

@@ -75,6 +75,18 @@ pub enum Scenario {
     ///     worker on it killed), three times; the node controller and the eviction take
     ///     over, the pool's pods are replaced on the other nodes, the tasks re-run.
     NodeLoss,
+    /// 17. A hostile tenant deletes its own exchange and queues every two seconds while it
+    ///     submits to them from eight loops (`hostile.rs`).
+    TenantDeletesTopology,
+    /// 17. A hostile tenant opens streams on its tasks as fast as it can and lists by state
+    ///     and update time from eight loops.
+    TenantFloodsStreamsAndLists,
+    /// 17. A hostile tenant holds eight repeatable-read transactions open on its own
+    ///     database role, one with row locks on its tasks.
+    TenantHoldsTransactions,
+    /// 17. A hostile tenant sends payloads with NULs, nesting 100,000 deep, bodies past the
+    ///     limit, broken JSON and unknown types from eight loops.
+    TenantPoisonsPayloads,
     /// 16. Replicated services: the RabbitMQ node that leads the work queue `kill -9`ed
     ///     under load, then started again.
     RabbitmqLeaderKill,
@@ -89,7 +101,7 @@ pub enum Scenario {
 }
 
 /// Every scenario on the single services and the local cluster (`make chaos`).
-pub const ALL: [Scenario; 25] = [
+pub const ALL: [Scenario; 29] = [
     Scenario::WorkerKill,
     Scenario::WorkerPause,
     Scenario::WorkerBrokerSilent,
@@ -115,6 +127,10 @@ pub const ALL: [Scenario; 25] = [
     Scenario::PoolScaledToZero,
     Scenario::BrokerStoppedCluster,
     Scenario::NodeLoss,
+    Scenario::TenantDeletesTopology,
+    Scenario::TenantFloodsStreamsAndLists,
+    Scenario::TenantHoldsTransactions,
+    Scenario::TenantPoisonsPayloads,
 ];
 
 /// The cluster-scale scenarios, on the replicated services (`make chaos-cluster`).
@@ -176,6 +192,10 @@ impl Scenario {
             Scenario::RabbitmqNodePause => "rabbitmq-node-pause",
             Scenario::RabbitmqRollingRestart => "rabbitmq-rolling-restart",
             Scenario::PostgresFailover => "postgres-failover",
+            Scenario::TenantDeletesTopology => "tenant-deletes-topology",
+            Scenario::TenantFloodsStreamsAndLists => "tenant-floods-streams-and-lists",
+            Scenario::TenantHoldsTransactions => "tenant-holds-transactions",
+            Scenario::TenantPoisonsPayloads => "tenant-poisons-payloads",
         }
     }
 
@@ -211,6 +231,10 @@ impl Scenario {
             },
             _ if self.replicated() => Options {
                 replicated: true,
+                ..defaults
+            },
+            _ if crate::hostile::is_hostile(self) => Options {
+                hostile_tenant: true,
                 ..defaults
             },
             _ => defaults,
@@ -272,6 +296,14 @@ impl Scenario {
             _ if self.replicated() => Plan {
                 over: Duration::from_secs(45),
                 sleep_ms: 200,
+                ..plan
+            },
+            // A steady calm load (seven requests a second) before, through and after the
+            // hostile tenant's window (`HOSTILE_WINDOW`, from a third of the way in).
+            _ if crate::hostile::is_hostile(self) => Plan {
+                tasks: scale.tasks.max(1500) * 2,
+                over: Duration::from_secs(45),
+                sleep_ms: 50,
                 ..plan
             },
             _ => plan,

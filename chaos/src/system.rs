@@ -41,6 +41,9 @@ pub struct Options {
     pub replicated: bool,
     /// More of the gateway's settings, as environment variables (the soak's retention).
     pub gateway_env: Vec<(String, String)>,
+    /// A second namespace beside the scenario's (`crate::hostile`): a type of the same name
+    /// in it, and a client of it. Nothing consumes its type.
+    pub hostile_tenant: bool,
 }
 
 impl Default for Options {
@@ -57,6 +60,7 @@ impl Default for Options {
             start_workers: true,
             replicated: false,
             gateway_env: Vec::new(),
+            hostile_tenant: false,
         }
     }
 }
@@ -122,7 +126,7 @@ impl System {
                  backoff: {{initialSeconds: 0.2, maxSeconds: 1, multiplier: 2}}\n    \
                  timeoutSeconds: 30\n    heartbeatTimeoutSeconds: {}\n    maxQueueDepth: {}\n",
                 options.max_retries, options.heartbeat_timeout_seconds, options.max_queue_depth
-            ),
+            ) + &hostile_type(&task_type, options.hostile_tenant),
         )?;
         let proxy = |wanted: bool, to: &'static str| async move {
             match wanted {
@@ -147,7 +151,7 @@ impl System {
             &types_file,
             &db_url,
             &amqp_url(&services, gateway_broker.as_ref()),
-            &options.gateway_env,
+            &gateway_env(&task_type, &options),
             &logs,
         )?;
         let mut system = System {
@@ -226,7 +230,7 @@ impl System {
             &self.types_file,
             &self.db_url,
             &amqp_url(&self.services, self.gateway_broker.as_ref()),
-            &self.options.gateway_env,
+            &gateway_env(&self.task_type, &self.options),
             &self.logs,
         )?;
         self.wait_gateway_ready().await
@@ -364,6 +368,20 @@ impl System {
         self.worker_count() * usize::from(self.options.concurrency)
     }
 
+    /// The broker's management API.
+    pub fn management_url(&self) -> &str {
+        &self.services.management_url
+    }
+
+    /// The scenario's database as `user`.
+    pub fn database_url_as(&self, user: &str, password: &str) -> anyhow::Result<String> {
+        let mut url = url::Url::parse(&self.db_url)?;
+        url.set_username(user)
+            .and_then(|()| url.set_password(Some(password)))
+            .map_err(|()| anyhow::anyhow!("the database URL takes no user"))?;
+        Ok(url.into())
+    }
+
     /// The running workers: index, process id and /metrics address.
     pub fn running_workers(&self) -> Vec<(usize, u32, &str)> {
         self.workers
@@ -388,8 +406,13 @@ impl System {
         }
         let _ = self.gateway.kill().await;
         self.db.close().await;
-        // Its queues, exchange and own policies.
+        // Its queues, exchange and own policies (and the hostile namespace's).
         testing::delete_queues_in(&self.services, &self.task_type).await;
+        if self.options.hostile_tenant {
+            let hostile = crate::hostile::namespace(&self.task_type);
+            testing::delete_queues_in(&self.services, &format!("{hostile}.{}", self.task_type))
+                .await;
+        }
         if keep_database {
             eprintln!("chaos: kept database {} for inspection", self.database);
         } else {
@@ -413,7 +436,8 @@ fn spawn_gateway(
         .args(["--admin-listen", admin])
         .arg("--task-types")
         .arg(types_file)
-        .args(["--tokens", &format!("chaos={TOKEN}")])
+        // An environment value, so that a scenario's `env` may add clients.
+        .env("CONVEYOR_GATEWAY_TOKENS", format!("chaos={TOKEN}"))
         .env("CONVEYOR_DATABASE_URL", db_url)
         .env("CONVEYOR_AMQP_URL", amqp_url)
         .env("CONVEYOR_DEPTH_INTERVAL_MS", "200")
@@ -430,6 +454,35 @@ fn spawn_gateway(
         .kill_on_drop(true)
         .spawn()
         .context("start conveyor-gateway (run `cargo build --bins` first)")
+}
+
+/// The gateway's extra settings: the scenario's, and the hostile namespace's client.
+fn gateway_env(task_type: &str, options: &Options) -> Vec<(String, String)> {
+    let mut env = options.gateway_env.clone();
+    if options.hostile_tenant {
+        let hostile = crate::hostile::namespace(task_type);
+        env.push((
+            "CONVEYOR_GATEWAY_TOKENS".to_owned(),
+            format!(
+                "chaos={TOKEN},hostile@{hostile}={}",
+                crate::hostile::HOSTILE_TOKEN
+            ),
+        ));
+    }
+    env
+}
+
+/// The hostile namespace's type in the types file: the scenario's type's name, in its own
+/// namespace.
+fn hostile_type(task_type: &str, wanted: bool) -> String {
+    if !wanted {
+        return String::new();
+    }
+    let hostile = crate::hostile::namespace(task_type);
+    format!(
+        "  - name: {hostile}.{task_type}\n    tenant: {hostile}\n    maxRetries: 3\n    \
+         timeoutSeconds: 30\n    heartbeatTimeoutSeconds: 3\n"
+    )
 }
 
 /// The broker setting a process gets: through `proxy` where a scenario breaks its link.

@@ -30,6 +30,8 @@ pub struct RequestLimits {
     /// bound whatever the number of tokens. A body is charged its declared length (or the
     /// route's limit when it declares none) on admission; past this, 503 `gateway_busy`.
     pub max_bytes_in_flight: usize,
+    /// What all the clients of one namespace share, however many ClientTokens it mints.
+    pub namespace: NamespaceLimits,
 }
 
 impl Default for RequestLimits {
@@ -39,6 +41,34 @@ impl Default for RequestLimits {
             bytes_per_second: 64.0 * 1024.0 * 1024.0,
             timeout: Duration::from_secs(30),
             max_bytes_in_flight: 256 * 1024 * 1024,
+            namespace: NamespaceLimits::default(),
+        }
+    }
+}
+
+/// Limits on the sum over one namespace's clients (`Client::namespace`), so that minting
+/// tokens buys a namespace nothing (issue 33, item 3). Each gateway replica counts its own:
+/// with N replicas behind a Service, a namespace gets up to N times these.
+#[derive(Debug, Clone)]
+pub struct NamespaceLimits {
+    /// Requests of the namespace's clients being served at once; more answer 429.
+    pub max_in_flight: usize,
+    /// Request body bytes the namespace's clients may send per second together.
+    pub bytes_per_second: f64,
+    /// Task streams (`GET /v1/tasks/{id}/stream`) open at once; more answer 429.
+    pub max_streams: usize,
+    /// Tasks the namespace's lists may ask for per second (each list is charged its
+    /// `limit`): listing is the API's costliest read, paid in the gateway's CPU.
+    pub listed_per_second: f64,
+}
+
+impl Default for NamespaceLimits {
+    fn default() -> Self {
+        NamespaceLimits {
+            max_in_flight: 256,
+            bytes_per_second: 128.0 * 1024.0 * 1024.0,
+            max_streams: 256,
+            listed_per_second: 5_000.0,
         }
     }
 }
@@ -88,10 +118,29 @@ impl BodyBudget {
     }
 }
 
+/// How long a refused request (4xx but 404 and 409, which answer a question) waits before
+/// its answer: a client retrying in a tight loop, or sending what is refused again and
+/// again, then sends a few requests a second per connection instead of taking the
+/// gateway's CPU from every other tenant (make chaos, `tenant-floods-streams-and-lists`:
+/// 12,000 refusals a second raised a calm tenant's p99 7.6 times). Well-behaved clients
+/// never wait: they are refused only when they err.
+pub const REFUSAL_PAUSE: Duration = Duration::from_millis(250);
+
+/// Admits the request ([`admit_or_refuse`]); a refusal is answered after [`REFUSAL_PAUSE`].
+pub(crate) async fn admit(state: State<Arc<ApiState>>, request: Request, next: Next) -> Response {
+    let response = admit_or_refuse(state, request, next).await;
+    let status = response.status();
+    if status.is_client_error() && status != StatusCode::NOT_FOUND && status != StatusCode::CONFLICT
+    {
+        tokio::time::sleep(REFUSAL_PAUSE).await;
+    }
+    response
+}
+
 /// Runs before any extractor reads the body: an unauthenticated request is refused with
 /// its body unread, a client over its concurrent requests or byte rate gets 429, a body past
 /// the gateway's budget gets 503, and no request is served for longer than the timeout.
-pub(crate) async fn admit(
+async fn admit_or_refuse(
     State(state): State<Arc<ApiState>>,
     mut request: Request,
     next: Next,
@@ -127,6 +176,27 @@ pub(crate) async fn admit(
         return ApiError::too_many("too_many_requests", message, Duration::from_secs(1))
             .into_response();
     };
+    let namespace_permit = match client.namespace() {
+        None => None,
+        Some(namespace) => {
+            let limit = state.limits.namespace.max_in_flight;
+            match state.permit(&format!("namespace/{namespace}"), limit) {
+                Some(permit) => Some(permit),
+                None => {
+                    let message = format!(
+                        "namespace {namespace} has {limit} requests in flight already \
+                         (over all its clients, on this gateway replica)"
+                    );
+                    return ApiError::too_many(
+                        "too_many_requests",
+                        message,
+                        Duration::from_secs(1),
+                    )
+                    .into_response();
+                }
+            }
+        }
+    };
     // A body that says its length is charged against the client's byte rate before a byte
     // of it is read; one that does not is charged once read.
     let declared = request
@@ -152,7 +222,7 @@ pub(crate) async fn admit(
     // A submission outlives a timed-out request (`submit_detached`), and so does its permit,
     // and the parsed body it holds.
     request.extensions_mut().insert(InFlight {
-        _permit: Arc::new((permit, body)),
+        _permit: Arc::new((permit, namespace_permit, body)),
     });
     match tokio::time::timeout(state.limits.timeout, next.run(request)).await {
         Ok(response) => response,
@@ -176,39 +246,94 @@ pub(crate) struct BodyCharged;
 /// submission it started are both done.
 #[derive(Clone)]
 pub(crate) struct InFlight {
-    /// The client's request permit and the body's bytes in the gateway-wide budget.
-    _permit: Arc<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
+    /// The client's request permit, its namespace's, and the body's bytes in the
+    /// gateway-wide budget.
+    _permit: Arc<(
+        OwnedSemaphorePermit,
+        Option<OwnedSemaphorePermit>,
+        OwnedSemaphorePermit,
+    )>,
 }
 
 impl ApiState {
     fn admit_one(&self, client: &Client) -> Option<OwnedSemaphorePermit> {
+        self.permit(
+            &format!("client/{}", client.name),
+            self.limits.max_in_flight,
+        )
+    }
+
+    /// One of the `limit` permits counted under `key`, if one is free.
+    fn permit(&self, key: &str, limit: usize) -> Option<OwnedSemaphorePermit> {
         let semaphore = {
             let mut all = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-            all.entry(client.name.clone())
-                .or_insert_with(|| Arc::new(Semaphore::new(self.limits.max_in_flight)))
+            all.entry(key.to_owned())
+                .or_insert_with(|| Arc::new(Semaphore::new(limit)))
                 .clone()
         };
         semaphore.try_acquire_owned().ok()
     }
 
-    /// Charges `length` body bytes against the client's byte rate.
+    pub(crate) fn admit_stream(
+        &self,
+        client: &Client,
+    ) -> Result<Option<OwnedSemaphorePermit>, ApiError> {
+        let Some(namespace) = client.namespace() else {
+            return Ok(None);
+        };
+        let limit = self.limits.namespace.max_streams;
+        self.permit(&format!("streams/{namespace}"), limit)
+            .map(Some)
+            .ok_or_else(|| {
+                ApiError::too_many(
+                    "too_many_requests",
+                    format!(
+                        "namespace {namespace} has {limit} task streams open already (over all \
+                         its clients, on this gateway replica)"
+                    ),
+                    Duration::from_secs(5),
+                )
+            })
+    }
+
+    /// Charges `length` body bytes against the client's byte rate, and its namespace's.
     pub(crate) fn charge_bytes(&self, client: &Client, length: usize) -> Result<(), ApiError> {
         let size = length as f64;
         let rate = self.limits.bytes_per_second;
-        self.ingestor
-            .limiter
-            .try_take(
-                &format!("bytes/{}", client.name),
-                size,
-                rate,
-                rate.max(size),
-            )
-            .map_err(|wait| {
-                ApiError::too_many(
-                    "rate_limited",
-                    format!("client {} is over its byte rate", client.name),
-                    wait,
+        let limiter = &self.ingestor.limiter;
+        limiter.take_or_refuse(&format!("bytes/{}", client.name), size, rate, rate, || {
+            format!("client {} is over its byte rate", client.name)
+        })?;
+        let Some(namespace) = client.namespace() else {
+            return Ok(());
+        };
+        let rate = self.limits.namespace.bytes_per_second;
+        limiter.take_or_refuse(
+            &format!("namespace-bytes/{namespace}"),
+            size,
+            rate,
+            rate,
+            || format!("namespace {namespace} is over its byte rate (over all its clients)"),
+        )
+    }
+
+    /// Charges a list of up to `limit` tasks against the client's namespace's listing rate.
+    pub(crate) fn charge_listing(&self, client: &Client, limit: u32) -> Result<(), ApiError> {
+        let Some(namespace) = client.namespace() else {
+            return Ok(());
+        };
+        let rate = self.limits.namespace.listed_per_second;
+        self.ingestor.limiter.take_or_refuse(
+            &format!("namespace-listed/{namespace}"),
+            f64::from(limit),
+            rate,
+            rate,
+            || {
+                format!(
+                    "namespace {namespace} is over its listing rate ({rate} tasks a second over \
+                     all its clients, each list counting its limit)"
                 )
-            })
+            },
+        )
     }
 }

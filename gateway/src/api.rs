@@ -32,11 +32,13 @@ use crate::views::{BatchAnswer, BatchResults, EventList, EventView, TaskView};
 pub struct ApiState {
     pub ingestor: Ingestor,
     pub tokens: Arc<TokenSet>,
+    /// The one reader of every followed task's row (`crate::follow`).
+    pub feed: Arc<crate::feed::Feed>,
     /// For walks of a remediation queue after a retry or redrive (`crate::remedy`).
     pub amqp_url: String,
     pub max_batch_tasks: usize,
     pub limits: RequestLimits,
-    /// One semaphore per client, for [`RequestLimits::max_in_flight`].
+    /// Semaphores by client and by namespace: requests in flight and streams open.
     pub in_flight: Mutex<HashMap<String, Arc<Semaphore>>>,
     /// Body bytes being read or held, for [`RequestLimits::max_bytes_in_flight`].
     pub bodies: BodyBudget,

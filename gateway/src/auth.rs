@@ -37,6 +37,16 @@ impl Client {
         self.self_service
     }
 
+    /// The one namespace this client works in, whose clients share that namespace's limits
+    /// (`crate::admission::NamespaceLimits`); `None` for a client of several namespaces or
+    /// of all (an administrator's), held to its own limits alone.
+    pub fn namespace(&self) -> Option<&str> {
+        match self.tenants.as_slice() {
+            [one] if one != ALL_TENANTS => Some(one),
+            _ => None,
+        }
+    }
+
     /// Whether this client may submit to and read the tasks of `tenant`.
     pub fn may_use(&self, tenant: &str) -> bool {
         self.tenants.iter().any(|t| t == tenant || t == ALL_TENANTS)

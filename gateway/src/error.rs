@@ -104,12 +104,12 @@ pub const CODES: &[(&str, u16, &str)] = &[
     (
         "rate_limited",
         429,
-        "the client is over its task, type or byte rate; see Retry-After",
+        "the client, or its namespace over all its clients, is over its task, type or byte rate; see Retry-After",
     ),
     (
         "too_many_requests",
         429,
-        "the client has too many requests in flight",
+        "the client or its namespace has too many requests in flight, or the namespace too many task streams open",
     ),
     (
         "queue_full",

@@ -48,7 +48,10 @@ pub struct ListQuery {
 }
 
 /// The client's tasks, newest first, a page at a time. Every filter narrows the list; a
-/// client sees its own namespaces' tasks only.
+/// client sees its own namespaces' tasks only. A filter by a state other than DEAD_LETTER
+/// and CANCELLED, or by update time, reads at most 10,000 of each type's tasks per page
+/// (within the cursor and creation bounds): its page may hold fewer tasks than `limit`,
+/// even none, and still give a `nextCursor` to go on from.
 #[utoipa::path(get, path = "/v1/tasks", tag = "tasks",
     params(ListQuery),
     responses(
@@ -72,6 +75,7 @@ pub async fn list_tasks(
         ));
     }
     let filter = filter(&state, &client, &query)?;
+    state.charge_listing(&client, limit)?;
     let ingestor = &state.ingestor;
     let page = ingestor
         .db

@@ -2,10 +2,11 @@
 //! polling. An `event: task` carries the task (as in a list) at once and again each time
 //! it changes; the stream ends after the task settles, or after an hour (reconnect then).
 //!
-//! The gateway reads the row for the client, backing off from 100 ms to a second while
-//! nothing changes: one indexed read per stream per second at most. Each stream holds one
-//! of its client's in-flight requests, so one client cannot open thousands. A stream whose
-//! token is revoked (its ClientToken deleted) ends with `event: error`, `unauthorized`.
+//! Streams read nothing themselves: the gateway's one change feed (`crate::feed`) reads every
+//! followed row together a few times a second and wakes the streams whose task changed. Each
+//! stream holds one of its client's in-flight requests and one of its namespace's streams
+//! (`crate::admission`). A stream whose token is revoked (its ClientToken deleted) ends
+//! with `event: error`, `unauthorized`, within a second.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -15,29 +16,27 @@ use axum::extract::{Extension, Path, State};
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use chrono::{DateTime, Utc};
-use conveyor_core::TaskState;
 use futures_util::stream;
 
 use crate::api::{own_task, ApiState, InFlight};
 use crate::auth::{Client, Tokens};
 use crate::error::{ApiError, ErrorBody};
+use crate::feed::{version, Seen, Subscription, Version};
 use crate::ingest::db_error;
 use crate::views::TaskSummary;
 
 /// Longest a stream stays open; a client that still wants to follow reconnects.
 const MAX_STREAM: Duration = Duration::from_secs(3600);
-const FIRST_PAUSE: Duration = Duration::from_millis(100);
-const LONGEST_PAUSE: Duration = Duration::from_secs(1);
+/// How often a stream whose task is quiet looks whether its token was revoked (in memory).
+const REVOCATION_CHECK: Duration = Duration::from_secs(1);
 
-/// What a stream remembers between reads.
+/// What a stream remembers between events.
 struct Follow {
     state: Arc<ApiState>,
-    id: uuid::Uuid,
-    /// The last version sent: state, attempt, update time and progress.
-    sent: Option<(TaskState, i32, DateTime<Utc>, Option<serde_json::Value>)>,
+    subscription: Subscription,
+    /// The version of the task last sent.
+    sent: Option<Version>,
     done: bool,
-    pause: Duration,
     until: Instant,
     /// The request's `Authorization`, looked up again whenever the tokens change.
     authorization: String,
@@ -45,6 +44,7 @@ struct Follow {
     /// The token set the stream was last found in.
     tokens: Arc<Tokens>,
     _in_flight: InFlight,
+    _stream: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 #[utoipa::path(get, path = "/v1/tasks/{id}/stream", tag = "tasks",
@@ -67,23 +67,25 @@ pub(crate) async fn stream_task(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     // Checked before the stream starts: another tenant's id answers 404, not a stream.
+    let stream = state.admit_stream(&client)?;
     let task = own_task(&state, &client, &id).await?;
     let authorization = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
         .to_owned();
+    let tenant = task.tenant.clone();
     let follow = Follow {
         tokens: state.tokens.current(),
         authorization,
-        tenant: task.tenant.clone(),
+        tenant,
+        subscription: state.feed.follow(task),
         state,
-        id: task.id,
         sent: None,
         done: false,
-        pause: FIRST_PAUSE,
         until: Instant::now() + MAX_STREAM,
         _in_flight: in_flight,
+        _stream: stream,
     };
     let events = stream::unfold(follow, |mut follow| async move {
         let event = follow.next().await?;
@@ -102,33 +104,31 @@ impl Follow {
                 self.done = true;
                 return Event::default().event("error").json_data(&revoked).ok();
             }
-            let ingestor = &self.state.ingestor;
-            let task = match ingestor.db.task(self.id).await {
-                Ok(Some(task)) => task,
-                Ok(None) => return None,
-                Err(err) => {
+            let seen = self.subscription.seen.borrow_and_update().clone();
+            match seen {
+                Seen::Task(task) => {
+                    let version = version(&task);
+                    if self.sent.as_ref() != Some(&version) {
+                        self.sent = Some(version);
+                        self.done = task.state.is_settled();
+                        return Event::default()
+                            .event("task")
+                            .json_data(TaskSummary::from(task.as_ref()))
+                            .ok();
+                    }
+                }
+                Seen::Gone => return None,
+                Seen::Failed(err) => {
                     self.done = true;
-                    let error = db_error(&ingestor.metrics, &err);
+                    let error = db_error(&self.state.ingestor.metrics, &err);
                     return Event::default().event("error").json_data(&error).ok();
                 }
-            };
-            let version = (
-                task.state,
-                task.attempt,
-                task.updated_at,
-                task.progress.clone(),
-            );
-            if self.sent.as_ref() != Some(&version) {
-                self.sent = Some(version);
-                self.pause = FIRST_PAUSE;
-                self.done = task.state.is_settled();
-                return Event::default()
-                    .event("task")
-                    .json_data(TaskSummary::from(&task))
-                    .ok();
             }
-            tokio::time::sleep(self.pause).await;
-            self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+            let wait = REVOCATION_CHECK.min(self.until.saturating_duration_since(Instant::now()));
+            tokio::select! {
+                changed = self.subscription.seen.changed() => if changed.is_err() { return None },
+                _ = tokio::time::sleep(wait) => {}
+            }
         }
         None
     }

@@ -57,6 +57,10 @@ pub struct Accepted {
 pub struct ClientLimits {
     pub per_second: f64,
     pub burst: f64,
+    /// Tasks per second all the clients of one namespace may submit together (each gateway
+    /// replica counts its own), and their burst.
+    pub namespace_per_second: f64,
+    pub namespace_burst: f64,
 }
 
 pub struct Ingestor {
@@ -84,20 +88,23 @@ impl Ingestor {
     ) -> Result<Vec<Result<Accepted, ApiError>>, ApiError> {
         let limits = &self.client_limits;
         let name = &client.name;
-        self.limiter
-            .try_take(
-                &format!("client/{name}"),
-                submissions.len() as f64,
-                limits.per_second,
-                limits.burst.max(submissions.len() as f64),
-            )
-            .map_err(|wait| {
-                ApiError::too_many(
-                    "rate_limited",
-                    format!("client {name} is over its rate limit"),
-                    wait,
-                )
-            })?;
+        let n = submissions.len() as f64;
+        self.limiter.take_or_refuse(
+            &format!("client/{name}"),
+            n,
+            limits.per_second,
+            limits.burst,
+            || format!("client {name} is over its rate limit"),
+        )?;
+        if let Some(namespace) = client.namespace() {
+            self.limiter.take_or_refuse(
+                &format!("namespace/{namespace}"),
+                n,
+                limits.namespace_per_second,
+                limits.namespace_burst,
+                || format!("namespace {namespace} is over its rate limit (over all its clients)"),
+            )?;
+        }
 
         let mut answers: Vec<Option<Result<Accepted, ApiError>>> = Vec::new();
         let mut valid: Vec<(usize, NewTask)> = Vec::new();

@@ -10,6 +10,7 @@ pub mod backpressure;
 pub mod cluster;
 pub mod console;
 pub mod error;
+pub mod feed;
 pub mod find;
 pub mod follow;
 pub mod ingest;
@@ -204,8 +205,12 @@ pub async fn run(
     ));
 
     if let Some(upkeep) = config.upkeep.clone() {
+        // Pools of its own: a tenant's flood of requests may queue for the API's
+        // connections, never the reaper's and the sweeper's (issue 33, item 3).
+        let upkeep_db = Db::connect(&config.database.for_purpose("upkeep", UPKEEP_CONNECTIONS))
+            .context("database settings")?;
         tokio::spawn(upkeep::run(
-            db.clone(),
+            upkeep_db,
             publisher.clone(),
             observer.clone(),
             types.clone(),
@@ -215,6 +220,8 @@ pub async fn run(
         ));
     }
 
+    let feed = feed::Feed::new(db.clone());
+    tokio::spawn(feed.clone().run(shutdown.clone()));
     let writes = db.ingest_writes(&metrics);
     let state = Arc::new(ApiState {
         ingestor: Ingestor {
@@ -229,6 +236,7 @@ pub async fn run(
             tracer: config.tracer.clone(),
         },
         tokens,
+        feed,
         amqp_url: config.amqp_url.clone(),
         max_batch_tasks: config.max_batch_tasks,
         limits: config.requests.clone(),
@@ -290,6 +298,9 @@ pub async fn run(
     writes.queued.flush().await;
     served.map(|_| ())
 }
+
+/// Connections of the upkeep loops' own pool: they take turns, and none holds one long.
+const UPKEEP_CONNECTIONS: u32 = 4;
 
 /// Longest one task type's declaration may take before it is tried again.
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);

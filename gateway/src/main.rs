@@ -8,6 +8,7 @@ use conveyor_core::metrics::Metrics;
 use conveyor_core::plaintext::Link;
 use conveyor_core::task_type::load_task_types;
 use conveyor_core::upkeep::SweepSettings;
+use conveyor_gateway::admission::NamespaceLimits;
 use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
 use conveyor_gateway::ingest::ClientLimits;
@@ -94,6 +95,32 @@ struct Args {
     /// Request body bytes each client may send per second.
     #[arg(long, env = "CONVEYOR_CLIENT_BYTES_PER_SECOND", default_value_t = 64.0 * 1024.0 * 1024.0)]
     client_bytes_per_second: f64,
+    /// Tasks per second the clients of one namespace may submit together, on this replica
+    /// (however many ClientTokens the namespace makes).
+    #[arg(long, env = "CONVEYOR_NAMESPACE_RATE", default_value_t = 40000.0)]
+    namespace_rate: f64,
+    /// Burst the clients of one namespace may submit at once together, on this replica.
+    #[arg(long, env = "CONVEYOR_NAMESPACE_BURST", default_value_t = 80000.0)]
+    namespace_burst: f64,
+    /// Requests the clients of one namespace may have in flight at once together, on this
+    /// replica (more answer 429).
+    #[arg(long, env = "CONVEYOR_NAMESPACE_MAX_IN_FLIGHT", default_value_t = 256)]
+    namespace_max_in_flight: usize,
+    /// Request body bytes the clients of one namespace may send per second together, on
+    /// this replica.
+    #[arg(long, env = "CONVEYOR_NAMESPACE_BYTES_PER_SECOND", default_value_t = 128.0 * 1024.0 * 1024.0)]
+    namespace_bytes_per_second: f64,
+    /// Task streams the clients of one namespace may hold open at once, on this replica.
+    #[arg(long, env = "CONVEYOR_NAMESPACE_MAX_STREAMS", default_value_t = 256)]
+    namespace_max_streams: usize,
+    /// Tasks the lists of one namespace's clients may ask for per second together, on this
+    /// replica (a list counts its limit).
+    #[arg(
+        long,
+        env = "CONVEYOR_NAMESPACE_LISTED_PER_SECOND",
+        default_value_t = 5000.0
+    )]
+    namespace_listed_per_second: f64,
     /// Request body bytes the gateway holds at once over all clients (more answer 503
     /// `gateway_busy`); at least --max-batch-bytes.
     #[arg(long, env = "CONVEYOR_MAX_BYTES_IN_FLIGHT", default_value_t = 256 * 1024 * 1024)]
@@ -244,12 +271,20 @@ async fn main() -> anyhow::Result<()> {
         client_limits: ClientLimits {
             per_second: args.client_rate,
             burst: args.client_burst,
+            namespace_per_second: args.namespace_rate,
+            namespace_burst: args.namespace_burst,
         },
         requests: RequestLimits {
             max_in_flight: args.client_max_in_flight.max(1),
             bytes_per_second: args.client_bytes_per_second,
             timeout: Duration::from_secs(args.request_timeout_seconds.max(1)),
             max_bytes_in_flight: args.max_bytes_in_flight,
+            namespace: NamespaceLimits {
+                max_in_flight: args.namespace_max_in_flight.max(1),
+                bytes_per_second: args.namespace_bytes_per_second,
+                max_streams: args.namespace_max_streams.max(1),
+                listed_per_second: args.namespace_listed_per_second,
+            },
         },
         max_body_bytes: args.max_body_bytes,
         max_batch_bytes: args.max_batch_bytes,

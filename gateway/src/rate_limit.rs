@@ -17,6 +17,21 @@ pub struct RateLimiter {
 }
 
 impl RateLimiter {
+    /// Takes `n` tokens from `key`'s bucket (refilled at `rate` a second up to `burst`, and
+    /// never shallower than `n`, so that one large request can pass at all); otherwise 429
+    /// `rate_limited` with `over` as its message and the wait as its Retry-After.
+    pub fn take_or_refuse(
+        &self,
+        key: &str,
+        n: f64,
+        rate: f64,
+        burst: f64,
+        over: impl FnOnce() -> String,
+    ) -> Result<(), crate::error::ApiError> {
+        self.try_take(key, n, rate, burst.max(n))
+            .map_err(|wait| crate::error::ApiError::too_many("rate_limited", over(), wait))
+    }
+
     pub fn new() -> Self {
         RateLimiter {
             buckets: Mutex::new(HashMap::new()),

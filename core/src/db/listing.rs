@@ -3,6 +3,9 @@
 //! Each type is read on its own through `tasks_listed (task_type, id)` (a type's key names
 //! its tenant), newest first and stopping at the page size, and the types' pages are merged:
 //! a page costs about its size in index entries per type, however many tasks there are.
+//! A filter no index serves in id order (most states, update times) would walk a type's
+//! whole history to fill a page: such a page reads at most [`SCAN_BOUND`] index entries per
+//! type, and may come back short, or empty, with a cursor to go on from (issue 33, item 3).
 
 use chrono::{DateTime, Duration, Utc};
 use sqlx::{Postgres, QueryBuilder};
@@ -25,6 +28,12 @@ const LIST_COLUMNS: &str = "id, tenant, idempotency_key, task_type, state, attem
 /// on ids is widened by this much so that clock skew cannot hide a task.
 pub(super) const CLOCK_SLACK_MINUTES: i64 = 5;
 
+/// Most index entries of one type a page reads when no index serves its filter in id order.
+pub const SCAN_BOUND: i64 = 10_000;
+
+/// States whose lists an index holds in id order (`tasks_listed_unhappy`).
+const LISTED_STATES: [TaskState; 2] = [TaskState::DeadLetter, TaskState::Cancelled];
+
 /// Which tasks to list. Everything left empty or `None` is not filtered on.
 #[derive(Debug, Clone, Default)]
 pub struct TaskFilter {
@@ -41,6 +50,16 @@ pub struct TaskFilter {
     pub updated_before: Option<DateTime<Utc>>,
     /// The cursor: only tasks older than this one (ids are time-ordered).
     pub before_id: Option<Uuid>,
+}
+
+impl TaskFilter {
+    /// Whether a page must bound its scan: a state or update-time filter, which no index
+    /// serves in id order, would otherwise read every older task of the type.
+    fn scans_unbounded(&self) -> bool {
+        self.updated_after.is_some()
+            || self.updated_before.is_some()
+            || self.states.iter().any(|s| !LISTED_STATES.contains(s))
+    }
 }
 
 /// One page of a list.
@@ -72,6 +91,11 @@ impl Db {
                 next: None,
             });
         }
+        let edge = if filter.scans_unbounded() {
+            self.scan_edge(filter).await?
+        } else {
+            None
+        };
         // One more than asked: whether it comes back says whether a next page exists.
         let fetch = i64::from(limit) + 1;
         let mut query =
@@ -82,6 +106,10 @@ impl Db {
              WHERE t.task_type = ty.name"
         ));
         push_filters(&mut query, filter);
+        if let Some(edge) = edge {
+            query.push(" AND t.id >= ");
+            query.push_bind(edge);
+        }
         query.push(" ORDER BY t.id DESC LIMIT ");
         query.push_bind(fetch);
         query.push(") page ORDER BY id DESC LIMIT ");
@@ -95,9 +123,47 @@ impl Db {
             tasks.truncate(limit as usize);
             tasks.last().map(|t| t.id)
         } else {
-            None
+            // Short: either nothing older matches, or the scan stopped at its edge.
+            edge
         };
         Ok(TaskPage { tasks, next })
+    }
+
+    /// Where a bounded page's scan stops: the highest id at which some type's
+    /// [`SCAN_BOUND`] newest entries (within the filter's id range) end, or `None` when no
+    /// type has that many. Every type's range from there up holds at most that many.
+    async fn scan_edge(&self, filter: &TaskFilter) -> DbResult<Option<Uuid>> {
+        // The entry at offset SCAN_BOUND - 1 exists only where a type has that many.
+        let mut query = QueryBuilder::<Postgres>::new("SELECT bound.edge FROM unnest(");
+        query.push_bind(&filter.types);
+        query.push(
+            "::text[]) AS ty(name) CROSS JOIN LATERAL (SELECT t.id AS edge FROM tasks t \
+             WHERE t.task_type = ty.name",
+        );
+        push_id_bounds(&mut query, filter);
+        query.push(" ORDER BY t.id DESC OFFSET ");
+        query.push_bind(SCAN_BOUND - 1);
+        query.push(" LIMIT 1) bound ORDER BY bound.edge DESC LIMIT 1");
+        let edge: Option<Uuid> = query
+            .build_query_scalar()
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(edge)
+    }
+}
+
+impl Db {
+    /// The rows of `ids` as a list shows them (no payload or result), in no order; an id with
+    /// no row is left out. One indexed read however many ids: the gateway's feed of followed
+    /// tasks reads all of them together.
+    pub async fn listed_tasks(&self, ids: &[Uuid]) -> DbResult<Vec<TaskRecord>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {LIST_COLUMNS} FROM tasks WHERE id = ANY($1)"
+        ))
+        .bind(ids)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(task_from_row).collect()
     }
 }
 
@@ -115,20 +181,12 @@ fn push_filters(query: &mut QueryBuilder<'_, Postgres>, filter: &TaskFilter) {
             state_literals(&filter.states)
         ));
     }
-    if let Some(id) = filter.before_id {
-        query.push(" AND t.id < ");
-        query.push_bind(id);
-    }
-    let slack = Duration::minutes(CLOCK_SLACK_MINUTES);
+    push_id_bounds(query, filter);
     if let Some(after) = filter.created_after {
-        query.push(" AND t.id >= ");
-        query.push_bind(v7_floor(after - slack));
         query.push(" AND t.created_at >= ");
         query.push_bind(after);
     }
     if let Some(before) = filter.created_before {
-        query.push(" AND t.id < ");
-        query.push_bind(v7_floor(before + slack));
         query.push(" AND t.created_at < ");
         query.push_bind(before);
     }
@@ -141,6 +199,23 @@ fn push_filters(query: &mut QueryBuilder<'_, Postgres>, filter: &TaskFilter) {
         query.push_bind(before);
     }
     push_selector(query, &filter.selector);
+}
+
+/// The cursor and the creation times as ranges of ids, which `tasks_listed` serves.
+fn push_id_bounds(query: &mut QueryBuilder<'_, Postgres>, filter: &TaskFilter) {
+    if let Some(id) = filter.before_id {
+        query.push(" AND t.id < ");
+        query.push_bind(id);
+    }
+    let slack = Duration::minutes(CLOCK_SLACK_MINUTES);
+    if let Some(after) = filter.created_after {
+        query.push(" AND t.id >= ");
+        query.push_bind(v7_floor(after - slack));
+    }
+    if let Some(before) = filter.created_before {
+        query.push(" AND t.id < ");
+        query.push_bind(v7_floor(before + slack));
+    }
 }
 
 /// The selector as SQL over `t.labels`, in the forms the GIN index `tasks_labels` serves.

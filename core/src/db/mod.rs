@@ -44,7 +44,7 @@ pub use grants::{ComponentRole, TenantRole, DEFAULT_GATEWAY_ROLE};
 pub use grouped::{IngestWrites, OwnerWrites};
 pub use index_rebuilds::{IndexSize, IndexUpkeep};
 pub use ingest::{Locked, Recorded};
-pub use listing::{TaskFilter, TaskPage};
+pub use listing::{TaskFilter, TaskPage, SCAN_BOUND};
 pub use partitions::PartitionsOwed;
 pub use queued_marks::QueuedMarks;
 pub use remedies::CancelOutcome;
@@ -72,6 +72,9 @@ pub struct DbOptions {
     /// touches every one in turn and none is ever idle long enough to close: without an age
     /// limit, a process kept all the connections of its busiest moment.
     pub max_lifetime: Duration,
+    /// What the pools are for, before their own names in `application_name`
+    /// (`conveyor-gateway upkeep main`); `None` for a process's main pools.
+    pub purpose: Option<&'static str>,
 }
 
 impl DbOptions {
@@ -83,6 +86,17 @@ impl DbOptions {
             statement_timeout: Some(Duration::from_secs(30)),
             idle_timeout: Duration::from_secs(30),
             max_lifetime: Duration::from_secs(5 * 60),
+            purpose: None,
+        }
+    }
+
+    /// The same database for pools of their own, of `max_connections` each: work that must
+    /// not wait behind the process's other work for a connection.
+    pub fn for_purpose(&self, purpose: &'static str, max_connections: u32) -> Self {
+        DbOptions {
+            purpose: Some(purpose),
+            max_connections,
+            ..self.clone()
         }
     }
 }
@@ -113,10 +127,14 @@ pub fn verifies_server(url: &str) -> bool {
 /// What each pool calls itself to the server (`pg_stat_activity.application_name`), so that
 /// whoever reads the server's connections can tell whose they are: the process and the
 /// pool, `conveyor-gateway hot`. A name in the URL is the operator's choice and is kept.
-fn named(connect: PgConnectOptions, url: &str, pool: &str) -> PgConnectOptions {
-    if crate::urls::query_param(url, "application_name").is_some() {
+fn named(connect: PgConnectOptions, options: &DbOptions, pool: &str) -> PgConnectOptions {
+    if crate::urls::query_param(&options.url, "application_name").is_some() {
         return connect;
     }
+    let pool = match options.purpose {
+        Some(purpose) => format!("{purpose} {pool}"),
+        None => pool.to_owned(),
+    };
     let process = std::env::current_exe()
         .ok()
         .and_then(|exe| Some(exe.file_stem()?.to_string_lossy().into_owned()))
@@ -182,16 +200,15 @@ impl Db {
         // first minutes after a start) scanned the whole table for every claim and completion
         // long after it had grown (make bench: 3,252 scans reading 27 M rows in 10 s); by id,
         // the primary key is always the way.
-        let url = &options.url;
         let hot = pooled().connect_lazy_with(named(
             connect.clone().options([
                 ("plan_cache_mode", "force_generic_plan"),
                 ("enable_seqscan", "off"),
             ]),
-            url,
+            options,
             "hot",
         ));
-        let pool = pooled().connect_lazy_with(named(connect, url, "main"));
+        let pool = pooled().connect_lazy_with(named(connect, options, "main"));
         // One connection each, opened on use, without the statement timeout.
         let single = |connect: PgConnectOptions| {
             PgPoolOptions::new()
@@ -201,12 +218,12 @@ impl Db {
                 .acquire_timeout(options.acquire_timeout)
                 .connect_lazy_with(connect.options([("statement_timeout", "0")]))
         };
-        let maintenance = single(named(base.clone(), url, "maintenance"));
+        let maintenance = single(named(base.clone(), options, "maintenance"));
         // A rebuild whose gateway stopped (a rolling upgrade) is cancelled by the server
         // within a second, not left holding its lock; the next look drops its copy.
         let rebuilds = single(named(
             base.options([("client_connection_check_interval", "1000")]),
-            url,
+            options,
             "rebuilds",
         ));
         Ok(Db {

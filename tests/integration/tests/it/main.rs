@@ -16,6 +16,7 @@ mod grouped_writes;
 mod hostile_tenants;
 mod least_privilege;
 mod lifecycle_flows;
+mod namespace_limits;
 mod outages;
 mod progress;
 mod python_client;

@@ -69,6 +69,8 @@ fn gateway_config(db_url: &str, types: &[NamedTaskType]) -> GatewayConfig {
         client_limits: ClientLimits {
             per_second: 100_000.0,
             burst: 100_000.0,
+            namespace_per_second: 200_000.0,
+            namespace_burst: 200_000.0,
         },
         requests: RequestLimits::default(),
         max_body_bytes: 64 * 1024,
