@@ -19,10 +19,15 @@ use crate::load::Request;
 use crate::scenarios::Scenario;
 use crate::system::System;
 
-/// The hostile namespace's client token (a file token: no ClientToken resource here).
-pub const HOSTILE_TOKEN: &str = "hostile-chaos-token-6b1f0e92d4a7";
-/// Concurrent hostile loops: four times the calm load's one.
-const LOOPS: usize = 8;
+/// Concurrent hostile loops, each with a client of its own in the hostile namespace (as
+/// ClientTokens minted at will would be): eight times the calm load's one.
+pub const LOOPS: usize = 8;
+
+/// The token of the hostile namespace's client `i` (file tokens: no ClientToken resources
+/// here).
+pub fn token(i: usize) -> String {
+    format!("hostile-chaos-token-6b1f0e92d4a7-{i}")
+}
 
 /// The hostile namespace of a run: unique, since its database role outlives the database.
 pub fn namespace(calm_type: &str) -> String {
@@ -53,7 +58,7 @@ struct Tally {
 /// measured as the act): the flood's thousands of tasks to follow and list.
 pub async fn prepare(scenario: Scenario, system: &System) -> anyhow::Result<()> {
     if scenario == Scenario::TenantFloodsStreamsAndLists {
-        let hostile = Hostile::of(system)?;
+        let hostile = Hostile::of(system, 0)?;
         for _ in 0..FLOOD_TASKS / 100 {
             let tasks = (0..100).map(|i| hostile.task(json!({ "n": i }))).collect();
             let response = hostile.submit_batch(tasks).await;
@@ -66,8 +71,9 @@ pub async fn prepare(scenario: Scenario, system: &System) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Tasks the flooding tenant follows and lists.
-const FLOOD_TASKS: usize = 2000;
+/// Tasks the flooding tenant follows and lists: past a list's scan bound, so that its
+/// filters that no index serves read as much as they may.
+const FLOOD_TASKS: usize = 2 * conveyor_core::db::SCAN_BOUND as usize;
 
 /// The hostile act of `scenario` for `window`; returns notes on what it did.
 pub async fn act(
@@ -75,7 +81,7 @@ pub async fn act(
     system: &System,
     window: Duration,
 ) -> anyhow::Result<Vec<String>> {
-    let hostile = Hostile::of(system)?;
+    let hostile = Hostile::of(system, 0)?;
     let until = Instant::now() + window;
     let what = match scenario {
         Scenario::TenantDeletesTopology => hostile.delete_topology(system, until).await?,
@@ -99,14 +105,17 @@ struct Hostile {
     /// namespace) and its key.
     local_name: String,
     key: String,
+    /// This client's token (`token(i)`).
+    token: String,
     http: reqwest::Client,
     tally: Arc<Tally>,
 }
 
 impl Hostile {
-    fn of(system: &System) -> anyhow::Result<Hostile> {
+    fn of(system: &System, client: usize) -> anyhow::Result<Hostile> {
         let ns = namespace(&system.task_type);
         Ok(Hostile {
+            token: token(client),
             gateway: system.gateway_url.clone(),
             local_name: system.task_type.clone(),
             key: format!("{ns}.{}", system.task_type),
@@ -120,7 +129,7 @@ impl Hostile {
 
     async fn send(&self, request: reqwest::RequestBuilder) -> Option<reqwest::Response> {
         self.tally.sent.fetch_add(1, Ordering::Relaxed);
-        let response = request.bearer_auth(HOSTILE_TOKEN).send().await.ok()?;
+        let response = request.bearer_auth(&self.token).send().await.ok()?;
         if response.status().is_server_error() {
             self.tally.server_errors.fetch_add(1, Ordering::Relaxed);
         }
@@ -139,15 +148,23 @@ impl Hostile {
         json!({"taskType": self.local_name, "payload": payload})
     }
 
-    /// `LOOPS` copies of `work` until `until`.
+    /// This tenant as its client `i`.
+    fn as_client(&self, i: usize) -> Hostile {
+        Hostile {
+            token: token(i % LOOPS),
+            ..self.clone()
+        }
+    }
+
+    /// `LOOPS` copies of `work` until `until`, each as a client of its own.
     async fn loops<F, Fut>(&self, until: Instant, work: F)
     where
         F: Fn(Hostile) -> Fut,
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
         let tasks: Vec<_> = (0..LOOPS)
-            .map(|_| {
-                let one = work(self.clone());
+            .map(|i| {
+                let one = work(self.as_client(i));
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout_at(until.into(), one).await;
                 })
@@ -218,9 +235,10 @@ impl Hostile {
                 let mut i = 0;
                 while Instant::now() < until && !ids.is_empty() {
                     let id = &ids[i % ids.len()];
+                    let client = h.as_client(i);
                     i += 1;
                     let request = h.http.get(format!("{}/v1/tasks/{id}/stream", h.gateway));
-                    match h.send(request).await {
+                    match client.send(request).await {
                         Some(r) if r.status().is_success() => {
                             open.fetch_add(1, Ordering::Relaxed);
                             held.push(r);
@@ -251,6 +269,15 @@ impl Hostile {
                     ),
                     format!(
                         "namespace={}&labelSelector=missing%3Dlabel&limit=500",
+                        h.namespace
+                    ),
+                    // Match nothing: every page reads its whole scan bound.
+                    format!(
+                        "type={}&namespace={}&state=RETRY_CLAIMED&limit=500",
+                        h.local_name, h.namespace
+                    ),
+                    format!(
+                        "namespace={}&labelSelector=%21absent&state=RETRY_CLAIMED&limit=500",
                         h.namespace
                     ),
                 ];
@@ -319,7 +346,27 @@ impl Hostile {
                 let _ = tx.rollback().await;
             }));
         }
-        tokio::time::sleep_until(until.into()).await;
+        // Meanwhile its clients cancel the tasks it holds locked, again and again: each request
+        // would wait on the lock with one of the API's connections.
+        let locked: Vec<String> =
+            sqlx::query_scalar("SELECT id::text FROM tasks WHERE task_type = $1")
+                .bind(&self.key)
+                .fetch_all(system.db.pool())
+                .await?;
+        let locked = Arc::new(locked);
+        let cancels = Arc::new(AtomicUsize::new(0));
+        let counted = cancels.clone();
+        self.loops(until, move |h| {
+            let (locked, counted) = (locked.clone(), counted.clone());
+            async move {
+                for id in locked.iter().cycle() {
+                    let request = h.http.post(format!("{}/v1/tasks/{id}:cancel", h.gateway));
+                    h.send(request).await;
+                    counted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+        .await;
         stop.store(true, Ordering::Relaxed);
         for task in open {
             let _ = task.await;
@@ -327,8 +374,10 @@ impl Hostile {
         tenant.close().await;
         system.db.revoke_tenant(&self.namespace).await?;
         Ok(format!(
-            "{} transactions of its own role held open for the window",
-            held.load(Ordering::Relaxed)
+            "{} transactions of its own role held open for the window, {} cancels of the \
+             tasks they locked",
+            held.load(Ordering::Relaxed),
+            cancels.load(Ordering::Relaxed)
         ))
     }
 

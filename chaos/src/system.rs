@@ -461,12 +461,12 @@ fn gateway_env(task_type: &str, options: &Options) -> Vec<(String, String)> {
     let mut env = options.gateway_env.clone();
     if options.hostile_tenant {
         let hostile = crate::hostile::namespace(task_type);
+        let clients: Vec<String> = (0..crate::hostile::LOOPS)
+            .map(|c| format!("hostile{c}@{hostile}={}", crate::hostile::token(c)))
+            .collect();
         env.push((
             "CONVEYOR_GATEWAY_TOKENS".to_owned(),
-            format!(
-                "chaos={TOKEN},hostile@{hostile}={}",
-                crate::hostile::HOSTILE_TOKEN
-            ),
+            format!("chaos={TOKEN},{}", clients.join(",")),
         ));
     }
     env

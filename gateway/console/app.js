@@ -421,7 +421,12 @@
     olderButton.disabled = false;
     if (!list.shown) {
       status.textContent = '';
-      body.append(el('tr', { class: 'none' }, el('td', { colspan: '7', class: 'empty', text: 'No tasks match these filters.' })));
+      // A filter no index serves reads the history a part at a time: an empty page with a
+      // cursor means none in the part read so far.
+      const text = list.cursor
+        ? 'None in the newest part of the history read so far; older tasks may match.'
+        : 'No tasks match these filters.';
+      body.append(el('tr', { class: 'none' }, el('td', { colspan: '7', class: 'empty', text })));
     } else {
       const plural = list.shown === 1 ? 'task' : 'tasks';
       status.textContent = `${list.shown} ${plural}, newest first${list.cursor ? '; older ones on the next page' : ''}.`;

@@ -53,6 +53,9 @@ impl Default for RequestLimits {
 pub struct NamespaceLimits {
     /// Requests of the namespace's clients being served at once; more answer 429.
     pub max_in_flight: usize,
+    /// Requests the namespace's clients may make per second together (a second's worth
+    /// at once); more answer 429.
+    pub requests_per_second: f64,
     /// Request body bytes the namespace's clients may send per second together.
     pub bytes_per_second: f64,
     /// Task streams (`GET /v1/tasks/{id}/stream`) open at once; more answer 429.
@@ -66,6 +69,7 @@ impl Default for NamespaceLimits {
     fn default() -> Self {
         NamespaceLimits {
             max_in_flight: 256,
+            requests_per_second: 10_000.0,
             bytes_per_second: 128.0 * 1024.0 * 1024.0,
             max_streams: 256,
             listed_per_second: 5_000.0,
@@ -122,8 +126,10 @@ impl BodyBudget {
 /// its answer: a client retrying in a tight loop, or sending what is refused again and
 /// again, then sends a few requests a second per connection instead of taking the
 /// gateway's CPU from every other tenant (make chaos, `tenant-floods-streams-and-lists`:
-/// 12,000 refusals a second raised a calm tenant's p99 7.6 times). Well-behaved clients
-/// never wait: they are refused only when they err.
+/// 12,000 refusals a second raised a calm tenant's p99 7.6 times). A client waits only when
+/// it is refused: when it errs, or it or its namespace is over a limit. It paces each
+/// connection, not each client: a client that opens more connections meets the in-flight
+/// limits instead.
 pub const REFUSAL_PAUSE: Duration = Duration::from_millis(250);
 
 /// Admits the request ([`admit_or_refuse`]); a refusal is answered after [`REFUSAL_PAUSE`].
@@ -197,6 +203,19 @@ async fn admit_or_refuse(
             }
         }
     };
+    if let Some(namespace) = client.namespace() {
+        let rate = state.limits.namespace.requests_per_second;
+        let taken = state.ingestor.limiter.take_or_refuse(
+            &format!("namespace-requests/{namespace}"),
+            1.0,
+            rate,
+            rate,
+            || format!("namespace {namespace} is over its request rate (over all its clients)"),
+        );
+        if let Err(refused) = taken {
+            return refused.into_response();
+        }
+    }
     // A body that says its length is charged against the client's byte rate before a byte
     // of it is read; one that does not is charged once read.
     let declared = request
@@ -317,21 +336,23 @@ impl ApiState {
         )
     }
 
-    /// Charges a list of up to `limit` tasks against the client's namespace's listing rate.
-    pub(crate) fn charge_listing(&self, client: &Client, limit: u32) -> Result<(), ApiError> {
+    /// Charges a list costing `cost` (its limit, and its scan's share) against the client's
+    /// namespace's listing rate.
+    pub(crate) fn charge_listing(&self, client: &Client, cost: u64) -> Result<(), ApiError> {
         let Some(namespace) = client.namespace() else {
             return Ok(());
         };
         let rate = self.limits.namespace.listed_per_second;
         self.ingestor.limiter.take_or_refuse(
             &format!("namespace-listed/{namespace}"),
-            f64::from(limit),
+            cost as f64,
             rate,
             rate,
             || {
                 format!(
                     "namespace {namespace} is over its listing rate ({rate} tasks a second over \
-                     all its clients, each list counting its limit)"
+                     all its clients, each list counting its limit and a hundredth of what its \
+                     filter may scan)"
                 )
             },
         )

@@ -19,6 +19,9 @@ use uuid::Uuid;
 pub const TICK: Duration = Duration::from_millis(200);
 /// Ids per statement, so that one read's answer stays small however many are followed.
 const IDS_PER_READ: usize = 5_000;
+/// Reads in a row that may fail (a connection lost, a pool briefly exhausted) before the
+/// streams are told and end: five seconds of ticks. Until then they keep what they showed.
+const FAILURES_TOLD: u32 = 25;
 
 /// What a stream's task was last seen as.
 #[derive(Clone)]
@@ -26,7 +29,7 @@ pub enum Seen {
     Task(Arc<TaskRecord>),
     /// Its row is gone (retention deleted it).
     Gone,
-    /// The last read failed; the stream says so and ends, as a read of its own would.
+    /// Reads failed for [`FAILURES_TOLD`] ticks in a row; the stream says so and ends.
     Failed(Arc<DbError>),
 }
 
@@ -81,9 +84,18 @@ impl Feed {
         let id = task.id;
         let mut followed = self.lock();
         let first = followed.is_empty();
+        let task = Arc::new(task);
         let entry = followed.entry(id).or_insert_with(|| Followed {
-            seen: watch::channel(Seen::Task(Arc::new(task))).0,
+            seen: watch::channel(Seen::Task(task.clone())).0,
             streams: 0,
+        });
+        // A failure told to the task's other streams is not this one's: it just read the row.
+        entry.seen.send_if_modified(|seen| {
+            let stale = !matches!(seen, Seen::Task(_));
+            if stale {
+                *seen = Seen::Task(task);
+            }
+            stale
         });
         entry.streams += 1;
         let seen = entry.seen.subscribe();
@@ -103,19 +115,28 @@ impl Feed {
         self.lock().len()
     }
 
-    /// Reads the followed rows every [`TICK`] while there are any, until `stop`.
+    /// Reads the followed rows every [`TICK`] while there are any, until `stop`; then lets
+    /// every task go, which ends their streams.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
+        tokio::select! {
+            () = self.read_until_stopped() => {}
+            () = stop.cancelled() => {}
+        }
+        self.lock().clear();
+    }
+
+    async fn read_until_stopped(&self) {
+        let mut failures = 0;
         loop {
             let ids: Vec<Uuid> = self.lock().keys().copied().collect();
             if ids.is_empty() {
-                tokio::select! {
-                    _ = self.first_follower.notified() => continue,
-                    _ = stop.cancelled() => return,
-                }
+                self.first_follower.notified().await;
+                continue;
             }
             for chunk in ids.chunks(IDS_PER_READ) {
                 match self.db.listed_tasks(chunk).await {
                     Ok(rows) => {
+                        failures = 0;
                         let mut rows: HashMap<Uuid, TaskRecord> =
                             rows.into_iter().map(|t| (t.id, t)).collect();
                         for id in chunk {
@@ -123,17 +144,18 @@ impl Feed {
                         }
                     }
                     Err(err) => {
-                        let err = Arc::new(err);
-                        for id in chunk {
-                            self.tell(*id, Seen::Failed(err.clone()));
+                        failures += 1;
+                        tracing::warn!(error = %err, failures, "reading the followed tasks failed");
+                        if failures >= FAILURES_TOLD {
+                            let err = Arc::new(err);
+                            for id in chunk {
+                                self.tell(*id, Seen::Failed(err.clone()));
+                            }
                         }
                     }
                 }
             }
-            tokio::select! {
-                _ = tokio::time::sleep(TICK) => {}
-                _ = stop.cancelled() => return,
-            }
+            tokio::time::sleep(TICK).await;
         }
     }
 

@@ -220,7 +220,12 @@ pub async fn run(
         ));
     }
 
-    let feed = feed::Feed::new(db.clone());
+    // A pool of its own, so that a tenant's requests queueing for the API's connections
+    // cannot fail every stream's reads.
+    let feed = feed::Feed::new(
+        Db::connect(&config.database.for_purpose("streams", FEED_CONNECTIONS))
+            .context("database settings")?,
+    );
     tokio::spawn(feed.clone().run(shutdown.clone()));
     let writes = db.ingest_writes(&metrics);
     let state = Arc::new(ApiState {
@@ -301,6 +306,9 @@ pub async fn run(
 
 /// Connections of the upkeep loops' own pool: they take turns, and none holds one long.
 const UPKEEP_CONNECTIONS: u32 = 4;
+
+/// Connections of the stream feed's pool: it reads one statement at a time.
+const FEED_CONNECTIONS: u32 = 2;
 
 /// Longest one task type's declaration may take before it is tried again.
 const DECLARE_TIMEOUT: Duration = Duration::from_secs(30);

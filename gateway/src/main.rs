@@ -4,6 +4,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use conveyor_core::config::{AmqpArgs, DatabaseArgs, Secret, TelemetryArgs};
+use conveyor_core::db::DbOptions;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::plaintext::Link;
 use conveyor_core::task_type::load_task_types;
@@ -106,6 +107,13 @@ struct Args {
     /// replica (more answer 429).
     #[arg(long, env = "CONVEYOR_NAMESPACE_MAX_IN_FLIGHT", default_value_t = 256)]
     namespace_max_in_flight: usize,
+    /// Requests the clients of one namespace may make per second together, on this replica.
+    #[arg(
+        long,
+        env = "CONVEYOR_NAMESPACE_REQUESTS_PER_SECOND",
+        default_value_t = 10000.0
+    )]
+    namespace_requests_per_second: f64,
     /// Request body bytes the clients of one namespace may send per second together, on
     /// this replica.
     #[arg(long, env = "CONVEYOR_NAMESPACE_BYTES_PER_SECOND", default_value_t = 128.0 * 1024.0 * 1024.0)]
@@ -253,7 +261,12 @@ async fn main() -> anyhow::Result<()> {
     }
     let tracer = args.telemetry.tracer("conveyor-gateway");
     let config = GatewayConfig {
-        database: args.database.options(),
+        // A request waits at most 2 s for a row another session holds (a tenant's own open
+        // transaction): then 503, and its connection serves everyone else's requests again.
+        database: DbOptions {
+            lock_timeout: Some(Duration::from_secs(2)),
+            ..args.database.options()
+        },
         amqp_url: args.amqp.connection_url(),
         confirm_timeout: args.amqp.confirm_timeout(),
         publish_channels: args.amqp.publish_channels.into(),
@@ -281,6 +294,7 @@ async fn main() -> anyhow::Result<()> {
             max_bytes_in_flight: args.max_bytes_in_flight,
             namespace: NamespaceLimits {
                 max_in_flight: args.namespace_max_in_flight.max(1),
+                requests_per_second: args.namespace_requests_per_second,
                 bytes_per_second: args.namespace_bytes_per_second,
                 max_streams: args.namespace_max_streams.max(1),
                 listed_per_second: args.namespace_listed_per_second,

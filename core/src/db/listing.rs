@@ -53,12 +53,19 @@ pub struct TaskFilter {
 }
 
 impl TaskFilter {
-    /// Whether a page must bound its scan: a state or update-time filter, which no index
-    /// serves in id order, would otherwise read every older task of the type.
-    fn scans_unbounded(&self) -> bool {
+    /// Whether a page must bound its scan: a state or update-time filter, or a selector of
+    /// absences alone (`!key`, `notin`), which no index serves in id order, would otherwise
+    /// read every older task of the type.
+    pub fn scans_unbounded(&self) -> bool {
+        let requirements = &self.selector.0;
+        let absences_only = !requirements.is_empty()
+            && !requirements
+                .iter()
+                .any(|r| matches!(r, Requirement::In { .. }));
         self.updated_after.is_some()
             || self.updated_before.is_some()
             || self.states.iter().any(|s| !LISTED_STATES.contains(s))
+            || absences_only
     }
 }
 

@@ -72,6 +72,10 @@ pub struct DbOptions {
     /// touches every one in turn and none is ever idle long enough to close: without an age
     /// limit, a process kept all the connections of its busiest moment.
     pub max_lifetime: Duration,
+    /// The server gives up waiting for a lock after this long (`lock_timeout`), on the main
+    /// pool only: a request must not hold a connection while another session (a tenant's own
+    /// open transaction) holds the row it wants. `None` waits as long as the statement may.
+    pub lock_timeout: Option<Duration>,
     /// What the pools are for, before their own names in `application_name`
     /// (`conveyor-gateway upkeep main`); `None` for a process's main pools.
     pub purpose: Option<&'static str>,
@@ -86,6 +90,7 @@ impl DbOptions {
             statement_timeout: Some(Duration::from_secs(30)),
             idle_timeout: Duration::from_secs(30),
             max_lifetime: Duration::from_secs(5 * 60),
+            lock_timeout: None,
             purpose: None,
         }
     }
@@ -96,6 +101,7 @@ impl DbOptions {
         DbOptions {
             purpose: Some(purpose),
             max_connections,
+            lock_timeout: None,
             ..self.clone()
         }
     }
@@ -208,7 +214,14 @@ impl Db {
             options,
             "hot",
         ));
-        let pool = pooled().connect_lazy_with(named(connect, options, "main"));
+        let main = match options.lock_timeout {
+            Some(timeout) => {
+                let millis = timeout.as_millis().max(1).to_string() + "ms";
+                connect.options([("lock_timeout", millis.as_str())])
+            }
+            None => connect,
+        };
+        let pool = pooled().connect_lazy_with(named(main, options, "main"));
         // One connection each, opened on use, without the statement timeout.
         let single = |connect: PgConnectOptions| {
             PgPoolOptions::new()

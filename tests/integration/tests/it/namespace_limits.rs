@@ -417,3 +417,39 @@ async fn a_namespace_lists_no_more_tasks_a_second_by_minting_tokens() {
     assert_eq!(status, StatusCode::OK, "{body}");
     harness.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_request_waits_no_longer_than_the_lock_timeout_for_a_row_held_elsewhere() {
+    let spec = crate::support::test_type("locked");
+    let name = spec.name.clone();
+    let harness = Harness::start_with(vec![spec], |config| {
+        config.database.lock_timeout = Some(Duration::from_secs(1));
+    })
+    .await;
+    let id = harness.submit_ok(&name, json!({})).await;
+    testing::wait_until("QUEUED", Duration::from_secs(30), || async {
+        harness.db.task(id).await.unwrap().unwrap().state == conveyor_core::TaskState::Queued
+    })
+    .await;
+    // A tenant's own transaction holds the row, for longer than any request should wait.
+    let mut lock = harness.db.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tasks WHERE id = $1 FOR UPDATE")
+        .bind(id)
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(15),
+        harness.post_json(TOKEN, &format!("/v1/tasks/{id}:cancel"), json!({})),
+    )
+    .await;
+    lock.rollback().await.unwrap();
+    let (status, body) = answer.expect("an answer while the row was still held");
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    // Nothing changed: once the row is free, the cancel goes through.
+    let (status, body) = harness
+        .post_json(TOKEN, &format!("/v1/tasks/{id}:cancel"), json!({}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    harness.shutdown().await;
+}
