@@ -335,9 +335,13 @@ impl Hostile {
                     }
                 }
                 if i == 0 {
-                    let _ = sqlx::query("SELECT id FROM tasks FOR UPDATE")
+                    let locked = sqlx::query("SELECT id FROM tasks FOR UPDATE")
                         .execute(&mut *tx)
                         .await;
+                    if let Err(err) = locked {
+                        eprintln!("chaos: the hostile role could not lock its tasks: {err}");
+                        return;
+                    }
                 }
                 held.fetch_add(1, Ordering::Relaxed);
                 while !stop.load(Ordering::Relaxed) {
@@ -346,8 +350,12 @@ impl Hostile {
                 let _ = tx.rollback().await;
             }));
         }
-        // Meanwhile its clients cancel the tasks it holds locked, again and again: each request
-        // would wait on the lock with one of the API's connections.
+        // Once they hold (the first its locks), its clients cancel the tasks it holds locked,
+        // again and again: each request would wait on the lock with one of the API's
+        // connections.
+        while held.load(Ordering::Relaxed) < LOOPS && Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let locked: Vec<String> =
             sqlx::query_scalar("SELECT id::text FROM tasks WHERE task_type = $1")
                 .bind(&self.key)

@@ -468,6 +468,16 @@ fn gateway_env(task_type: &str, options: &Options) -> Vec<(String, String)> {
             "CONVEYOR_GATEWAY_TOKENS".to_owned(),
             format!("chaos={TOKEN},{}", clients.join(",")),
         ));
+        // Namespace limits sized to this machine, as an operator sizes them to the replica's
+        // capacity over its tenants: the defaults (40,000 tasks a second) are past what a
+        // 2-core machine takes, and a namespace within them may take it all.
+        for (name, value) in [
+            ("CONVEYOR_NAMESPACE_RATE", "500"),
+            ("CONVEYOR_NAMESPACE_BURST", "500"),
+            ("CONVEYOR_NAMESPACE_REQUESTS_PER_SECOND", "200"),
+        ] {
+            env.push((name.to_owned(), value.to_owned()));
+        }
     }
     env
 }
