@@ -59,13 +59,24 @@ struct Tally {
 pub async fn prepare(scenario: Scenario, system: &System) -> anyhow::Result<()> {
     if scenario == Scenario::TenantFloodsStreamsAndLists {
         let hostile = Hostile::of(system, 0)?;
-        for _ in 0..FLOOD_TASKS / 100 {
-            let tasks = (0..100).map(|i| hostile.task(json!({ "n": i }))).collect();
-            let response = hostile.submit_batch(tasks).await;
+        let mut taken = 0;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        // At the namespace's rate: a refused batch waits its Retry-After and goes again.
+        while taken < FLOOD_TASKS {
             anyhow::ensure!(
-                response.is_some_and(|r| r.status().is_success()),
-                "the hostile tenant's tasks were not taken"
+                Instant::now() < deadline,
+                "the hostile tenant's tasks were not taken: {taken} of {FLOOD_TASKS}"
             );
+            let tasks = (0..100).map(|i| hostile.task(json!({ "n": i }))).collect();
+            match hostile.submit_batch(tasks).await {
+                Some(response) if response.status().is_success() => {
+                    let body: Value = response.json().await.unwrap_or_default();
+                    taken += body["results"]
+                        .as_array()
+                        .map_or(0, |all| all.iter().filter(|r| r["id"].is_string()).count());
+                }
+                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
         }
     }
     Ok(())
