@@ -110,11 +110,6 @@ impl Feed {
         }
     }
 
-    /// How many tasks are followed (by one stream or more).
-    pub fn followed(&self) -> usize {
-        self.lock().len()
-    }
-
     /// Reads the followed rows every [`TICK`] while there are any, until `stop`; then lets
     /// every task go, which ends their streams.
     pub async fn run(self: Arc<Self>, stop: CancellationToken) {
