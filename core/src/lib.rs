@@ -26,6 +26,8 @@ pub mod tls;
 pub mod trace;
 pub mod upkeep;
 pub mod urls;
+#[cfg(feature = "cluster")]
+pub mod watch_scope;
 
 pub use lifecycle::TaskState;
 

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use conveyor_core::crd::{ClientToken, TaskType};
 use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::watch_scope::{WatchScope, Watched};
 use futures_util::StreamExt as _;
-use kube::api::{Api, ListParams};
+use kube::api::ListParams;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt as _};
 use kube::{Resource, ResourceExt};
@@ -19,20 +20,27 @@ use tokio_util::sync::CancellationToken;
 use crate::auth::{TokenSet, Tokens};
 use crate::registry::Registry;
 
-/// Every TaskType in the cluster, as the data path sees it.
-pub async fn list_types(client: &kube::Client) -> Result<Vec<NamedTaskType>, kube::Error> {
-    let list = Api::<TaskType>::all(client.clone())
-        .list(&ListParams::default())
+/// Every TaskType in `scope`, as the data path sees it.
+pub async fn list_types(
+    client: &kube::Client,
+    scope: &WatchScope,
+) -> Result<Vec<NamedTaskType>, kube::Error> {
+    let listed = scope
+        .list::<TaskType>(client, &ListParams::default())
         .await?;
-    Ok(list.items.iter().map(NamedTaskType::from).collect())
+    Ok(listed.iter().map(NamedTaskType::from).collect())
 }
 
-/// `fixed` (file and environment) and every ClientToken, each for its namespace.
-pub async fn list_tokens(client: &kube::Client, fixed: &Tokens) -> Result<Tokens, kube::Error> {
-    let listed = Api::<ClientToken>::all(client.clone())
-        .list(&ListParams::default())
+/// `fixed` (file and environment) and every ClientToken in `scope`, each for its namespace.
+pub async fn list_tokens(
+    client: &kube::Client,
+    scope: &WatchScope,
+    fixed: &Tokens,
+) -> Result<Tokens, kube::Error> {
+    let listed = scope
+        .list::<ClientToken>(client, &ListParams::default())
         .await?;
-    Ok(with_client_tokens(fixed, listed.items.iter()))
+    Ok(with_client_tokens(fixed, listed.iter()))
 }
 
 /// `fixed` and `resources`; a malformed one is left out and logged, the rest serve.
@@ -105,11 +113,12 @@ pub async fn follow(
     tokens: Arc<TokenSet>,
     fixed: Tokens,
     client: kube::Client,
+    scope: WatchScope,
     interval: Duration,
     shutdown: CancellationToken,
 ) {
-    let (mut types, type_events) = watch::<TaskType>(&client, Kind::TaskTypes);
-    let (mut clients, token_events) = watch::<ClientToken>(&client, Kind::ClientTokens);
+    let (mut types, type_events) = watch::<TaskType>(&client, &scope, Kind::TaskTypes);
+    let (mut clients, token_events) = watch::<ClientToken>(&client, &scope, Kind::ClientTokens);
     let mut events = std::pin::pin!(futures_util::stream::select(type_events, token_events));
     let mut take_in = tokio::time::interval(interval);
     take_in.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -140,28 +149,19 @@ pub async fn follow(
     }
 }
 
-/// A watch of every `K` (managed fields dropped) into a store, and its events: for each,
+/// A watch of every `K` in `scope` (managed fields dropped) into a store, and its events: for each,
 /// `kind`, and whether it ended a (re)list.
-fn watch<K>(
+fn watch<K: Watched>(
     client: &kube::Client,
+    scope: &WatchScope,
     kind: Kind,
 ) -> (
     Followed<K>,
     impl futures_util::Stream<Item = (Kind, Result<bool, watcher::Error>)>,
-)
-where
-    K: Resource<Scope = kube::core::NamespaceResourceScope>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-    K::DynamicType: Default + std::hash::Hash + Eq + Clone,
-{
+) {
     let (store, writer) = reflector::store::<K>();
-    let events = watcher(Api::<K>::all(client.clone()), watcher::Config::default())
-        .default_backoff()
+    let events = scope
+        .watch::<K>(client, watcher::Config::default())
         .modify(|object| object.managed_fields_mut().clear())
         .reflect(writer)
         .map(move |event| (kind, event.map(|e| matches!(e, watcher::Event::InitDone))));

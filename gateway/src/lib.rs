@@ -35,6 +35,7 @@ use conveyor_core::amqp::{Publisher, QueueObserver, Via};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::TaskTypes;
+use conveyor_core::watch_scope::WatchScope;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -47,7 +48,7 @@ use crate::rate_limit::RateLimiter;
 /// The task types once checked, before anything connects: a file's read and compiled.
 enum Checked<'a> {
     File(Registry),
-    Cluster(&'a kube::Client, Duration),
+    Cluster(&'a kube::Client, &'a WatchScope, Duration),
 }
 
 /// Where the gateway learns its task types.
@@ -59,6 +60,9 @@ pub enum TaskTypeSource {
     /// operator declares the queues.
     Cluster {
         client: kube::Client,
+        /// The namespaces whose TaskTypes and ClientTokens are read: all, or a listed few
+        /// (a namespace-scoped install, with Roles in each).
+        scope: WatchScope,
         refresh: Duration,
     },
 }
@@ -125,7 +129,11 @@ pub async fn run(
         TaskTypeSource::File(types) => {
             Checked::File(Registry::from_file(types).map_err(anyhow::Error::msg)?)
         }
-        TaskTypeSource::Cluster { client, refresh } => Checked::Cluster(client, *refresh),
+        TaskTypeSource::Cluster {
+            client,
+            scope,
+            refresh,
+        } => Checked::Cluster(client, scope, *refresh),
     };
     let db = Db::connect(&config.database).context("database settings")?;
     if config.migrate {
@@ -167,14 +175,14 @@ pub async fn run(
             ));
             Arc::new(registry)
         }
-        Checked::Cluster(client, refresh) => {
+        Checked::Cluster(client, scope, refresh) => {
             let registry = Arc::new(Registry::default());
-            let listed = cluster::list_types(client)
+            let listed = cluster::list_types(client, scope)
                 .await
                 .context("listing TaskType resources")?;
             registry.replace(listed);
             declared.store(true, Ordering::Release);
-            let listed = cluster::list_tokens(client, &config.tokens)
+            let listed = cluster::list_tokens(client, scope, &config.tokens)
                 .await
                 .context("listing ClientToken resources (are the CRDs of crds/ applied?)")?;
             tokens.replace(listed);
@@ -183,6 +191,7 @@ pub async fn run(
                 tokens.clone(),
                 config.tokens.clone(),
                 client.clone(),
+                scope.clone(),
                 refresh,
                 shutdown.clone(),
             ));

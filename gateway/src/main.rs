@@ -9,6 +9,7 @@ use conveyor_core::metrics::Metrics;
 use conveyor_core::plaintext::Link;
 use conveyor_core::task_type::load_task_types;
 use conveyor_core::upkeep::SweepSettings;
+use conveyor_core::watch_scope::WatchScope;
 use conveyor_gateway::admission::NamespaceLimits;
 use conveyor_gateway::api::RequestLimits;
 use conveyor_gateway::auth::Tokens;
@@ -69,6 +70,16 @@ struct Args {
     /// the cluster, watched, instead of --task-types.
     #[arg(long, env = "CONVEYOR_TASK_TYPES_FROM_CLUSTER")]
     task_types_from_cluster: bool,
+    /// With --task-types-from-cluster: the namespaces whose TaskTypes and ClientTokens are
+    /// read, separated by commas (Roles in each suffice; the chart's `watchNamespaces`).
+    /// Empty: every namespace, with a ClusterRole.
+    #[arg(
+        long,
+        env = "CONVEYOR_WATCH_NAMESPACES",
+        default_value = "",
+        value_parser = WatchScope::parse
+    )]
+    watch_namespaces: WatchScope,
     /// The longest a watched change waits to be taken in: changes within it are taken in
     /// together.
     #[arg(
@@ -275,6 +286,7 @@ async fn main() -> anyhow::Result<()> {
                 client: kube::Client::try_default()
                     .await
                     .context("connecting to Kubernetes for TaskTypes")?,
+                scope: args.watch_namespaces.clone(),
                 refresh: Duration::from_secs(args.task_types_refresh_seconds.max(1)),
             }
         } else {

@@ -10,7 +10,8 @@ use clap::Args;
 use conveyor_core::amqp::Publisher;
 use conveyor_core::config::{AmqpArgs, TelemetryArgs};
 use conveyor_core::crd::{TaskType, WorkerPool};
-use kube::api::{Api, ListParams};
+use conveyor_core::watch_scope::WatchScope;
+use kube::api::ListParams;
 use kube::runtime::events::Reporter;
 use kube::Client;
 use tokio_util::sync::CancellationToken;
@@ -55,6 +56,16 @@ pub struct RunArgs {
     /// port may pause its intake.
     #[arg(long, env = "CONVEYOR_ADMIN_KEY", hide_env_values = true)]
     pub admin_key: Option<String>,
+    /// Namespaces to watch, separated by commas: the operator then needs Roles in those
+    /// namespaces only (the chart's `watchNamespaces`). Empty: every namespace, with
+    /// ClusterRoles.
+    #[arg(
+        long,
+        env = "CONVEYOR_WATCH_NAMESPACES",
+        default_value = "",
+        value_parser = WatchScope::parse
+    )]
+    pub watch_namespaces: WatchScope,
     #[command(flatten)]
     pub amqp: AmqpArgs,
     #[command(flatten)]
@@ -76,7 +87,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes")?;
-    require_crds(&client).await?;
+    require_crds(&client, &args.watch_namespaces).await?;
+    tracing::info!(scope = args.watch_namespaces.describe(), "watching");
 
     let shutdown = CancellationToken::new();
     tokio::spawn(conveyor_core::shutdown_on_signals(shutdown.clone()));
@@ -153,7 +165,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             },
             metrics,
         )
-        .with_admin_key(args.admin_key.as_deref()),
+        .with_admin_key(args.admin_key.as_deref())
+        .with_scope(args.watch_namespaces.clone()),
     );
     if args.admin_key.as_deref().unwrap_or_default().is_empty() {
         tracing::warn!(
@@ -182,22 +195,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// Exits with a clear message when the CRDs are not installed (the operator never installs
-/// them itself).
-async fn require_crds(client: &Client) -> anyhow::Result<()> {
+/// them itself), or when its roles do not cover its scope.
+async fn require_crds(client: &Client, scope: &WatchScope) -> anyhow::Result<()> {
     let probe = ListParams::default().limit(1);
-    let task_types = Api::<TaskType>::all(client.clone())
-        .list(&probe)
-        .await
-        .map(drop);
-    let pools = Api::<WorkerPool>::all(client.clone())
-        .list(&probe)
-        .await
-        .map(drop);
+    let task_types = scope.list::<TaskType>(client, &probe).await.map(drop);
+    let pools = scope.list::<WorkerPool>(client, &probe).await.map(drop);
     for result in [task_types, pools] {
         match result {
             Ok(()) => {}
             Err(kube::Error::Api(status)) if status.code == 404 => anyhow::bail!(
                 "the TaskType and WorkerPool CRDs are not installed: kubectl apply -f crds/"
+            ),
+            Err(kube::Error::Api(status)) if status.code == 403 => anyhow::bail!(
+                "may not list TaskTypes and WorkerPools in scope {:?}: {}; give the operator \
+                 the chart's roles for that scope (watchNamespaces), or --watch-namespaces \
+                 the namespaces its Roles cover",
+                scope.describe(),
+                status.message
             ),
             Err(err) => return Err(err).context("checking for the CRDs"),
         }

@@ -26,6 +26,8 @@ use crate::shared::lock;
 
 pub struct Context {
     pub client: Client,
+    /// The namespaces watched: all, or those of a namespace-scoped install.
+    pub scope: conveyor_core::watch_scope::WatchScope,
     /// See [`Context::with_admin_key`].
     admin_key: Option<Vec<u8>>,
     pub recorder: Recorder,
@@ -87,6 +89,12 @@ pub struct Applied {
 impl Context {
     /// The key each pool's worker admin token is derived from
     /// ([`conveyor_core::drain::pool_token`]); without one the workers' `/drain` is open.
+    /// Watches only `scope`'s namespaces (the cluster's by default).
+    pub fn with_scope(mut self, scope: conveyor_core::watch_scope::WatchScope) -> Self {
+        self.scope = scope;
+        self
+    }
+
     pub fn with_admin_key(mut self, key: Option<&str>) -> Self {
         self.admin_key = key.filter(|k| !k.is_empty()).map(|k| k.as_bytes().to_vec());
         self
@@ -134,6 +142,7 @@ impl Context {
             declarations: Declarations::default(),
             started: Instant::now(),
             admin_key: None,
+            scope: Default::default(),
         }
     }
 

@@ -16,13 +16,15 @@ use futures_util::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use kube::api::{Api, PartialObjectMeta};
+use kube::api::PartialObjectMeta;
 use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::utils::Predicate;
 use kube::runtime::{predicates, watcher, WatchStreamExt};
 use kube::{Resource, ResourceExt};
 use tokio_util::sync::CancellationToken;
+
+use conveyor_core::watch_scope::Watched;
 
 use crate::backoff::Backoff;
 use crate::build::POOL_LABEL;
@@ -67,24 +69,21 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let (types, types_writer) = reflector::store::<TaskType>();
     let (to_pools, types_for_pools) = tokio::sync::mpsc::unbounded_channel();
     let type_changes = edits(
-        watcher(
-            Api::<TaskType>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .modify(without_managed_fields)
-        .reflect(types_writer)
-        .inspect_ok(move |event| {
-            // Every TaskType the watch reports; on the pools' side `edits` passes on those
-            // created or edited.
-            if let watcher::Event::Apply(task_type)
-            | watcher::Event::InitApply(task_type)
-            | watcher::Event::Delete(task_type) = event
-            {
-                let _ = to_pools.send(task_type.clone());
-            }
-        })
-        .applied_objects(),
+        ctx.scope
+            .watch::<TaskType>(&client, watcher::Config::default())
+            .modify(without_managed_fields)
+            .reflect(types_writer)
+            .inspect_ok(move |event| {
+                // Every TaskType the watch reports; on the pools' side `edits` passes on those
+                // created or edited.
+                if let watcher::Event::Apply(task_type)
+                | watcher::Event::InitApply(task_type)
+                | watcher::Event::Delete(task_type) = event
+                {
+                    let _ = to_pools.send(task_type.clone());
+                }
+            })
+            .applied_objects(),
     );
     let _ = ctx.task_types.set(types.clone());
     let types_for_gauges = types.clone();
@@ -114,15 +113,13 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     // The pools' pods, for scale-down: one watch instead of a list per pool per minute.
     let (pods, pods_writer) = reflector::store::<Pod>();
     let _ = ctx.pods.set(pods);
-    let pod_watch = watcher(
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default().labels(POOL_LABEL),
-    )
-    .default_backoff()
-    .modify(crate::scale_down::slim)
-    .reflect(pods_writer)
-    .take_until(stop.clone().cancelled_owned())
-    .for_each(|_| async {});
+    let pod_watch = ctx
+        .scope
+        .watch::<Pod>(&client, watcher::Config::default().labels(POOL_LABEL))
+        .modify(crate::scale_down::slim)
+        .reflect(pods_writer)
+        .take_until(stop.clone().cancelled_owned())
+        .for_each(|_| async {});
 
     let (pools, pools_writer) = reflector::store::<WorkerPool>();
     let pool_changes = pool_spec_changes(&client, pools_writer, &ctx);
@@ -151,14 +148,12 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     // reads the copy kept here instead of asking the apiserver every period.
     let (deployments, deployments_writer) = reflector::store::<Deployment>();
     let _ = ctx.deployments.set(deployments);
-    let deployment_changes = watcher(
-        Api::<Deployment>::all(client.clone()),
-        watcher::Config::default().labels(POOL_LABEL),
-    )
-    .default_backoff()
-    .modify(worker_pools::slim_deployment)
-    .reflect(deployments_writer)
-    .touched_objects();
+    let deployment_changes = ctx
+        .scope
+        .watch::<Deployment>(&client, watcher::Config::default().labels(POOL_LABEL))
+        .modify(worker_pools::slim_deployment)
+        .reflect(deployments_writer)
+        .touched_objects();
     let pool_controller = Controller::for_stream(pool_changes, pools)
         .owns_stream(deployment_changes)
         .owns_stream(owned_changes::<ConfigMap>(&client, &ctx, Kind::ConfigMap))
@@ -187,28 +182,17 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
 /// Changes of the pools' objects of one kind beside the Deployment, metadata only (kept
 /// nowhere): each is noted in [`Context::owned`] and wakes the pool that controls it, which
 /// applies its objects again if someone else edited or deleted one.
-fn owned_changes<K>(
+fn owned_changes<K: Watched>(
     client: &kube::Client,
     ctx: &Arc<Context>,
     kind: Kind,
-) -> impl futures_util::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>>
-where
-    K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + 'static,
-{
+) -> impl futures_util::Stream<Item = Result<PartialObjectMeta<K>, watcher::Error>> {
     let ctx = ctx.clone();
-    // An `Api` of `PartialObjectMeta` lists and watches metadata only.
-    watcher(
-        Api::<PartialObjectMeta<K>>::all(client.clone()),
-        watcher::Config::default().labels(POOL_LABEL),
-    )
-    .default_backoff()
-    .inspect_ok(move |event| ctx.owned.observe(kind, event))
-    .touched_objects()
+    // A watch of `PartialObjectMeta` lists and watches metadata only.
+    ctx.scope
+        .watch::<PartialObjectMeta<K>>(client, watcher::Config::default().labels(POOL_LABEL))
+        .inspect_ok(move |event| ctx.owned.observe(kind, event))
+        .touched_objects()
 }
 
 /// The changed task types (`<namespace>.<name>`) of each poll, as a stream.
@@ -239,19 +223,17 @@ fn pool_spec_changes(
     ctx: &Arc<Context>,
 ) -> impl futures_util::Stream<Item = Result<WorkerPool, watcher::Error>> {
     let ctx = ctx.clone();
-    let objects = watcher(
-        Api::<WorkerPool>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .modify(without_managed_fields)
-    .reflect(writer)
-    .inspect_ok(move |event| {
-        if let watcher::Event::Delete(pool) = event {
-            ctx.forget_pool(&pool.uid().unwrap_or_default());
-        }
-    })
-    .applied_objects();
+    let objects = ctx
+        .scope
+        .watch::<WorkerPool>(client, watcher::Config::default())
+        .modify(without_managed_fields)
+        .reflect(writer)
+        .inspect_ok(move |event| {
+            if let watcher::Event::Delete(pool) = event {
+                ctx.forget_pool(&pool.uid().unwrap_or_default());
+            }
+        })
+        .applied_objects();
     edits(objects)
 }
 

@@ -616,6 +616,20 @@ pub fn stack_admin_key() -> String {
 /// `listen`, and `env` added (libfaketime's, say): the same binary, credentials, admin key
 /// and lease settings as `scripts/stack.sh` gives the first.
 pub fn standby_operator(identity: &str, listen: &str, env: &[(&str, &str)]) -> std::process::Child {
+    let kubeconfig = repo_root().join(".dev/cluster/conveyor-operator.kubeconfig");
+    let mut all = vec![("POD_NAMESPACE", "conveyor-system")];
+    all.extend_from_slice(env);
+    operator_process(identity, listen, &kubeconfig, &all)
+}
+
+/// An operator process as [`standby_operator`]'s, acting as the account of `kubeconfig`
+/// (`env` may set its POD_NAMESPACE, the lease's).
+pub fn operator_process(
+    identity: &str,
+    listen: &str,
+    kubeconfig: &std::path::Path,
+    env: &[(&str, &str)],
+) -> std::process::Child {
     let root = repo_root();
     let tls = "/etc/conveyor/dev-tls";
     let mut command = std::process::Command::new(root.join("target/debug/conveyor-operator"));
@@ -623,24 +637,39 @@ pub fn standby_operator(identity: &str, listen: &str, env: &[(&str, &str)]) -> s
         .env("CONVEYOR_CA_FILE", format!("{tls}/ca.crt"))
         .env("CONVEYOR_AMQP_URL", testing::amqp_url())
         .env("CONVEYOR_ADMIN_KEY", stack_admin_key())
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAME", identity)
+        .env("CONVEYOR_OPERATOR_LISTEN", listen)
+        .env("CONVEYOR_LEASE_SECONDS", "5")
         .envs(env.iter().copied());
     let log = std::fs::File::create(root.join(format!(".dev/operator-{identity}.log")))
         .expect("log file");
     command
         .arg("run")
-        .env(
-            "KUBECONFIG",
-            root.join(".dev/cluster/conveyor-operator.kubeconfig"),
-        )
-        .env("POD_NAMESPACE", "conveyor-system")
-        .env("POD_NAME", identity)
-        .env("CONVEYOR_OPERATOR_LISTEN", listen)
-        .env("CONVEYOR_LEASE_SECONDS", "5")
         .stdin(std::process::Stdio::null())
         .stdout(log.try_clone().expect("log file"))
         .stderr(log)
         .spawn()
-        .expect("start a second conveyor-operator")
+        .expect("start a conveyor-operator")
+}
+
+/// A kubeconfig acting as ServiceAccount `account` of `namespace`, as `scripts/stack.sh`
+/// makes for its own processes (the admin token impersonates it): its RBAC is the account's.
+pub fn kubeconfig_as(namespace: &str, account: &str) -> std::path::PathBuf {
+    let dir = repo_root().join(".dev/cluster");
+    let stack = std::fs::read_to_string(dir.join("conveyor-operator.kubeconfig"))
+        .expect("scripts/stack.sh wrote the operator's kubeconfig");
+    let this = stack.replace(
+        "system:serviceaccount:conveyor-system:conveyor-operator",
+        &format!("system:serviceaccount:{namespace}:{account}"),
+    );
+    assert_ne!(
+        this, stack,
+        "the stack's kubeconfig impersonates its operator"
+    );
+    let path = dir.join(format!("{namespace}-{account}.kubeconfig"));
+    std::fs::write(&path, this).expect("write a kubeconfig");
+    path
 }
 
 /// `http://user:password@host:port` → (`http://host:port`, user, password).

@@ -22,7 +22,7 @@ fn repo() -> PathBuf {
 }
 
 /// Runs a command in the repository; Err holds its output when it fails.
-fn run(program: &str, args: &[&str]) -> Result<String, String> {
+pub(crate) fn run(program: &str, args: &[&str]) -> Result<String, String> {
     let out = Command::new(program)
         .args(args)
         .current_dir(repo())

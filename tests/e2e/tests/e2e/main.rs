@@ -11,6 +11,7 @@ mod nodes;
 mod observability;
 mod operator;
 mod scaling;
+mod scoped_install;
 mod tenancy;
 
 use std::time::Duration;

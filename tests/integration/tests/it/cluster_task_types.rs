@@ -124,6 +124,7 @@ async fn the_gateway_follows_task_type_resources() {
     let harness = Harness::start_with(vec![first.clone(), second.clone()], |config| {
         config.task_types = TaskTypeSource::Cluster {
             client,
+            scope: Default::default(),
             refresh: Duration::from_millis(200),
         };
         // The harness's client belongs to namespace video.
@@ -158,6 +159,7 @@ async fn upkeep_over(spec: &NamedTaskType, listed: Arc<Mutex<Vec<String>>>) -> H
     Harness::start_with(vec![spec.clone()], |config| {
         config.task_types = TaskTypeSource::Cluster {
             client,
+            scope: Default::default(),
             refresh: Duration::from_millis(200),
         };
         config.tokens = Tokens::parse_pairs(&format!("tests@video={TOKEN}")).unwrap();
