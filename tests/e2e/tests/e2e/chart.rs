@@ -96,11 +96,12 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
         "--set=tenants[0].namespace=conveyor-system",
         "--set=tenants[0].databaseUrl=postgres://x",
         "--set=tenants[0].amqpUrl=amqps://x",
+        r#"--set-json=networkPolicies.workerMetricsFrom=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#,
     ];
     template.extend(REQUIRED);
     let rendered = run("helm", &template).unwrap();
     // The other ways in: a RabbitmqCluster's default-user Secret, a private CA from a Secret,
-    // HTTPS at the gateway, a tenant with its CA, no NetworkPolicies.
+    // HTTPS at the gateway, a tenant with its CA, no NetworkPolicies, scoped to a namespace.
     let other = vec![
         "template",
         "conveyor",
@@ -122,6 +123,7 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
         "--set=networkPolicies.enabled=false",
         "--set=gateway.retention.archiveClaimName=conveyor-archive",
         "--set=gateway.retention.taskDays=7",
+        "--set=watchNamespaces={conveyor-system}",
     ];
     let other_rendered = run("helm", &other).unwrap();
     for line in [
