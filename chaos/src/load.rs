@@ -15,6 +15,8 @@ pub struct Plan {
     pub tasks: usize,
     /// Spread over this long.
     pub over: Duration,
+    /// Tasks per request.
+    pub batch: usize,
     /// The handler's work per task.
     pub sleep_ms: u64,
     /// Every n-th task fails on every try (`"poison": "error"`).
@@ -75,7 +77,8 @@ impl Outcome {
     }
 }
 
-const BATCH: usize = 10;
+/// Tasks per request of most scenarios.
+pub const BATCH: usize = 10;
 
 /// Where the load goes: a gateway, a client's token, and a task type in a namespace (none
 /// for a task types file).
@@ -121,9 +124,10 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
     let mut outcome = Outcome::default();
     // (not before, entries)
     let mut retries: Vec<(Instant, Vec<usize>)> = Vec::new();
+    let batch_size = plan.batch.max(1);
     let pause = plan
         .over
-        .div_f64((plan.tasks.div_ceil(BATCH)).max(1) as f64);
+        .div_f64((plan.tasks.div_ceil(batch_size)).max(1) as f64);
     let mut next = Instant::now();
     let mut fresh = (0..plan.tasks).collect::<Vec<_>>().into_iter();
     let mut deadline = None;
@@ -134,7 +138,7 @@ pub async fn run(client: Client, plan: Plan) -> Outcome {
             retries.swap_remove(i).1
         } else if now >= next && deadline.is_none() {
             next += pause;
-            let batch: Vec<usize> = fresh.by_ref().take(BATCH).collect();
+            let batch: Vec<usize> = fresh.by_ref().take(batch_size).collect();
             if batch.is_empty() {
                 deadline = Some(now + plan.give_up_after);
                 continue;
