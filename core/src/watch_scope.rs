@@ -102,23 +102,27 @@ impl WatchScope {
         }
     }
 
-    /// A watch of every `K` in scope, with kube's default backoff after a failure: for a
+    /// A watch of every `K` in scope, each object passed through `slim` first (what is
+    /// dropped there is kept nowhere), with kube's default backoff after a failure: for a
     /// scope of namespaces, one watch each, merged so that a reflector fed by it holds
     /// every namespace's objects (see [`Merged`]).
     pub fn watch<K: Watched>(
         &self,
         client: &kube::Client,
         config: watcher::Config,
+        slim: impl Fn(&mut K) + Clone + Send + 'static,
     ) -> BoxStream<'static, Result<watcher::Event<K>, watcher::Error>> {
         match self {
             WatchScope::Cluster => watcher(Api::<K>::all(client.clone()), config)
                 .default_backoff()
+                .modify(slim)
                 .boxed(),
             WatchScope::Namespaces(names) => {
                 let watches = names.iter().map(|name| {
                     let name = name.clone();
                     watcher(Api::<K>::namespaced(client.clone(), &name), config.clone())
                         .default_backoff()
+                        .modify(slim.clone())
                         .map(move |event| (name.clone(), event))
                         .boxed()
                 });
@@ -148,7 +152,9 @@ fn is_dns_label(name: &str) -> bool {
 /// namespace's `InitDone` would drop the first's objects. Until every namespace has listed
 /// once, nothing is passed on; then one `Init`, every object, one `InitDone`. After that, a
 /// namespace's relist (a watch that fell behind) is passed on as the changes it amounts to:
-/// each listed object applied, each one it no longer lists deleted.
+/// each listed object applied, each one it no longer lists deleted. To know which ones it
+/// no longer lists, it keeps the last (slimmed) version of each object: a second copy beside
+/// the reflector's.
 struct Merged<K> {
     /// The objects each namespace's watch last reported, by name.
     known: BTreeMap<String, HashMap<String, K>>,

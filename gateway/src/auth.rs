@@ -228,16 +228,19 @@ impl Tokens {
 pub const MIN_TOKEN_BITS: f64 = 128.0;
 
 /// Whether `token` looks drawn from a random source: at least 20 characters; at least
-/// [`MIN_TOKEN_BITS`] counted as its length times the bits of the character classes it
-/// uses (lower case 26, upper case 26, digits 10, others 33); and no character class of
-/// repetition (its characters' own entropy at least 3 bits each). `openssl rand -hex 16`,
-/// `secrets.token_urlsafe(16)` and a UUID pass; `password123`, the alphabet and a run of
-/// one letter do not. A judgement of form, not proof: a long phrase of words passes.
+/// [`MIN_TOKEN_BITS`] counted as the characters a guesser does not get for free
+/// ([`predictable`]) times the bits of the character classes it uses (lower case 26, upper
+/// case 26, digits 10, others 33); and no character class of repetition (its characters'
+/// own entropy at least 3 bits each). `openssl rand -hex 16`, `secrets.token_urlsafe(16)`
+/// and a UUID pass; `password123`, the alphabet, a run of one letter and a phrase said twice
+/// do not. A judgement of form, not proof: a long phrase of words passes.
 pub fn strong_enough(token: &str) -> bool {
-    let n = token.chars().count();
+    let chars: Vec<char> = token.chars().collect();
+    let n = chars.len();
     if n < 20 {
         return false;
     }
+    let counted = n - predictable(&chars[..n.min(256)]);
     type Class = (fn(char) -> bool, f64);
     let classes: [Class; 4] = [
         (|c| c.is_ascii_lowercase(), 26.0),
@@ -261,7 +264,42 @@ pub fn strong_enough(token: &str) -> bool {
             -p * p.log2()
         })
         .sum();
-    n as f64 * alphabet.log2() >= MIN_TOKEN_BITS && per_char >= 3.0
+    counted as f64 * alphabet.log2() >= MIN_TOKEN_BITS && per_char >= 3.0
+}
+
+/// The characters of `chars` a guesser gets for free: each one that continues a run of
+/// three or more with the same step of -1, 0 or +1 (`aaa`, `abc`, `321`), and each one of a
+/// stretch of four or more that repeats an earlier one (`Password123!Password123!`). Random
+/// tokens have few: a run by chance is one in a few hundred characters.
+fn predictable(chars: &[char]) -> usize {
+    let mut free = 0;
+    let mut i = 0;
+    while i < chars.len() {
+        let repeated = (0..i)
+            .map(|start| {
+                let earlier = chars[start..].iter().zip(&chars[i..]);
+                earlier.take_while(|(a, b)| a == b).count()
+            })
+            .max()
+            .unwrap_or(0);
+        if repeated >= 4 {
+            free += repeated;
+            i += repeated;
+            continue;
+        }
+        if i >= 2 {
+            let step = |a: char, b: char| i64::from(u32::from(b)) - i64::from(u32::from(a));
+            let (before, now) = (
+                step(chars[i - 2], chars[i - 1]),
+                step(chars[i - 1], chars[i]),
+            );
+            if before == now && now.abs() <= 1 {
+                free += 1;
+            }
+        }
+        i += 1;
+    }
+    free
 }
 
 /// The tokens in force: those of the file and environment, and (in a cluster) those of the
@@ -406,6 +444,24 @@ mod tests {
         assert!(
             !strong_enough("abababababababababababababababab"),
             "two letters"
+        );
+        // Long enough by their classes, and guessed by anyone who tries the obvious.
+        for weak in [
+            "Password123!Password123!",
+            "abcdefghijklmnopqrstuvwxyz0123",
+            "zyxwvutsrqponmlkjihgfedcba9876",
+            "Conveyor-2026-Conveyor-2026-Conveyor",
+        ] {
+            assert!(!strong_enough(weak), "{weak}");
+        }
+        // What the README tells users to make passes, every time.
+        for _ in 0..2000 {
+            let hex = uuid::Uuid::new_v4().simple().to_string();
+            assert!(strong_enough(&hex), "openssl rand -hex 16: {hex}");
+        }
+        assert!(
+            strong_enough("correct horse battery staple canoe"),
+            "a phrase of words"
         );
         let mut tokens = Tokens::default();
         let digest = "ab".repeat(32);

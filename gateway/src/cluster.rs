@@ -161,8 +161,9 @@ fn watch<K: Watched>(
 ) {
     let (store, writer) = reflector::store::<K>();
     let events = scope
-        .watch::<K>(client, watcher::Config::default())
-        .modify(|object| object.managed_fields_mut().clear())
+        .watch::<K>(client, watcher::Config::default(), |object: &mut K| {
+            object.managed_fields_mut().clear()
+        })
         .reflect(writer)
         .map(move |event| (kind, event.map(|e| matches!(e, watcher::Event::InitDone))));
     (Followed::new(store), events)

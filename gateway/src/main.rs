@@ -247,6 +247,7 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
         retention_days: (args.audit_retention_days > 0).then_some(args.audit_retention_days),
         indexes_every: Duration::from_secs(args.index_upkeep_every_seconds.max(1)),
         name: format!("gateway-upkeep/{}", std::process::id()),
+        scope: args.watch_namespaces.clone(),
     }
 }
 
@@ -254,6 +255,9 @@ fn upkeep_config(args: &Args) -> UpkeepConfig {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     args.telemetry.init();
+    if args.watch_namespaces != WatchScope::Cluster && !args.task_types_from_cluster {
+        anyhow::bail!("--watch-namespaces needs --task-types-from-cluster: a file's task types have no namespace to watch");
+    }
     args.require_tls
         .check(&[
             Link::Database(args.database.url.expose()),

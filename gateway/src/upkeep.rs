@@ -28,6 +28,7 @@ use conveyor_core::db::{Db, PartitionsOwed};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::upkeep::{self, SweepSettings, UpkeepError, BATCH};
+use conveyor_core::watch_scope::WatchScope;
 use tokio_util::sync::CancellationToken;
 
 use crate::registry::Registry;
@@ -57,6 +58,10 @@ pub struct UpkeepConfig {
     pub indexes_every: Duration,
     /// Name recorded as the reaper in audit events.
     pub name: String,
+    /// The namespaces whose tasks upkeep may settle or expire by what the table holds
+    /// (types no TaskType of this gateway defines): a namespace-scoped gateway leaves the
+    /// others' tasks to theirs (decision 0048).
+    pub scope: WatchScope,
 }
 
 /// Runs until `shutdown`.
@@ -96,7 +101,16 @@ pub async fn run(
         }
         if Instant::now() >= tasks_due {
             tasks_due = Instant::now() + config.tasks_every;
-            match expiry::pass(&db, &types, &config.tasks, looks.gone(), &metrics).await {
+            match expiry::pass(
+                &db,
+                &types,
+                &config.tasks,
+                &config.scope,
+                looks.gone(),
+                &metrics,
+            )
+            .await
+            {
                 Ok(0) => {}
                 Ok(deleted) => {
                     tracing::info!(deleted, "settled tasks past their retention deleted")
@@ -108,7 +122,17 @@ pub async fn run(
         if Instant::now() >= retired_due {
             retired_due = Instant::now() + config.retired_every;
             let reachable_for = reachable_since.elapsed();
-            match retired::look(&db, &observer, &types, &metrics, reachable_for, &mut looks).await {
+            match retired::look(
+                &db,
+                &observer,
+                &types,
+                &config.scope,
+                &metrics,
+                reachable_for,
+                &mut looks,
+            )
+            .await
+            {
                 Ok(kept) => retained = kept,
                 Err(err) => note_failure(&metrics, "retired", &err, &mut reachable_since),
             }

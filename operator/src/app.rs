@@ -11,6 +11,9 @@ use conveyor_core::amqp::Publisher;
 use conveyor_core::config::{AmqpArgs, TelemetryArgs};
 use conveyor_core::crd::{TaskType, WorkerPool};
 use conveyor_core::watch_scope::WatchScope;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::ListParams;
 use kube::runtime::events::Reporter;
 use kube::Client;
@@ -87,7 +90,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let client = Client::try_default()
         .await
         .context("connecting to Kubernetes")?;
-    require_crds(&client, &args.watch_namespaces).await?;
+    require_access(&client, &args.watch_namespaces).await?;
     tracing::info!(scope = args.watch_namespaces.describe(), "watching");
 
     let shutdown = CancellationToken::new();
@@ -166,7 +169,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             metrics,
         )
         .with_admin_key(args.admin_key.as_deref())
-        .with_scope(args.watch_namespaces.clone()),
+        .with_scope(args.watch_namespaces.clone())
+        .with_require_tls(args.require_tls.require_tls),
     );
     if args.admin_key.as_deref().unwrap_or_default().is_empty() {
         tracing::warn!(
@@ -195,25 +199,58 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// Exits with a clear message when the CRDs are not installed (the operator never installs
-/// them itself), or when its roles do not cover its scope.
-async fn require_crds(client: &Client, scope: &WatchScope) -> anyhow::Result<()> {
+/// them itself), or when its roles do not let it read, in its scope, any kind it watches:
+/// one such watch that cannot list would hold every reconcile back.
+async fn require_access(client: &Client, scope: &WatchScope) -> anyhow::Result<()> {
     let probe = ListParams::default().limit(1);
-    let task_types = scope.list::<TaskType>(client, &probe).await.map(drop);
-    let pools = scope.list::<WorkerPool>(client, &probe).await.map(drop);
-    for result in [task_types, pools] {
+    let lists = [
+        (
+            "TaskTypes",
+            scope.list::<TaskType>(client, &probe).await.map(drop),
+        ),
+        (
+            "WorkerPools",
+            scope.list::<WorkerPool>(client, &probe).await.map(drop),
+        ),
+        (
+            "Deployments",
+            scope.list::<Deployment>(client, &probe).await.map(drop),
+        ),
+        ("Pods", scope.list::<Pod>(client, &probe).await.map(drop)),
+        (
+            "ConfigMaps",
+            scope.list::<ConfigMap>(client, &probe).await.map(drop),
+        ),
+        (
+            "Services",
+            scope.list::<Service>(client, &probe).await.map(drop),
+        ),
+        (
+            "PodDisruptionBudgets",
+            scope
+                .list::<PodDisruptionBudget>(client, &probe)
+                .await
+                .map(drop),
+        ),
+    ];
+    for (kind, result) in lists {
         match result {
             Ok(()) => {}
-            Err(kube::Error::Api(status)) if status.code == 404 => anyhow::bail!(
-                "the TaskType and WorkerPool CRDs are not installed: kubectl apply -f crds/"
-            ),
+            Err(kube::Error::Api(status))
+                if status.code == 404 && matches!(kind, "TaskTypes" | "WorkerPools") =>
+            {
+                anyhow::bail!(
+                    "the TaskType and WorkerPool CRDs are not installed: kubectl apply -f crds/"
+                )
+            }
             Err(kube::Error::Api(status)) if status.code == 403 => anyhow::bail!(
-                "may not list TaskTypes and WorkerPools in scope {:?}: {}; give the operator \
-                 the chart's roles for that scope (watchNamespaces), or --watch-namespaces \
-                 the namespaces its Roles cover",
+                "may not list {kind} in scope {:?}: {}; give the operator the chart's roles \
+                 for that scope (watchNamespaces), or --watch-namespaces the namespaces its \
+                 Roles cover",
                 scope.describe(),
                 status.message
             ),
-            Err(err) => return Err(err).context("checking for the CRDs"),
+            Err(err) => return Err(err).with_context(|| format!("listing {kind}")),
         }
     }
     Ok(())

@@ -75,6 +75,17 @@ impl BuildError {
 /// an env value, so it is as visible as the Deployment (to the pool's namespace); handlers
 /// never see it.
 pub fn set_admin_token(deployment: &mut Deployment, token: &str) {
+    set_worker_env(deployment, conveyor_core::drain::ADMIN_TOKEN_ENV, token);
+}
+
+/// Makes the pool's workers refuse plaintext links, as the operator does
+/// (`--require-tls`): last in the list, so a pool's own `spec.pod.env` cannot turn it off.
+pub fn require_tls(deployment: &mut Deployment) {
+    set_worker_env(deployment, "CONVEYOR_REQUIRE_TLS", "true");
+}
+
+/// Appends `name=value` to the worker container's environment.
+fn set_worker_env(deployment: &mut Deployment, name: &str, value: &str) {
     let containers = deployment
         .spec
         .as_mut()
@@ -86,8 +97,8 @@ pub fn set_admin_token(deployment: &mut Deployment, token: &str) {
             .env
             .get_or_insert_with(Vec::new)
             .push(k8s_openapi::api::core::v1::EnvVar {
-                name: conveyor_core::drain::ADMIN_TOKEN_ENV.to_owned(),
-                value: Some(token.to_owned()),
+                name: name.to_owned(),
+                value: Some(value.to_owned()),
                 value_from: None,
             });
     }

@@ -28,6 +28,8 @@ pub struct Context {
     pub client: Client,
     /// The namespaces watched: all, or those of a namespace-scoped install.
     pub scope: conveyor_core::watch_scope::WatchScope,
+    /// The operator runs with `--require-tls`: so do the workers it starts.
+    pub require_tls: bool,
     /// See [`Context::with_admin_key`].
     admin_key: Option<Vec<u8>>,
     pub recorder: Recorder,
@@ -89,6 +91,12 @@ pub struct Applied {
 impl Context {
     /// The key each pool's worker admin token is derived from
     /// ([`conveyor_core::drain::pool_token`]); without one the workers' `/drain` is open.
+    /// Starts every pool's workers with `--require-tls` too.
+    pub fn with_require_tls(mut self, required: bool) -> Self {
+        self.require_tls = required;
+        self
+    }
+
     /// Watches only `scope`'s namespaces (the cluster's by default).
     pub fn with_scope(mut self, scope: conveyor_core::watch_scope::WatchScope) -> Self {
         self.scope = scope;
@@ -143,6 +151,7 @@ impl Context {
             started: Instant::now(),
             admin_key: None,
             scope: Default::default(),
+            require_tls: false,
         }
     }
 

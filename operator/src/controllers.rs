@@ -70,8 +70,7 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let (to_pools, types_for_pools) = tokio::sync::mpsc::unbounded_channel();
     let type_changes = edits(
         ctx.scope
-            .watch::<TaskType>(&client, watcher::Config::default())
-            .modify(without_managed_fields)
+            .watch::<TaskType>(&client, watcher::Config::default(), without_managed_fields)
             .reflect(types_writer)
             .inspect_ok(move |event| {
                 // Every TaskType the watch reports; on the pools' side `edits` passes on those
@@ -115,8 +114,11 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let _ = ctx.pods.set(pods);
     let pod_watch = ctx
         .scope
-        .watch::<Pod>(&client, watcher::Config::default().labels(POOL_LABEL))
-        .modify(crate::scale_down::slim)
+        .watch::<Pod>(
+            &client,
+            watcher::Config::default().labels(POOL_LABEL),
+            crate::scale_down::slim,
+        )
         .reflect(pods_writer)
         .take_until(stop.clone().cancelled_owned())
         .for_each(|_| async {});
@@ -150,8 +152,11 @@ pub async fn run(ctx: Arc<Context>, stop: CancellationToken) {
     let _ = ctx.deployments.set(deployments);
     let deployment_changes = ctx
         .scope
-        .watch::<Deployment>(&client, watcher::Config::default().labels(POOL_LABEL))
-        .modify(worker_pools::slim_deployment)
+        .watch::<Deployment>(
+            &client,
+            watcher::Config::default().labels(POOL_LABEL),
+            worker_pools::slim_deployment,
+        )
         .reflect(deployments_writer)
         .touched_objects();
     let pool_controller = Controller::for_stream(pool_changes, pools)
@@ -190,7 +195,11 @@ fn owned_changes<K: Watched>(
     let ctx = ctx.clone();
     // A watch of `PartialObjectMeta` lists and watches metadata only.
     ctx.scope
-        .watch::<PartialObjectMeta<K>>(client, watcher::Config::default().labels(POOL_LABEL))
+        .watch::<PartialObjectMeta<K>>(
+            client,
+            watcher::Config::default().labels(POOL_LABEL),
+            |_| {},
+        )
         .inspect_ok(move |event| ctx.owned.observe(kind, event))
         .touched_objects()
 }
@@ -225,8 +234,7 @@ fn pool_spec_changes(
     let ctx = ctx.clone();
     let objects = ctx
         .scope
-        .watch::<WorkerPool>(client, watcher::Config::default())
-        .modify(without_managed_fields)
+        .watch::<WorkerPool>(client, watcher::Config::default(), without_managed_fields)
         .reflect(writer)
         .inspect_ok(move |event| {
             if let watcher::Event::Delete(pool) = event {

@@ -200,6 +200,9 @@ async fn apply_objects(pool: &WorkerPool, ctx: &Context, seen: &Seen, replicas: 
     if let Some(token) = ctx.admin_token(pool) {
         build::set_admin_token(&mut objects.deployment, &token);
     }
+    if ctx.require_tls {
+        build::require_tls(&mut objects.deployment);
+    }
     // Unchanged objects are not applied again on every period: four writes per pool every
     // 10 s were most of the apiserver's load with a thousand pools (`applied.rs`).
     let fingerprint = applied::stamp(&mut objects);

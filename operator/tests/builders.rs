@@ -100,6 +100,41 @@ fn an_admin_token_reaches_the_worker_container_only() {
     }
 }
 
+/// An operator run with `--require-tls` used to leave its workers free to connect in
+/// plaintext unless each pool opted in: now their container says so last, after whatever the
+/// pool's own `spec.pod.env` sets (Kubernetes takes the last of a repeated name).
+#[test]
+fn an_operator_requiring_tls_makes_every_worker_require_it() {
+    let (mut input, _) = fixture("transcode-pool");
+    let pod = input.pool.spec.pod.get_or_insert_with(Default::default);
+    pod.env.push(k8s_openapi::api::core::v1::EnvVar {
+        name: "CONVEYOR_REQUIRE_TLS".into(),
+        value: Some("false".into()),
+        value_from: None,
+    });
+    let mut objects = pool_objects(
+        &input.pool,
+        &input.task_types,
+        3,
+        &ConnectionSecret::default(),
+    )
+    .unwrap();
+    conveyor_operator::build::require_tls(&mut objects.deployment);
+    let pod = objects.deployment.spec.unwrap().template.spec.unwrap();
+    let worker = pod
+        .containers
+        .iter()
+        .find(|c| c.name == conveyor_core::crd::worker_pool::WORKER_CONTAINER)
+        .unwrap();
+    let last = worker
+        .env
+        .iter()
+        .flatten()
+        .rfind(|e| e.name == "CONVEYOR_REQUIRE_TLS")
+        .unwrap();
+    assert_eq!(last.value.as_deref(), Some("true"), "{:?}", worker.env);
+}
+
 /// A node lost takes its pods away after 30 s (not Kubernetes' 300 s), unless the pool says
 /// otherwise for a taint; and pods spread over nodes where they can.
 #[test]

@@ -15,6 +15,7 @@ use conveyor_core::db::Db;
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::TaskRecord;
 use conveyor_core::upkeep::UpkeepError;
+use conveyor_core::watch_scope::WatchScope;
 
 use crate::registry::Registry;
 
@@ -40,7 +41,7 @@ pub struct TaskRetention {
 /// A real day.
 pub const DAY: Duration = Duration::from_secs(86_400);
 
-/// One pass over every task type the table holds, for at most [`BUDGET`] (the rest waits
+/// One pass over every task type the table holds in `scope`'s namespaces, for at most [`BUDGET`] (the rest waits
 /// for the next pass, so that reaping and sweeping do not). A type goes by its own
 /// retention when this process knows its spec (now, or before it left the set); a type it
 /// never knew (deleted before this process started, or left out of the file), by the
@@ -52,6 +53,7 @@ pub(super) async fn pass(
     db: &Db,
     types: &Registry,
     retention: &TaskRetention,
+    scope: &WatchScope,
     deleted: &HashSet<String>,
     metrics: &Metrics,
 ) -> Result<u64, UpkeepError> {
@@ -63,6 +65,14 @@ pub(super) async fn pass(
         .collect();
     let mut gone_total = 0;
     for task_type in db.task_types_in_table().await? {
+        // A type key is `<namespace>.<name>`: another install's namespace keeps its own
+        // retention.
+        let namespace = task_type
+            .split_once('.')
+            .map_or("", |(namespace, _)| namespace);
+        if !scope.covers(namespace) {
+            continue;
+        }
         let dead_letters_too = deleted.contains(&task_type) && !days.contains_key(&task_type);
         let own = match days.get(&task_type) {
             Some(own) => Some(*own),

@@ -10,6 +10,7 @@ use conveyor_core::db::{Db, RetiredType};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task_type::{NamedTaskType, TaskTypeSpec};
 use conveyor_core::upkeep::UpkeepError;
+use conveyor_core::watch_scope::WatchScope;
 
 use crate::registry::Registry;
 
@@ -41,7 +42,7 @@ impl Looks {
     }
 }
 
-/// Finds the retired types, lists them in the registry, and settles the open tasks of those
+/// Finds the retired types of `scope`'s namespaces, lists them in the registry, and settles the open tasks of those
 /// whose queues are gone (at the second look in a row that finds them gone). Returns the
 /// others, to be reaped and swept like known types, with their last spec when this process
 /// knew it (see [`UNKNOWN_HEARTBEAT_TIMEOUT_SECONDS`] otherwise).
@@ -52,12 +53,15 @@ pub(super) async fn look(
     db: &Db,
     observer: &QueueObserver,
     types: &Registry,
+    scope: &WatchScope,
     metrics: &Metrics,
     reachable_for: Duration,
     looks: &mut Looks,
 ) -> Result<Vec<NamedTaskType>, UpkeepError> {
     let since = Instant::now();
-    let found = db.retired_types(&types.names()).await?;
+    let mut found = db.retired_types(&types.names()).await?;
+    // Another install's namespace: its types are not retired, only not this gateway's.
+    found.retain(|retired| scope.covers(&retired.tenant));
     let mut listed = Vec::with_capacity(found.len());
     let mut retained = Vec::new();
     let mut missing_queues = HashSet::new();

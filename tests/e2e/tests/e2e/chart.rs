@@ -136,6 +136,14 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
             "the gateway's task archive goes to the claim named: no {line:?} in\n{other_rendered}"
         );
     }
+    // Scoped: both components are told their namespaces (the Roles are rendered for them).
+    assert_eq!(
+        other_rendered
+            .matches("- name: CONVEYOR_WATCH_NAMESPACES\n              value: \"conveyor-system\"")
+            .count(),
+        2,
+        "the scoped render tells the operator and the gateway their scope:\n{other_rendered}"
+    );
     assert!(
         other_rendered.contains("https://conveyor-gateway.conveyor-system.svc:80"),
         "helm test must speak HTTPS to a gateway that serves it:\n{other_rendered}"

@@ -68,7 +68,7 @@ async fn a_namespace_scoped_install_serves_its_namespaces_and_cannot_reach_other
     for stack in [&mut inside, &mut outside] {
         let task_type = stack.task_type("scoped");
         stack.apply(&task_type_yaml(&task_type, ""));
-        stack.apply(&pool_yaml("scoped", &task_type, "  replicas: 1\n"));
+        stack.apply(&pool_yaml("scoped", &task_type, "  replicas: 2\n"));
         let token = format!("scoped-{}", uuid::Uuid::new_v4().simple());
         let digest: String = Sha256::digest(token.as_bytes())
             .iter()
@@ -82,6 +82,13 @@ async fn a_namespace_scoped_install_serves_its_namespaces_and_cannot_reach_other
         tokens.push(token);
     }
 
+    // And a TaskType in the release's own namespace, the scope's second.
+    let home_type = testing::unique_type("scoped-home");
+    kubectl_with(
+        &["apply", "-n", &home, "-f", "-"],
+        Some(&task_type_yaml(&home_type, "")),
+    )
+    .unwrap();
     let (operator_admin, gateway_api, gateway_admin) = (free(), free(), free());
     let mut processes = vec![
         operator_process(
@@ -108,6 +115,10 @@ async fn a_namespace_scoped_install_serves_its_namespaces_and_cannot_reach_other
         &format!("http://{gateway_api}"),
     )
     .await;
+    let outcome = match outcome {
+        Ok(()) => scaled_down_and_home_declared(&inside, &home, &home_type).await,
+        failed => failed,
+    };
     for process in &mut processes {
         let _ = process.kill();
         let _ = process.wait();
@@ -125,6 +136,7 @@ async fn a_namespace_scoped_install_serves_its_namespaces_and_cannot_reach_other
         })
         .join("\n");
     let _ = kubectl_with(&["delete", "namespace", &home, "--wait=false"], None);
+    testing::delete_queues(&format!("{home}.{home_type}")).await;
     inside.finish().await;
     outside.finish().await;
     if let Err(err) = outcome {
@@ -229,6 +241,45 @@ async fn story(
         return Err("a task was recorded for the outside type".to_owned());
     }
     Ok(())
+}
+
+/// Under its Roles the scoped operator scales the inside pool down (choosing a pod, patching
+/// it, draining its worker) and declares the TaskType of its scope's second namespace.
+async fn scaled_down_and_home_declared(
+    inside: &Stack,
+    home: &str,
+    home_type: &str,
+) -> Result<(), String> {
+    inside.kubectl(&["scale", "workerpool/scoped", "--replicas=1"]);
+    let deadline = tokio::time::Instant::now() + 3 * MINUTE;
+    loop {
+        let running = inside.running_pods("scoped").await.len();
+        let replicas = inside.deployment_replicas("scoped").await;
+        let declared = kubectl_with(
+            &[
+                "-n",
+                home,
+                "get",
+                "tasktype",
+                home_type,
+                "-o",
+                "jsonpath={.status.conditions}",
+            ],
+            None,
+        )
+        .unwrap_or_default();
+        if running == 1 && replicas == Some(1) && !declared.is_empty() {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(format!(
+                "after 3 minutes: {running} running inside, replicas {replicas:?}, home's \
+                 TaskType status {declared:?}\n{}",
+                inside.picture()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// The chart's ServiceAccounts, Roles and bindings (and any ClusterRole it would render) for a

@@ -5,9 +5,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use conveyor_core::crd::{TaskType, TaskTypeSpec};
+use conveyor_core::db::Locked;
+use conveyor_core::task::NewTask;
 use conveyor_core::task_type::NamedTaskType;
+use conveyor_core::watch_scope::WatchScope;
 use conveyor_core::TaskState;
 use conveyor_gateway::auth::Tokens;
+use conveyor_gateway::upkeep::UpkeepConfig;
 use conveyor_gateway::TaskTypeSource;
 use http::{Request, Response};
 use kube::client::Body;
@@ -42,6 +46,8 @@ async fn answer(uri: &http::Uri, types: &Mutex<Vec<String>>, versions: &Versions
     let path = uri.path();
     let params: Vec<&str> = uri.query().unwrap_or_default().split('&').collect();
     let watch = params.contains(&"watch=true");
+    // Listed cluster-wide, or in namespace video (a gateway scoped to it).
+    let path = path.replace("/namespaces/video/", "/");
     if path.ends_with("/apis/conveyor.dev/v1alpha1/clienttokens") {
         // No ClientTokens: the harness's token comes from its configuration.
         if watch {
@@ -314,5 +320,66 @@ async fn a_retained_deleted_task_type_keeps_its_tasks_reaped_listed_and_resumed(
         let task = harness.db.task(id).await.unwrap().unwrap();
         assert_eq!(task.state, TaskState::Completed, "{task:?}");
     }
+    harness.shutdown().await;
+}
+
+/// A namespace-scoped gateway (decision 0048) used to take every other namespace's types for
+/// retired ones (no TaskType of its own defines them) and settle their open tasks when it
+/// found no queue of theirs: another install's tasks, cancelled.
+#[tokio::test]
+async fn a_scoped_gateways_upkeep_leaves_other_namespaces_tasks_alone() {
+    let ours = NamedTaskType::in_namespace("video", &test_type("ours").name, Default::default());
+    let listed = Arc::new(Mutex::new(vec![ours.local_name().to_owned()]));
+    Harness::publisher_for_tests()
+        .declare_task_type(&ours, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let client = mock_cluster(listed);
+    let harness = Harness::start_with(vec![ours.clone()], |config| {
+        config.task_types = TaskTypeSource::Cluster {
+            client,
+            scope: WatchScope::parse("video").unwrap(),
+            refresh: Duration::from_millis(200),
+        };
+        config.tokens = Tokens::parse_pairs(&format!("tests@video={TOKEN}")).unwrap();
+        config.upkeep = Some(UpkeepConfig {
+            scope: WatchScope::parse("video").unwrap(),
+            ..crate::self_healing::fast_upkeep()
+        });
+    })
+    .await;
+    // Open tasks of a type of video deleted with its queues, and of a type of another
+    // namespace, whose queues are as absent from this broker.
+    let gone = NamedTaskType::in_namespace("video", &test_type("gone").name, Default::default());
+    let theirs =
+        NamedTaskType::in_namespace("audio", &test_type("theirs").name, Default::default());
+    let mut ids = Vec::new();
+    for spec in [&gone, &theirs] {
+        let task = NewTask {
+            tenant: spec.tenant.clone(),
+            ..new_task(&spec.name, uuid::Uuid::new_v4())
+        };
+        harness
+            .db
+            .record_tasks(std::slice::from_ref(&task))
+            .await
+            .unwrap();
+        harness
+            .db
+            .mark_queued(&[task.id], Locked::Wait)
+            .await
+            .unwrap();
+        ids.push(task.id);
+    }
+    wait_until(
+        "video's retired type settled",
+        Duration::from_secs(30),
+        || async { harness.db.task(ids[0]).await.unwrap().unwrap().state == TaskState::Cancelled },
+    )
+    .await;
+    // Retired looks and retention passes run every 200 ms: a few more of both.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let task = harness.db.task(ids[1]).await.unwrap().unwrap();
+    assert_eq!(task.state, TaskState::Queued, "audio's task: {task:?}");
     harness.shutdown().await;
 }

@@ -44,6 +44,7 @@ pub fn fast_upkeep() -> UpkeepConfig {
         retention_days: None,
         indexes_every: Duration::from_secs(3600),
         name: "test-upkeep".into(),
+        scope: Default::default(),
     }
 }
 
