@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{Db, DbOptions, TenantRole};
 use conveyor_core::testing;
@@ -318,7 +319,11 @@ impl Hostile {
         let tasks = (0..50).map(|i| self.task(json!({ "n": i }))).collect();
         self.submit_batch(tasks).await;
         let role = TenantRole::new(&self.namespace).map_err(anyhow::Error::msg)?;
-        system.db.grant_tenant(&role).await?;
+        system
+            .db
+            .grant_tenant(&role)
+            .await
+            .context("granting the hostile tenant's role")?;
         let url = system.database_url_as(role.name(), role.password())?;
         let tenant = Db::connect(&DbOptions {
             max_connections: LOOPS as u32,
@@ -371,7 +376,8 @@ impl Hostile {
             sqlx::query_scalar("SELECT id::text FROM tasks WHERE task_type = $1")
                 .bind(&self.key)
                 .fetch_all(system.db.pool())
-                .await?;
+                .await
+                .context("reading the hostile tenant's tasks")?;
         let locked = Arc::new(locked);
         let cancels = Arc::new(AtomicUsize::new(0));
         let counted = cancels.clone();
@@ -391,7 +397,11 @@ impl Hostile {
             let _ = task.await;
         }
         tenant.close().await;
-        system.db.revoke_tenant(&self.namespace).await?;
+        system
+            .db
+            .revoke_tenant(&self.namespace)
+            .await
+            .context("revoking the hostile tenant's role")?;
         Ok(format!(
             "{} transactions of its own role held open for the window, {} cancels of the \
              tasks they locked",

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use conveyor_chaos::report;
-use conveyor_chaos::scenarios::{self, Scale, Scenario};
+use conveyor_chaos::scenarios::{self, Row, Scale, Scenario};
 
 #[derive(Debug, Parser)]
 #[command(name = "conveyor-chaos", version)]
@@ -67,7 +67,18 @@ async fn main() -> anyhow::Result<()> {
     for scenario in chosen {
         let tasks = scenario.plan(&scale).tasks;
         eprintln!("chaos: {} ({tasks} tasks)", scenario.name());
-        let row = conveyor_chaos::run::run(scenario, &scale, &args.logs).await?;
+        // A scenario that could not run to its end is a failed row, not the end of the run:
+        // the other scenarios' results are still reported.
+        let row = match conveyor_chaos::run::run(scenario, &scale, &args.logs).await {
+            Ok(row) => row,
+            Err(err) => Row {
+                scenario: scenario.name(),
+                verdict: Default::default(),
+                failures: vec![format!("did not run to its end: {err:#}")],
+                telemetry: Default::default(),
+                notes: Vec::new(),
+            },
+        };
         eprintln!("chaos: {} → {:?}", row.scenario, row.failures);
         rows.push(row);
     }

@@ -23,8 +23,9 @@ use crate::oracle;
 pub const ROUNDS: usize = 3;
 /// What must follow a node's death within this long: the case study's recovery bound.
 const RECOVER_WITHIN: Duration = Duration::from_secs(120);
-/// Longest wait for the node to be Ready again after it was restarted.
-const BACK_WITHIN: Duration = Duration::from_secs(60);
+/// Longest wait for the node to be Ready again after it was restarted: whether it comes back
+/// is judged, not how fast (a busy machine took 58 s once, past the 60 s this was).
+const BACK_WITHIN: Duration = Duration::from_secs(180);
 /// Longest wait for a node to hold a task, so that its death catches work mid-run.
 const BUSY_WITHIN: Duration = Duration::from_secs(30);
 

@@ -121,8 +121,16 @@ impl Target {
                 let system = &**system;
                 let acted =
                     observe::sampling(act, async || observer.sample_system(system).await).await;
-                notes.extend(acted?);
-                Ok((Instant::now(), Vec::new()))
+                // An act that could not go on is this scenario's failure; the calm tenant is
+                // still judged and the system stopped, and the run goes on.
+                let failures = match acted {
+                    Ok(acted) => {
+                        notes.extend(acted);
+                        Vec::new()
+                    }
+                    Err(err) => vec![format!("the hostile tenant's act failed: {err:#}")],
+                };
+                Ok((Instant::now(), failures))
             }
             Target::Processes(system) => faults::inject(scenario, system, scale, observer).await,
             // Faults through Kubernetes take up to minutes (a node lost three times).

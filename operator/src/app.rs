@@ -55,8 +55,8 @@ pub struct RunArgs {
     )]
     pub connection_secret: String,
     /// The key each pool's worker admin token is derived from (`conveyorctl grant
-    /// --component operator` makes one). Without it, any pod that reaches a worker's admin
-    /// port may pause its intake.
+    /// --component operator` makes one). Without it, the operator makes one and keeps it in
+    /// Secret `conveyor-operator-admin-key` of its namespace.
     #[arg(long, env = "CONVEYOR_ADMIN_KEY", hide_env_values = true)]
     pub admin_key: Option<String>,
     /// Namespaces to watch, separated by commas: the operator then needs Roles in those
@@ -149,6 +149,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         controller: "conveyor-operator".into(),
         instance: Some(args.identity.clone()),
     };
+    let admin_key =
+        crate::admin_key::ensure(&client, &args.namespace, args.admin_key.as_deref()).await?;
     let ctx = Arc::new(
         Context::new(
             client.clone(),
@@ -168,15 +170,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             },
             metrics,
         )
-        .with_admin_key(args.admin_key.as_deref())
+        .with_admin_key(Some(&admin_key))
         .with_scope(args.watch_namespaces.clone())
         .with_require_tls(args.require_tls.require_tls),
     );
-    if args.admin_key.as_deref().unwrap_or_default().is_empty() {
-        tracing::warn!(
-            "no --admin-key: workers' /drain is open to any pod that reaches their admin port"
-        );
-    }
 
     // Reconciles still under way when the lease is lost or shutdown begins get a bound to
     // finish in, well inside the renew deadline; then the process exits regardless.

@@ -2,6 +2,7 @@
 //! parts (builders, autoscaling, policies) separate from the parts that call APIs.
 #![forbid(unsafe_code)]
 
+pub mod admin_key;
 pub mod app;
 pub mod autoscale;
 pub mod backoff;

@@ -84,3 +84,19 @@ tolerations: {{- toYaml . | nindent 2 }}
 affinity: {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end -}}
+
+{{- /*
+A digest of a Secret the pods read into their environment, as a pod annotation: when it
+changes, `helm upgrade` rolls the pods (environment values are read once, at start). For a
+Secret the chart makes, the digest of what it puts in; for an existing one, of its data as
+the cluster holds it at install or upgrade (`helm template` sees none: a constant).
+(dict "root" $ "name" <secret> "existing" <bool> "made" <values>)
+*/}}
+{{- define "conveyor.secretDigest" -}}
+{{- if .existing -}}
+{{- $found := lookup "v1" "Secret" .root.Release.Namespace .name -}}
+{{- $found.data | default dict | toJson | sha256sum | trunc 16 -}}
+{{- else -}}
+{{- .made | toJson | sha256sum | trunc 16 -}}
+{{- end -}}
+{{- end -}}

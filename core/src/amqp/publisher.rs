@@ -418,37 +418,57 @@ impl Publisher {
 /// closes only this channel, which is reopened on the same connection.
 pub struct QueueObserver {
     link: Link,
+    /// One read at a time: the broker closes the channel on a missing queue (a 404) and
+    /// lapin fails every read pending on it with that 404, so another tenant's queue read at
+    /// the same moment was told it did not exist (issue 33).
+    reading: tokio::sync::Mutex<()>,
 }
 
 impl QueueObserver {
     pub fn new(url: impl Into<String>, name: impl Into<String>) -> Self {
         QueueObserver {
+            reading: tokio::sync::Mutex::new(()),
             link: Link::new(url.into(), name.into(), false, 1),
         }
     }
 
     /// Ready messages in a queue; a missing queue is [`AmqpError::NoQueue`].
     pub async fn ready_count(&self, queue: &str) -> AmqpResult<u32> {
-        let channel = self.link.channel().await?.channel;
-        let result = ready_count(&channel, queue).await;
-        self.reset_after(&result).await;
-        result
+        self.read(|channel| async move { ready_count(&channel, queue).await })
+            .await
     }
 
     /// Ready messages and consumers of a queue; a missing queue is [`AmqpError::NoQueue`].
     pub async fn counts(&self, queue: &str) -> AmqpResult<QueueCounts> {
-        let channel = self.link.channel().await?.channel;
-        let result = queue_counts(&channel, queue).await;
-        self.reset_after(&result).await;
-        result
+        self.read(|channel| async move { queue_counts(&channel, queue).await })
+            .await
     }
 
-    async fn reset_after<T>(&self, result: &AmqpResult<T>) {
+    /// Connections opened so far (1 for an observer that never lost its link).
+    pub fn connections_opened(&self) -> u64 {
+        self.link.connects.load(Ordering::Relaxed)
+    }
+
+    /// `read` alone on the shared channel (see `reading`). A channel the last read's 404
+    /// closed is reopened first; a read that still finds it closing goes again once, and
+    /// only a second failure resets the connection (the broker is gone, not one queue).
+    async fn read<T, F, Fut>(&self, read: F) -> AmqpResult<T>
+    where
+        F: Fn(Channel) -> Fut,
+        Fut: std::future::Future<Output = AmqpResult<T>>,
+    {
+        let _alone = self.reading.lock().await;
+        let channel = self.link.channel().await?.channel;
+        let result = match read(channel).await {
+            Err(AmqpError::Unavailable(_)) => read(self.link.channel().await?.channel).await,
+            done => done,
+        };
         if matches!(
             result,
             Err(AmqpError::Unavailable(_) | AmqpError::ConnectTimeout(_))
         ) {
             self.link.reset().await;
         }
+        result
     }
 }

@@ -135,19 +135,7 @@ impl Stack {
 
     /// Runs `conveyorctl` with this test's admin URLs; returns what it printed.
     fn conveyorctl(&self, args: &[&str]) -> String {
-        let output = Command::new(testing::binary("conveyorctl"))
-            .args(args)
-            .env("CONVEYOR_DATABASE_URL", &self.database_url)
-            .env("CONVEYOR_AMQP_URL", &self.amqp_url)
-            .env("CONVEYOR_CA_FILE", testing::DEV_CA)
-            .output()
-            .expect("run conveyorctl");
-        assert!(
-            output.status.success(),
-            "conveyorctl {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8_lossy(&output.stdout).into_owned()
+        conveyorctl(&self.database_url, &self.amqp_url, args)
     }
 
     /// A TaskType name for this test (its queues are deleted at `finish`). The stack's
@@ -517,6 +505,24 @@ impl Drop for PausedPod {
             eprintln!("could not resume pod {} ({:?})", self.pod, self.pids);
         }
     }
+}
+
+/// Runs `conveyorctl` as the administrator of `database_url` and `amqp_url` (the dev CA
+/// trusted); returns what it printed, or fails the test with what it said.
+pub fn conveyorctl(database_url: &str, amqp_url: &str, args: &[&str]) -> String {
+    let output = Command::new(testing::binary("conveyorctl"))
+        .args(args)
+        .env("CONVEYOR_DATABASE_URL", database_url)
+        .env("CONVEYOR_AMQP_URL", amqp_url)
+        .env("CONVEYOR_CA_FILE", testing::DEV_CA)
+        .output()
+        .expect("run conveyorctl");
+    assert!(
+        output.status.success(),
+        "conveyorctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// Whether the suite runs on kind (`make e2e-kind`), whose pods reach the services by other

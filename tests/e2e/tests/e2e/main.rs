@@ -5,6 +5,7 @@
 
 mod at_rest;
 mod chart;
+mod chart_install;
 mod containers;
 mod external_scalers;
 mod nodes;

@@ -95,9 +95,11 @@ async fn a_namespace_scoped_install_serves_its_namespaces_and_cannot_reach_other
             "scoped-operator",
             &operator_admin,
             &kubeconfig_as(&home, &format!("{RELEASE}-conveyor-operator")),
+            // No admin key: it makes one, in a Secret of its namespace.
             &[
                 ("POD_NAMESPACE", &home),
                 ("CONVEYOR_WATCH_NAMESPACES", &scope),
+                ("CONVEYOR_ADMIN_KEY", ""),
             ],
         ),
         gateway_process(
@@ -119,6 +121,7 @@ async fn a_namespace_scoped_install_serves_its_namespaces_and_cannot_reach_other
         Ok(()) => scaled_down_and_home_declared(&inside, &home, &home_type).await,
         failed => failed,
     };
+    let outcome = outcome.and_then(|()| workers_hold_a_token(&inside, &home));
     for process in &mut processes {
         let _ = process.kill();
         let _ = process.wait();
@@ -279,6 +282,40 @@ async fn scaled_down_and_home_declared(
             ));
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// Given no admin key, the operator made one in its namespace, and the pool's workers got
+/// their token from it: their `/drain` is not open (the scale-down above drained with it).
+fn workers_hold_a_token(inside: &Stack, home: &str) -> Result<(), String> {
+    let made = kubectl_with(
+        &[
+            "-n",
+            home,
+            "get",
+            "secret",
+            "conveyor-operator-admin-key",
+            "-o",
+            "jsonpath={.data.admin-key}",
+        ],
+        None,
+    )?;
+    if made.trim().is_empty() {
+        return Err(format!("no admin key made in {home}"));
+    }
+    let env = inside.kubectl(&[
+        "get",
+        "deployment",
+        "scoped-worker",
+        "-o",
+        "jsonpath={.spec.template.spec.containers[?(@.name==\"worker\")].env[*].name}",
+    ]);
+    match env
+        .split_whitespace()
+        .any(|name| name == "CONVEYOR_ADMIN_TOKEN")
+    {
+        true => Ok(()),
+        false => Err(format!("the workers have no admin token: {env}")),
     }
 }
 

@@ -390,3 +390,52 @@ async fn a_tenants_role_creates_nothing_in_public_even_where_postgres_14_let_eve
         "granted"
     );
 }
+
+/// A read of a missing queue closes the gateway's depth-and-readiness channel (a 404): a
+/// read of another tenant's queue on that channel at the same moment used to fail as
+/// "broker unavailable" and reset the connection, failing the readiness probe (the gateway
+/// out of its Service, for every tenant) and the other tenants' depth polls.
+#[tokio::test]
+async fn a_tenants_missing_queue_fails_no_other_read_of_the_observer() {
+    let calm = NamedTaskType::in_namespace(
+        "calm",
+        &testing::unique_type("depth"),
+        TaskTypeSpec::default(),
+    );
+    Harness::publisher_for_tests()
+        .declare_task_type(&calm, std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    let present = QueueNames::of(&calm.name).main;
+    let missing = QueueNames::of(&format!("hostile.{}", testing::unique_type("gone"))).main;
+    let observer = Arc::new(amqp::QueueObserver::new(
+        testing::amqp_url(),
+        "observer-test",
+    ));
+    let mut failed = Vec::new();
+    for _ in 0..200 {
+        let (gone, there) = tokio::join!(
+            observer.ready_count(&missing),
+            observer.ready_count(&present)
+        );
+        assert!(
+            matches!(gone, Err(amqp::AmqpError::NoQueue { .. })),
+            "{gone:?}"
+        );
+        if let Err(err) = there {
+            failed.push(err.to_string());
+        }
+    }
+    testing::delete_queues(&calm.name).await;
+    assert!(
+        failed.is_empty(),
+        "{} of 200 reads of a present queue failed: {:?}",
+        failed.len(),
+        failed.first()
+    );
+    assert_eq!(
+        observer.connections_opened(),
+        1,
+        "the observer's connection was reset"
+    );
+}
