@@ -14,7 +14,7 @@ export CONVEYOR_CA_FILE ?= $(DEV_CA)
 # The e2e suite talks to the local cluster with kubectl, which comes with the control plane.
 E2E_ENV = KUBECONFIG=$(CURDIR)/$(DEV_DIR)/cluster/kubeconfig PATH="$$(cluster/build.sh):$$PATH"
 
-.PHONY: all toolchains build browser-tools services services-down cluster-services stack images real-node lint test unit integration e2e e2e-kind chaos chaos-cluster soak bench dev down
+.PHONY: all toolchains previous-release build browser-tools services services-down cluster-services stack images real-node lint test unit integration e2e e2e-kind chaos chaos-cluster soak bench dev down
 
 all: build
 
@@ -64,7 +64,7 @@ real-node: stack
 # (they start real conveyor-worker processes and signal them); the e2e suite needs the
 # whole stack. The stack stays up afterwards (a rerun reuses it); `make down` stops it.
 # The console's browser test needs Chromium, ChromeDriver and Selenium (scripts/browser.sh).
-test: stack browser-tools real-node
+test: previous-release stack browser-tools real-node
 	$(CARGO) test --workspace --exclude conveyor-e2e-tests -- --test-threads=4
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 	# make bench's short variant, on the debug build: proves the command works, asserts no time.
@@ -78,7 +78,7 @@ unit:
 integration: services build browser-tools
 	$(CARGO) test -p conveyor-integration-tests -- --test-threads=4
 
-e2e: stack real-node
+e2e: previous-release stack real-node
 	$(E2E_ENV) $(CARGO) test -p conveyor-e2e-tests -- --test-threads=8
 
 # Every fault-injection scenario at full size (it kills and restarts the local RabbitMQ and
@@ -110,6 +110,11 @@ bench: services
 	scripts/cluster-services.sh down
 	scripts/prometheus.sh down
 	target/release/conveyor-bench --report docs/benchmarks.md
+
+# The release before this one (its chart and binaries, built once into the cache): the e2e
+# suite upgrades it to this checkout's chart. scripts/previous-release.sh.
+previous-release:
+	scripts/previous-release.sh >/dev/null
 
 # The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
 e2e-kind:

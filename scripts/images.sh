@@ -4,6 +4,8 @@
 #
 #   scripts/images.sh build     every image (make images); prints each with its size
 #   scripts/images.sh base      only the base images: Debian 12 and the pod sandbox (pause)
+#   scripts/images.sh services  only PostgreSQL and RabbitMQ from Debian's packages (for
+#                               manifests/kind; images/services/), made again when their recipe changes
 #   scripts/images.sh list      the images, their tags and sizes
 #   scripts/images.sh save      every image as one docker-archive tar on stdout (for a node)
 #
@@ -29,6 +31,8 @@ BASE_RECIPE=2
 MIRROR=${CONVEYOR_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 CONTEXT=target/images/context
 BINARIES="conveyor-gateway conveyor-operator conveyor-worker conveyorctl"
+# PostgreSQL and RabbitMQ from Debian 12's packages (images/services/Dockerfile target → image).
+SERVICE_IMAGES="postgres:conveyor.local/postgres:15 rabbitmq:conveyor.local/rabbitmq:3"
 # Dockerfile target → image name.
 IMAGES="conveyor:conveyor gateway:conveyor-gateway operator:conveyor-operator worker:conveyor-worker ctl:conveyorctl video-worker:conveyor-video-worker"
 
@@ -79,6 +83,20 @@ pause_image() {
   log "made $PAUSE_IMAGE"
 }
 
+# The services' images, made again only when their recipe (images/services/) or base changes.
+service_images() {
+  local recipe pair target ref
+  recipe=$( (cat images/services/*; docker image inspect -f '{{.Id}}' "$BASE") | md5sum | cut -c1-12)
+  for pair in $SERVICE_IMAGES; do
+    target=${pair%%:*} ref=${pair#*:}
+    [ "$(label_of "$ref" dev.conveyor.recipe)" = "$recipe" ] && continue
+    log "building $ref from Debian's packages (once; about a minute)"
+    DOCKER_BUILDKIT=0 docker build --network host --build-arg "BASE=$BASE" --target "$target" \
+      --label "dev.conveyor.recipe=$recipe" -t "$ref" images/services >"target/images/build-$target.log" 2>&1 ||
+      { tail -30 "target/images/build-$target.log" >&2; log "building $ref failed (log: target/images/build-$target.log)"; exit 1; }
+  done
+}
+
 # The build context: the binaries of $PROFILE (debug info stripped) and the example handlers.
 context() {
   mkdir -p "$CONTEXT/bin"
@@ -99,6 +117,8 @@ build() {
   scripts/docker.sh up
   local_base
   pause_image
+  mkdir -p target/images
+  service_images
   context
   local pair target name
   for pair in $IMAGES; do
@@ -133,11 +153,15 @@ list() {
     docker image ls --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' "${pair#*:}:$TAG"
   done
   docker image ls --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' "$PAUSE_IMAGE"
+  for pair in $SERVICE_IMAGES; do
+    docker image ls --format '{{.Repository}}:{{.Tag}}\t{{.Size}}' "${pair#*:}"
+  done
 }
 
 save() {
   local pair refs=()
   for pair in $IMAGES; do refs+=("${pair#*:}:$TAG" "${pair#*:}:$VERSION"); done
+  for pair in $SERVICE_IMAGES; do refs+=("${pair#*:}"); done
   docker save "${refs[@]}" "$PAUSE_IMAGE"
 }
 
@@ -146,13 +170,15 @@ ids() {
   local pair
   for pair in $IMAGES; do docker image inspect -f '{{.Id}}' "${pair#*:}:$TAG"; done
   docker image inspect -f '{{.Id}}' "$PAUSE_IMAGE"
+  for pair in $SERVICE_IMAGES; do docker image inspect -f '{{.Id}}' "${pair#*:}"; done
 }
 
 case "${1:-build}" in
   build) build ;;
   base) scripts/docker.sh up; local_base; pause_image ;;
+  services) scripts/docker.sh up; local_base; mkdir -p target/images; service_images ;;
   list) list ;;
   save) save ;;
   ids) ids ;;
-  *) echo "usage: $0 build|base|list|save|ids" >&2; exit 2 ;;
+  *) echo "usage: $0 build|base|services|list|save|ids" >&2; exit 2 ;;
 esac

@@ -83,7 +83,8 @@ wait_http() { # name, url
 # Node N's kubelet: its pod runner, with pod addresses of its own (127.N.x.y).
 start_runner() {
   start "$(runner_name "$1")" "$BIN/conveyor-pod-runner" --node "$(node_name "$1")" --pod-subnet "$1" \
-    --bin-dir "$BIN" --state-dir "$DEV/pods" \
+    --bin-dir "$BIN" --releases "${CONVEYOR_CACHE:-$HOME/.cache/conveyor}/releases" \
+    --state-dir "$DEV/pods" \
     --map /usr/local/lib/conveyor/handlers=examples/video-pipeline/handlers \
     --map /media="$DEV/media"
 }

@@ -47,6 +47,10 @@ struct Args {
     /// Where bare command names (`conveyor-worker`) are found.
     #[arg(long, default_value = "target/debug")]
     bin_dir: PathBuf,
+    /// Other releases' binaries, a folder per image tag: a pod whose image is tagged `T`
+    /// runs those in `RELEASES/T/bin` when that folder exists, and the --bin-dir's otherwise.
+    #[arg(long)]
+    releases: Option<PathBuf>,
     /// Pods get loopback addresses 127.SUBNET.x.y (one runner per subnet).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=254))]
     pod_subnet: u8,
@@ -367,6 +371,7 @@ impl Runner {
         let pod_dir = self.args.state_dir.join(&namespace).join(pod.name_any());
         let host = Host {
             bin_dir: self.args.bin_dir.clone(),
+            releases: self.args.releases.clone(),
             pod_dir: pod_dir.clone(),
             path_maps: self.args.path_maps.clone(),
             address,

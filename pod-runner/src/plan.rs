@@ -56,6 +56,9 @@ impl RestartPolicy {
 pub struct Host {
     /// Where a bare command name (`conveyor-worker`) is looked up first.
     pub bin_dir: PathBuf,
+    /// Other releases' binaries: an image tagged `T` runs those in `releases/T/bin` when
+    /// that folder exists (the chart's upgrade test installs the previous release this way).
+    pub releases: Option<PathBuf>,
     /// This pod's own directory: volumes live under it.
     pub pod_dir: PathBuf,
     /// Image path prefix → local directory (e.g. the handler scripts).
@@ -289,10 +292,11 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
         return Err(PlanError::NoCommand(container.name.clone()));
     }
     let program = line.remove(0);
-    let program = if program.contains('/') || !host.bin_dir.join(&program).is_file() {
+    let bin_dir = host.bin_dir_for(container.image.as_deref());
+    let program = if program.contains('/') || !bin_dir.join(&program).is_file() {
         PathBuf::from(program)
     } else {
-        host.bin_dir.join(program)
+        bin_dir.join(program)
     };
 
     let mut env = vec![
@@ -301,10 +305,7 @@ pub fn plan(pod: &Pod, objects: &Objects, host: &Host) -> Result<Launch, PlanErr
     ];
     // The image's binaries are on its PATH: here they are in bin_dir.
     let path = std::env::var("PATH").unwrap_or_default();
-    env.push((
-        "PATH".to_owned(),
-        format!("{}:{path}", display(&host.bin_dir)),
-    ));
+    env.push(("PATH".to_owned(), format!("{}:{path}", display(&bin_dir))));
     dirs.push(host.pod_dir.join("tmp"));
     // The container's own variables, for `$(VAR)` references in later ones (a kubelet's
     // dependent environment variables).
@@ -431,6 +432,36 @@ fn env_from(
     }
 }
 
+impl Host {
+    /// The folder an image's binaries are in: its release's when this machine has it.
+    pub fn bin_dir_for(&self, image: Option<&str>) -> PathBuf {
+        self.releases
+            .as_deref()
+            .zip(image.and_then(image_tag))
+            .map(|(releases, tag)| releases.join(tag).join("bin"))
+            .filter(|dir| dir.is_dir())
+            .unwrap_or_else(|| self.bin_dir.clone())
+    }
+}
+
+/// An image's tag, when it has one that can name a folder (`conveyor:0.1.0` → `0.1.0`; an
+/// image by digest, or a tag of characters a registry refuses, has none).
+fn image_tag(image: &str) -> Option<&str> {
+    if image.contains('@') {
+        return None;
+    }
+    let (_, tag) = image.rsplit_once(':')?;
+    let valid = tag.len() <= 128
+        && tag
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+        && tag
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+    valid.then_some(tag)
+}
+
 fn display(path: &Path) -> String {
     path.display().to_string()
 }
@@ -468,6 +499,7 @@ mod tests {
     fn host() -> Host {
         Host {
             bin_dir: PathBuf::from("/nonexistent-bin"),
+            releases: None,
             pod_dir: PathBuf::from("/run/pods/video/w-1"),
             path_maps: vec![(
                 "/usr/local/lib/conveyor/handlers".to_owned(),
@@ -669,6 +701,38 @@ mod tests {
             plan(&pod, &objects(), &self::host()).unwrap_err(),
             PlanError::UnsupportedVolume("media".to_owned())
         );
+    }
+
+    #[test]
+    fn an_image_whose_release_this_machine_holds_runs_that_releases_binaries() {
+        let releases = std::env::temp_dir().join(format!("releases-{}", std::process::id()));
+        std::fs::create_dir_all(releases.join("0.1.0/bin")).unwrap();
+        std::fs::write(releases.join("0.1.0/bin/conveyor-worker"), "").unwrap();
+        let host = Host {
+            releases: Some(releases.clone()),
+            ..host()
+        };
+        let with_image = |image: &str| {
+            let mut pod = pod();
+            pod.spec.as_mut().unwrap().containers[0].image = Some(image.to_owned());
+            plan(&pod, &objects(), &host).unwrap()
+        };
+        let old = with_image("conveyor:0.1.0");
+        assert_eq!(old.program, releases.join("0.1.0/bin/conveyor-worker"));
+        let path = &old.env.iter().find(|(k, _)| k == "PATH").unwrap().1;
+        assert!(path.starts_with(&format!("{}:", releases.join("0.1.0/bin").display())));
+        // A tag this machine holds no release of, a digest, and a tag that would climb out
+        // of the folder: this build's binaries.
+        for image in [
+            "conveyor:dev",
+            "conveyor@sha256:0a1b",
+            "conveyor:..",
+            "conveyor",
+        ] {
+            let launch = with_image(image);
+            assert_eq!(launch.program, PathBuf::from("conveyor-worker"), "{image}");
+        }
+        std::fs::remove_dir_all(&releases).unwrap();
     }
 
     #[test]

@@ -24,6 +24,7 @@ use uuid::Uuid;
 pub use conveyor_core::testing::{assert_valid_chain, unique_type};
 
 pub mod audit;
+pub mod helm;
 pub mod real_node;
 
 /// The stack's addresses; `scripts/stack.sh` and the Makefile provide these defaults.
@@ -510,16 +511,32 @@ impl Drop for PausedPod {
 /// Runs `conveyorctl` as the administrator of `database_url` and `amqp_url` (the dev CA
 /// trusted); returns what it printed, or fails the test with what it said.
 pub fn conveyorctl(database_url: &str, amqp_url: &str, args: &[&str]) -> String {
-    let output = Command::new(testing::binary("conveyorctl"))
+    conveyorctl_at(
+        &testing::binary("conveyorctl"),
+        database_url,
+        amqp_url,
+        args,
+    )
+}
+
+/// [`conveyorctl`] of another build (a previous release's), at `binary`.
+pub fn conveyorctl_at(
+    binary: &std::path::Path,
+    database_url: &str,
+    amqp_url: &str,
+    args: &[&str],
+) -> String {
+    let output = Command::new(binary)
         .args(args)
         .env("CONVEYOR_DATABASE_URL", database_url)
         .env("CONVEYOR_AMQP_URL", amqp_url)
         .env("CONVEYOR_CA_FILE", testing::DEV_CA)
         .output()
-        .expect("run conveyorctl");
+        .unwrap_or_else(|e| panic!("run {}: {e}", binary.display()));
     assert!(
         output.status.success(),
-        "conveyorctl {args:?}: {}",
+        "{} {args:?}: {}",
+        binary.display(),
         String::from_utf8_lossy(&output.stderr)
     );
     String::from_utf8_lossy(&output.stdout).into_owned()

@@ -1,35 +1,13 @@
 //! The Helm chart (charts/conveyor): it lints, its values schema refuses what it does not
 //! know, it renders what the apiserver accepts (the Prometheus operator's CRDs applied, so
 //! the monitors are checked against their schemas), and the kustomize manifests rendered
-//! from it have not drifted. Installed: `chart_install.rs`.
+//! from it have not drifted. Installed and upgraded: `tests/chart_upgrade.rs`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use conveyor_e2e_tests::helm::{repo, run, tempdir};
 use conveyor_e2e_tests::{kubectl, kubectl_with};
-
-pub(crate) fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// Runs a command in the repository; Err holds its output when it fails.
-pub(crate) fn run(program: &str, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap_or_else(|e| panic!("{program} runs (make test puts helm on PATH): {e}"));
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    if out.status.success() {
-        Ok(text)
-    } else {
-        Err(format!("{program} {}: {text}", args.join(" ")))
-    }
-}
 
 /// Values that satisfy every required setting (connections, tokens, the test's token).
 const REQUIRED: &[&str] = &[
@@ -189,10 +167,4 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
         );
     }
     let _ = std::fs::remove_dir_all(fresh);
-}
-
-pub(crate) fn tempdir(what: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("conveyor-{what}-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
 }

@@ -5,9 +5,9 @@
 
 mod at_rest;
 mod chart;
-mod chart_install;
 mod containers;
 mod external_scalers;
+mod kind_services;
 mod nodes;
 mod observability;
 mod operator;
@@ -26,17 +26,7 @@ use serde_json::json;
 
 pub const MINUTE: Duration = Duration::from_secs(60);
 
-pub fn task_type_yaml(name: &str, extra: &str) -> String {
-    format!("apiVersion: conveyor.dev/v1alpha1\nkind: TaskType\nmetadata: {{name: {name}}}\nspec:\n  maxRetries: 2\n{extra}")
-}
-
-/// A pool running the built-in sleep handler (it sleeps `sleepMs` of the payload).
-pub fn pool_yaml(name: &str, task_type: &str, extra: &str) -> String {
-    format!(
-        "apiVersion: conveyor.dev/v1alpha1\nkind: WorkerPool\nmetadata: {{name: {name}}}\nspec:\n  \
-         taskTypes: [{task_type}]\n  image: conveyor:dev\n  handler: {{type: sleep}}\n{extra}"
-    )
-}
+pub use conveyor_e2e_tests::helm::{pool_yaml, task_type_yaml};
 
 /// Where a story's workers run: the simulated nodes (kwok, with the pod runner starting each
 /// worker as a process), or the real node (a kubelet running containers; cluster/real-node.sh).
@@ -87,6 +77,7 @@ async fn every_manifest_and_example_is_accepted_by_the_apiserver() {
     for target in [
         ["-k", "manifests/base"],
         ["-k", "manifests/kind"],
+        ["-k", "manifests/kind-public"],
         ["-k", "manifests/replicated"],
         ["-f", "examples/video-pipeline/"],
     ] {

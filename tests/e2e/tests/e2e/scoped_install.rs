@@ -14,8 +14,8 @@ use conveyor_e2e_tests::{
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::chart::run;
 use crate::{pool_yaml, task_type_yaml, MINUTE};
+use conveyor_e2e_tests::helm::run;
 
 const RELEASE: &str = "scoped";
 

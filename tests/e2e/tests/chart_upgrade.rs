@@ -1,25 +1,33 @@
-//! The Helm chart installed as users do: from its `helm package`d archive, on a database
-//! an older release left one migration behind, with a least-privilege gateway that cannot
-//! migrate. The chart's migration Job brings the schema up before the gateway starts, its
-//! operator and gateway run tasks end to end: `helm test` passes and its task's row says
-//! COMPLETED, and a user's story (a pool applied, a batch submitted through the chart's
-//! gateway and completed, the pool scaled with kubectl) runs on the install.
+//! The Helm chart as users run it, from release to release: the previous release's chart
+//! (`helm package`d from its commit, its pods running its own binaries) installed on the
+//! schema its `conveyorctl migrate` made, with a least-privilege gateway its `conveyorctl
+//! grant` made; `helm test`; then `helm upgrade` to this checkout's packaged chart, whose
+//! opt-in pre-upgrade Job migrates the schema with the owner's credential before any new pod
+//! starts (no pod waits on `SchemaBehind`); `helm test` again, and a user's story (a pool
+//! applied, a batch submitted through the chart's gateway and completed, the pool scaled with
+//! kubectl) on the upgraded release.
+//!
+//! A test binary of its own, so that it runs alone: the previous release's operator takes
+//! over the stack's pools (it leads the whole cluster), and would roll other tests' workers.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use conveyor_core::config::DEV_AMQP_URL;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::testing;
 use conveyor_core::TaskState;
+use conveyor_e2e_tests::helm::{pool_yaml, repo, run, task_type_yaml, tempdir};
 use conveyor_e2e_tests::{
-    conveyorctl, kill_operator, kubectl, kubectl_with, operators_to_myself, start_operator,
+    conveyorctl_at, kill_operator, kubectl, kubectl_with, operators_to_myself, start_operator,
 };
 use sha2::{Digest, Sha256};
 
-use crate::chart::{repo, run, tempdir};
-
 #[tokio::test]
-async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_and_passes_helm_test(
-) {
-    // The chart's operator stands in for the stack's while this runs: two would both lead.
+async fn the_previous_release_upgrades_to_this_chart_with_its_migration_job_and_passes_helm_test() {
+    let previous = PreviousRelease::get();
     let _operators = operators_to_myself().await;
     let namespace = format!("chart-{}", &uuid::Uuid::new_v4().simple().to_string()[..8]);
     let release = "e2e";
@@ -29,17 +37,24 @@ async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_a
     secret(&namespace, "helm-test-token", "token", &token);
     let ca = "/etc/conveyor/dev-tls/ca.crt";
     let amqp = DEV_AMQP_URL;
-    // The database as the release before left it: every migration but the last.
-    let (older, last) = one_migration_behind().await;
-    let database = older.url.clone();
-    // The gateway's own least-privilege role (decision 0015), which cannot migrate, and the
-    // owner's credential for the migration Job only.
+    // The database as the previous release's users made it: its own `conveyorctl migrate`,
+    // one migration or more behind this checkout.
+    let database = testing::TestDatabase::create_empty().await;
+    previous.conveyorctl(&database.url, amqp, &["migrate"]);
+    let before = schema_version(&database.db).await;
+    let last = last_migration();
+    assert!(
+        before.is_some_and(|v| v < last),
+        "the previous release's schema ({before:?}) is behind this checkout's ({last})"
+    );
+    // The gateway's own least-privilege role (decision 0015), granted by the previous
+    // release; it cannot migrate. The owner's credential is for the migration Job only.
     let gateway_role = format!(
         "chart_gw_{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
-    let granted = conveyorctl(
-        &database,
+    let granted = previous.conveyorctl(
+        &database.url,
         amqp,
         &[
             "-n",
@@ -52,10 +67,10 @@ async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_a
         ],
     );
     kubectl_with(&["apply", "-f", "-"], Some(&granted)).unwrap();
-    secret(&namespace, "chart-owner", "database-url", &database);
-    let package = package_chart();
+    secret(&namespace, "chart-owner", "database-url", &database.url);
+    // The same values for both charts: the previous one has no schema, and ignores what it
+    // does not know yet (the migration Job, the admin key).
     let values = [
-        "image.tag=dev".to_owned(),
         "operator.replicas=1".to_owned(),
         "operator.leaseSeconds=5".to_owned(),
         "gateway.replicas=1".to_owned(),
@@ -75,7 +90,7 @@ async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_a
         "migrations.ownerSecret=chart-owner".to_owned(),
         format!("gateway.tokens.list[0]=helm-test@{namespace}=sha256:{digest}"),
         format!("tenants[0].namespace={namespace}"),
-        format!("tenants[0].databaseUrl={database}"),
+        format!("tenants[0].databaseUrl={}", database.url),
         format!("tenants[0].amqpUrl={amqp}"),
         // The CRDs are the stack's already (not the release's to own).
         "crds.install=false".to_owned(),
@@ -85,72 +100,73 @@ async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_a
     // --set-string would split on commas (the dev URLs have none, but say it once): a file.
     std::fs::write(&values_file, as_yaml(&values)).unwrap();
     let values_file = values_file.to_str().unwrap();
+    let this_chart = package_chart(&repo().join("charts/conveyor"));
+    let previous_chart = package_chart(&previous.chart);
 
     assert!(kill_operator(), "the stack's operator runs");
-    // `helm install` or `helm upgrade` of the release with these values, waiting for it.
-    let release_with = |verb: &str, extra: &[&str]| {
-        let mut args = vec![verb, release, &package, "-n", &namespace];
-        args.extend(["-f", values_file, "--wait", "--timeout=5m"]);
+    // `helm install` or `helm upgrade` of the release from `chart`, its pods running the
+    // image tagged `tag`, waiting for them.
+    let release_with = |verb: &str, chart: &str, tag: &str, extra: &[&str]| {
+        let tag = format!("--set=image.tag={tag}");
+        let mut args = vec![verb, release, chart, "-n", &namespace];
+        args.extend(["-f", values_file, &tag, "--wait", "--timeout=5m"]);
         args.extend(extra);
         run("helm", &args)
     };
-    let installed = release_with("install", &[]);
+    // helm test, once the test pod's URL names the release's gateway pod (the local
+    // cluster has no Service routing; the pod's address changes when the gateway rolls).
+    let helm_test = |chart: &str, tag: &str| {
+        let url = format!("--set=test.gatewayUrl={}", gateway_url(&namespace)?);
+        release_with("upgrade", chart, tag, &[&url])?;
+        // No --logs: the local runner keeps container logs in .dev/pods, not behind a
+        // kubelet API (pod_logs below reads them).
+        let said = run("helm", &["test", release, "-n", &namespace, "--timeout=5m"])?;
+        match said.contains("Phase:          Succeeded") {
+            true => Ok(said),
+            false => Err(format!("helm test of {chart} said:\n{said}")),
+        }
+    };
     let outcome = async {
-        installed?;
-        // From outside: the schema holds the last migration, which only the Job's owner
-        // credential could apply (the gateway's role may not).
-        let applied: Option<i64> =
-            sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-                .fetch_one(older.db.pool())
-                .await
-                .map_err(|e| e.to_string())?;
-        if applied != Some(last) {
+        release_with("install", &previous_chart, &previous.version, &[])?;
+        // From outside: the previous release's pods run its image, on its schema (which
+        // this checkout's gateway would refuse as behind), and pass its helm test.
+        let image = kubectl(&[
+            "-n",
+            &namespace,
+            "get",
+            "deployment",
+            "-l",
+            "app.kubernetes.io/name=conveyor-gateway",
+            "-o",
+            "jsonpath={.items[0].spec.template.spec.containers[0].image}",
+        ]);
+        if !image.ends_with(&format!(":{}", previous.version)) {
+            return Err(format!("the previous release's gateway runs {image}"));
+        }
+        helm_test(&previous_chart, &previous.version)?;
+        let at_install = schema_version(&database.db).await;
+        if at_install != before {
             return Err(format!(
-                "the schema is at {applied:?}, not {last}: the migration Job did not run"
+                "the schema moved from {before:?} to {at_install:?} before the upgrade"
             ));
         }
-        // The local cluster has no Service routing: point the test at the gateway pod.
-        let mut gateway_ip = String::new();
-        for _ in 0..120 {
-            gateway_ip = kubectl(&[
-                "-n",
-                &namespace,
-                "get",
-                "pods",
-                "-l",
-                "app.kubernetes.io/name=conveyor-gateway",
-                "-o",
-                "jsonpath={.items[0].status.podIP}",
-            ]);
-            if !gateway_ip.is_empty() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        release_with("upgrade", &this_chart, "dev", &[])?;
+        // The schema holds this checkout's last migration, which only the Job's owner
+        // credential could apply (the gateway's role may not).
+        let upgraded = schema_version(&database.db).await;
+        if upgraded != Some(last) {
+            return Err(format!(
+                "the schema is at {upgraded:?}, not {last}: the migration Job did not run"
+            ));
         }
-        release_with(
-            "upgrade",
-            &[&format!("--set=test.gatewayUrl=http://{gateway_ip}:8080")],
-        )?;
-        let said = run(
-            "helm",
-            // No --logs: the local runner keeps container logs in .dev/pods, not behind a
-            // kubelet API (pod_logs below reads them).
-            &["test", release, "-n", &namespace, "--timeout=5m"],
-        )?;
-        story(
-            &namespace,
-            &format!("http://{gateway_ip}:8080"),
-            &token,
-            &database,
-        )
-        .await?;
-        Ok::<_, String>(said)
+        helm_test(&this_chart, "dev")?;
+        story(&namespace, &gateway_url(&namespace)?, &token, &database.url).await
     }
     .await;
-    // Judged from the database too: the test's one task COMPLETED, with a valid history.
+    // Judged from the database too: each helm test's task COMPLETED, with a valid history.
     let key = format!("{namespace}.e2e-conveyor-helm-test");
     let completed = if outcome.is_ok() {
-        testing::count_in_state(&older.db, &key, TaskState::Completed).await
+        testing::count_in_state(&database.db, &key, TaskState::Completed).await
     } else {
         0
     };
@@ -173,16 +189,90 @@ async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_a
     testing::delete_queues(&key).await;
     testing::delete_queues(&format!("{namespace}.story")).await;
     start_operator();
-    forget(older, &gateway_role).await;
-    let said = outcome.unwrap_or_else(|err| panic!("{err}\n{logs}"));
-    assert!(
-        said.contains("Phase:          Succeeded"),
-        "helm test said:\n{said}\n{logs}"
-    );
+    forget(database, &gateway_role).await;
+    outcome.unwrap_or_else(|err| panic!("{err}\n{logs}"));
     assert_eq!(
-        completed, 1,
-        "tasks of {key} COMPLETED in the database\n{logs}"
+        completed, 2,
+        "tasks of {key} COMPLETED in the database (one per helm test)\n{logs}"
     );
+}
+
+/// The release before this checkout's, as `scripts/previous-release.sh` keeps it: its
+/// version (its pods' image tag), chart folder and binaries. Built once per machine.
+struct PreviousRelease {
+    version: String,
+    chart: PathBuf,
+    bin: PathBuf,
+}
+
+impl PreviousRelease {
+    fn get() -> Self {
+        let out = Command::new(repo().join("scripts/previous-release.sh"))
+            .output()
+            .expect("scripts/previous-release.sh runs");
+        assert!(
+            out.status.success(),
+            "scripts/previous-release.sh: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let version = dir.file_name().unwrap().to_string_lossy().into_owned();
+        PreviousRelease {
+            version,
+            chart: dir.join("chart"),
+            bin: dir.join("bin"),
+        }
+    }
+
+    /// The previous release's `conveyorctl`, as its users ran it.
+    fn conveyorctl(&self, database_url: &str, amqp_url: &str, args: &[&str]) -> String {
+        conveyorctl_at(&self.bin.join("conveyorctl"), database_url, amqp_url, args)
+    }
+}
+
+/// The release's gateway pod's address, once it has one (the local cluster has no Service
+/// routing).
+fn gateway_url(namespace: &str) -> Result<String, String> {
+    for _ in 0..120 {
+        let ips = kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=conveyor-gateway",
+            "--field-selector=status.phase=Running",
+            "-o",
+            "jsonpath={.items[*].status.podIP}",
+        ]);
+        // One gateway replica: while an old pod ends beside the new one, wait.
+        let ips: Vec<&str> = ips.split_whitespace().collect();
+        if let [ip] = ips.as_slice() {
+            return Ok(format!("http://{ip}:8080"));
+        }
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+    Err(format!("{namespace} has no single running gateway pod"))
+}
+
+/// The highest migration applied to the database, read from outside the release.
+async fn schema_version(db: &Db) -> Option<i64> {
+    sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+        .fetch_one(db.pool())
+        .await
+        .expect("the migrations table")
+}
+
+/// This checkout's last migration.
+fn last_migration() -> i64 {
+    std::fs::read_dir(repo().join("migrations"))
+        .unwrap()
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().to_string_lossy().into_owned();
+            name.split('_').next()?.parse().ok()
+        })
+        .max()
+        .expect("migrations")
 }
 
 /// A user's story through the chart's gateway and operator: a TaskType and a pool of two
@@ -191,8 +281,8 @@ async fn installed_from_its_package_on_an_older_schema_it_migrates_runs_a_task_a
 async fn story(namespace: &str, gateway: &str, token: &str, database: &str) -> Result<(), String> {
     let apply =
         |yaml: String| kubectl_with(&["-n", namespace, "apply", "-f", "-"], Some(&yaml)).map(drop);
-    apply(crate::task_type_yaml("story", ""))?;
-    apply(crate::pool_yaml("story", "story", "  replicas: 2\n"))?;
+    apply(task_type_yaml("story", ""))?;
+    apply(pool_yaml("story", "story", "  replicas: 2\n"))?;
     let tasks: Vec<serde_json::Value> = (0..40)
         .map(|i| serde_json::json!({"taskType": "story", "payload": {"sleepMs": 50, "n": i}}))
         .collect();
@@ -272,31 +362,6 @@ async fn story(namespace: &str, gateway: &str, token: &str, database: &str) -> R
     }
 }
 
-/// A fresh database holding every migration but the last, as an older release left it; and
-/// the last migration's version.
-async fn one_migration_behind() -> (testing::TestDatabase, i64) {
-    let older = testing::TestDatabase::create_empty().await;
-    let mut migrator = sqlx::migrate::Migrator::new(repo().join("migrations"))
-        .await
-        .expect("the migrations folder");
-    let last = migrator
-        .iter()
-        .map(|m| m.version)
-        .max()
-        .expect("migrations");
-    migrator.migrations = migrator
-        .iter()
-        .filter(|m| m.version < last)
-        .cloned()
-        .collect::<Vec<_>>()
-        .into();
-    migrator
-        .run(older.db.pool())
-        .await
-        .expect("every migration but the last applies");
-    (older, last)
-}
-
 /// A Secret `name` in `namespace` holding `key`: `value`.
 fn secret(namespace: &str, name: &str, key: &str, value: &str) {
     let literal = format!("--from-literal={key}={value}");
@@ -305,21 +370,24 @@ fn secret(namespace: &str, name: &str, key: &str, value: &str) {
     ]);
 }
 
-/// The chart as users get it: `helm package`d, its archive's path.
-fn package_chart() -> String {
+/// A chart as users get it: `helm package`d, its archive's path.
+fn package_chart(chart: &Path) -> String {
     let dir = tempdir("chart");
     let said = run(
         "helm",
-        &["package", "charts/conveyor", "-d", dir.to_str().unwrap()],
+        &[
+            "package",
+            chart.to_str().unwrap(),
+            "-d",
+            dir.to_str().unwrap(),
+        ],
     )
     .unwrap_or_else(|err| panic!("helm package: {err}"));
-    let archive = said
-        .rsplit("saved it to: ")
+    said.rsplit("saved it to: ")
         .next()
         .map(|path| path.trim().to_owned())
         .filter(|path| path.ends_with(".tgz"))
-        .unwrap_or_else(|| panic!("helm package said: {said}"));
-    archive
+        .unwrap_or_else(|| panic!("helm package said: {said}"))
 }
 
 /// The test's database, and the gateway role and broker user it granted (server-wide).
