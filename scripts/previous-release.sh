@@ -26,12 +26,13 @@ if [ "$(cat "$OUT/commit" 2>/dev/null)" = "$COMMIT" ]; then
   exit 0
 fi
 need_toolchains cargo
+need_packages objcopy=binutils
 git cat-file -e "$COMMIT^{commit}" 2>/dev/null || {
   log "this clone lacks commit $COMMIT ($VERSION); a shallow clone needs: git fetch --unshallow"
   exit 1
 }
 
-log "building $VERSION from ${COMMIT:0:12} (once; about 5 minutes on 2 cores)"
+log "building $VERSION from ${COMMIT:0:12} (once; 2 minutes with the dependencies built, about 10 on a cold target/)"
 # A fixed folder, so that a rebuild after an interruption reuses the compiled crates.
 src=$CACHE/releases/src-$VERSION
 rm -rf "$src" "$OUT"
@@ -39,11 +40,15 @@ mkdir -p "$src" "$OUT/bin"
 git archive "$COMMIT" | tar -x -C "$src"
 packages=()
 for name in "${BINARIES[@]}"; do packages+=(--bin "$name"); done
+# From this build until the last line, target/debug/<name> are 0.1.0's: this checkout's are
+# linked back in place however the script ends (an interrupt or a failure included).
+trap 'cargo build -q --bins' EXIT
 cargo build -q --locked --manifest-path "$src/Cargo.toml" --target-dir "$PWD/target" "${packages[@]}"
 # Debug info stripped: a quarter of the size.
 for name in "${BINARIES[@]}"; do objcopy --strip-debug "target/debug/$name" "$OUT/bin/$name"; done
 cp -r "$src/charts/conveyor" "$OUT/chart"
 # This checkout's binaries back at target/debug (a fresh build only links them again).
+trap - EXIT
 cargo build -q --bins
 rm -rf "$src"
 echo "$COMMIT" >"$OUT/commit"

@@ -5,6 +5,13 @@
 set -eu
 user=${RABBITMQ_DEFAULT_USER:-guest}
 pass=${RABBITMQ_DEFAULT_PASS:-guest}
+# The configuration file takes a value to the end of its line, and `#` starts a comment.
+case "$user$pass" in
+  *'#'* | *' '* | *'
+'*)
+    echo "rabbitmq-entrypoint: RABBITMQ_DEFAULT_USER and RABBITMQ_DEFAULT_PASS may not hold '#', spaces or newlines" >&2
+    exit 1 ;;
+esac
 cat >"$RABBITMQ_CONFIG_FILE" <<CONF
 default_user = $user
 default_pass = $pass

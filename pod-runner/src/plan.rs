@@ -705,9 +705,13 @@ mod tests {
 
     #[test]
     fn an_image_whose_release_this_machine_holds_runs_that_releases_binaries() {
-        let releases = std::env::temp_dir().join(format!("releases-{}", std::process::id()));
+        let root = std::env::temp_dir().join(format!("releases-{}", std::process::id()));
+        let releases = root.join("releases");
         std::fs::create_dir_all(releases.join("0.1.0/bin")).unwrap();
         std::fs::write(releases.join("0.1.0/bin/conveyor-worker"), "").unwrap();
+        // What `conveyor:..` would reach if the tag were taken as a path.
+        std::fs::create_dir_all(root.join("bin")).unwrap();
+        std::fs::write(root.join("bin/conveyor-worker"), "").unwrap();
         let host = Host {
             releases: Some(releases.clone()),
             ..host()
@@ -732,7 +736,7 @@ mod tests {
             let launch = with_image(image);
             assert_eq!(launch.program, PathBuf::from("conveyor-worker"), "{image}");
         }
-        std::fs::remove_dir_all(&releases).unwrap();
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]

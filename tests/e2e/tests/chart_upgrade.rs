@@ -7,8 +7,11 @@
 //! applied, a batch submitted through the chart's gateway and completed, the pool scaled with
 //! kubectl) on the upgraded release.
 //!
-//! A test binary of its own, so that it runs alone: the previous release's operator takes
-//! over the stack's pools (it leads the whole cluster), and would roll other tests' workers.
+//! A test binary of its own, so that it runs alone (cargo runs test binaries one after
+//! another): the previous release's operator takes over the stack's pools (it leads the
+//! whole cluster), and would roll other tests' workers. Between stopping the stack's
+//! operator and starting it again, every step returns its failure instead of panicking, so
+//! that the stack is given back whatever happens.
 
 #![allow(clippy::unwrap_used)]
 
@@ -41,7 +44,7 @@ async fn the_previous_release_upgrades_to_this_chart_with_its_migration_job_and_
     // one migration or more behind this checkout.
     let database = testing::TestDatabase::create_empty().await;
     previous.conveyorctl(&database.url, amqp, &["migrate"]);
-    let before = schema_version(&database.db).await;
+    let before = schema_version(&database.db).await.unwrap();
     let last = last_migration();
     assert!(
         before.is_some_and(|v| v < last),
@@ -128,23 +131,11 @@ async fn the_previous_release_upgrades_to_this_chart_with_its_migration_job_and_
     };
     let outcome = async {
         release_with("install", &previous_chart, &previous.version, &[])?;
-        // From outside: the previous release's pods run its image, on its schema (which
-        // this checkout's gateway would refuse as behind), and pass its helm test.
-        let image = kubectl(&[
-            "-n",
-            &namespace,
-            "get",
-            "deployment",
-            "-l",
-            "app.kubernetes.io/name=conveyor-gateway",
-            "-o",
-            "jsonpath={.items[0].spec.template.spec.containers[0].image}",
-        ]);
-        if !image.ends_with(&format!(":{}", previous.version)) {
-            return Err(format!("the previous release's gateway runs {image}"));
-        }
+        // From outside: the release's gateway says it is the previous version (its API
+        // description), on the previous schema, which this checkout's gateway would refuse.
+        served_version(&namespace, &previous.version).await?;
         helm_test(&previous_chart, &previous.version)?;
-        let at_install = schema_version(&database.db).await;
+        let at_install = schema_version(&database.db).await?;
         if at_install != before {
             return Err(format!(
                 "the schema moved from {before:?} to {at_install:?} before the upgrade"
@@ -153,13 +144,14 @@ async fn the_previous_release_upgrades_to_this_chart_with_its_migration_job_and_
         release_with("upgrade", &this_chart, "dev", &[])?;
         // The schema holds this checkout's last migration, which only the Job's owner
         // credential could apply (the gateway's role may not).
-        let upgraded = schema_version(&database.db).await;
+        let upgraded = schema_version(&database.db).await?;
         if upgraded != Some(last) {
             return Err(format!(
                 "the schema is at {upgraded:?}, not {last}: the migration Job did not run"
             ));
         }
         helm_test(&this_chart, "dev")?;
+        served_version(&namespace, env!("CARGO_PKG_VERSION")).await?;
         story(&namespace, &gateway_url(&namespace)?, &token, &database.url).await
     }
     .await;
@@ -234,17 +226,20 @@ impl PreviousRelease {
 /// routing).
 fn gateway_url(namespace: &str) -> Result<String, String> {
     for _ in 0..120 {
-        let ips = kubectl(&[
-            "-n",
-            namespace,
-            "get",
-            "pods",
-            "-l",
-            "app.kubernetes.io/name=conveyor-gateway",
-            "--field-selector=status.phase=Running",
-            "-o",
-            "jsonpath={.items[*].status.podIP}",
-        ]);
+        let ips = kubectl_with(
+            &[
+                "-n",
+                namespace,
+                "get",
+                "pods",
+                "-l",
+                "app.kubernetes.io/name=conveyor-gateway",
+                "--field-selector=status.phase=Running",
+                "-o",
+                "jsonpath={.items[*].status.podIP}",
+            ],
+            None,
+        )?;
         // One gateway replica: while an old pod ends beside the new one, wait.
         let ips: Vec<&str> = ips.split_whitespace().collect();
         if let [ip] = ips.as_slice() {
@@ -256,11 +251,30 @@ fn gateway_url(namespace: &str) -> Result<String, String> {
 }
 
 /// The highest migration applied to the database, read from outside the release.
-async fn schema_version(db: &Db) -> Option<i64> {
+async fn schema_version(db: &Db) -> Result<Option<i64>, String> {
     sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
         .fetch_one(db.pool())
         .await
-        .expect("the migrations table")
+        .map_err(|e| format!("the migrations table: {e}"))
+}
+
+/// Fails unless the release's gateway describes itself as `version` (`/openapi.json`,
+/// which every release serves without a token).
+async fn served_version(namespace: &str, version: &str) -> Result<(), String> {
+    let url = format!("{}/openapi.json", gateway_url(namespace)?);
+    let description: serde_json::Value = reqwest::get(&url)
+        .await
+        .and_then(|r| r.error_for_status())
+        .map_err(|e| format!("{url}: {e}"))?
+        .json()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    match description["info"]["version"].as_str() {
+        Some(served) if served == version => Ok(()),
+        served => Err(format!(
+            "the gateway serves version {served:?}, not {version}"
+        )),
+    }
 }
 
 /// This checkout's last migration.
@@ -318,7 +332,7 @@ async fn story(namespace: &str, gateway: &str, token: &str, database: &str) -> R
         }
         tokio::time::sleep(std::time::Duration::from_secs(1)).await;
     }
-    let db = Db::connect(&DbOptions::new(database)).expect("database URL");
+    let db = Db::connect(&DbOptions::new(database)).map_err(|e| format!("{database}: {e}"))?;
     let key = format!("{namespace}.story");
     // Each step has a budget of its own: a slow one does not eat the next one's.
     let completed_by = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
@@ -343,15 +357,20 @@ async fn story(namespace: &str, gateway: &str, token: &str, database: &str) -> R
     )?;
     let scaled_by = tokio::time::Instant::now() + std::time::Duration::from_secs(120);
     loop {
-        let ready = kubectl(&[
-            "-n",
-            namespace,
-            "get",
-            "deployment",
-            "story-worker",
-            "-o",
-            "jsonpath={.status.readyReplicas}",
-        ]);
+        // Not found yet is not ready yet.
+        let ready = kubectl_with(
+            &[
+                "-n",
+                namespace,
+                "get",
+                "deployment",
+                "story-worker",
+                "-o",
+                "jsonpath={.status.readyReplicas}",
+            ],
+            None,
+        )
+        .unwrap_or_default();
         if ready.trim() == "3" {
             return Ok(());
         }
