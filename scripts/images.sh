@@ -86,6 +86,7 @@ pause_image() {
 # The services' images, made again only when their recipe (images/services/) or base changes.
 service_images() {
   local recipe pair target ref
+  mkdir -p target/images
   recipe=$( (cat images/services/*; docker image inspect -f '{{.Id}}' "$BASE") | md5sum | cut -c1-12)
   for pair in $SERVICE_IMAGES; do
     target=${pair%%:*} ref=${pair#*:}
@@ -117,7 +118,6 @@ build() {
   scripts/docker.sh up
   local_base
   pause_image
-  mkdir -p target/images
   service_images
   context
   local pair target name
@@ -176,7 +176,7 @@ ids() {
 case "${1:-build}" in
   build) build ;;
   base) scripts/docker.sh up; local_base; pause_image ;;
-  services) scripts/docker.sh up; local_base; mkdir -p target/images; service_images ;;
+  services) scripts/docker.sh up; local_base; service_images ;;
   list) list ;;
   save) save ;;
   ids) ids ;;

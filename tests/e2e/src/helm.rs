@@ -28,6 +28,27 @@ pub fn run(program: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// Runs a script of the repository that prints a folder as its last line of standard output
+/// (and says what it does on standard error); that folder. Panics with what it said when it
+/// fails.
+pub fn script_folder(script: &str) -> PathBuf {
+    let out = Command::new(repo().join(script))
+        .current_dir(repo())
+        .output()
+        .unwrap_or_else(|e| panic!("{script} runs: {e}"));
+    assert!(
+        out.status.success(),
+        "{script}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout
+        .lines()
+        .last()
+        .unwrap_or_else(|| panic!("{script} printed no folder"));
+    PathBuf::from(last.trim())
+}
+
 /// A new, empty folder under the system's temporary one.
 pub fn tempdir(what: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("conveyor-{what}-{}", uuid::Uuid::new_v4()));

@@ -16,13 +16,12 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use conveyor_core::config::DEV_AMQP_URL;
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::testing;
 use conveyor_core::TaskState;
-use conveyor_e2e_tests::helm::{pool_yaml, repo, run, task_type_yaml, tempdir};
+use conveyor_e2e_tests::helm::{pool_yaml, repo, run, script_folder, task_type_yaml, tempdir};
 use conveyor_e2e_tests::{
     conveyorctl_at, kill_operator, kubectl, kubectl_with, operators_to_myself, start_operator,
 };
@@ -199,15 +198,7 @@ struct PreviousRelease {
 
 impl PreviousRelease {
     fn get() -> Self {
-        let out = Command::new(repo().join("scripts/previous-release.sh"))
-            .output()
-            .expect("scripts/previous-release.sh runs");
-        assert!(
-            out.status.success(),
-            "scripts/previous-release.sh: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        let dir = script_folder("scripts/previous-release.sh");
         let version = dir.file_name().unwrap().to_string_lossy().into_owned();
         PreviousRelease {
             version,

@@ -3,10 +3,7 @@
 //! the monitors are checked against their schemas), and the kustomize manifests rendered
 //! from it have not drifted. Installed and upgraded: `tests/chart_upgrade.rs`.
 
-use std::path::Path;
-use std::process::Command;
-
-use conveyor_e2e_tests::helm::{repo, run, tempdir};
+use conveyor_e2e_tests::helm::{repo, run, script_folder, tempdir};
 use conveyor_e2e_tests::{kubectl, kubectl_with};
 
 /// Values that satisfy every required setting (connections, tokens, the test's token).
@@ -45,17 +42,7 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
 
     // The directory is the script's standard output; a cold cache also says on standard
     // error what Go downloads while it generates them (seen on a fresh machine).
-    let generated = Command::new("cluster/monitoring-crds.sh")
-        .current_dir(repo())
-        .output()
-        .expect("cluster/monitoring-crds.sh runs");
-    assert!(
-        generated.status.success(),
-        "cluster/monitoring-crds.sh: {}",
-        String::from_utf8_lossy(&generated.stderr)
-    );
-    let crds = String::from_utf8_lossy(&generated.stdout).into_owned();
-    let crds = Path::new(crds.lines().last().expect("a directory").trim());
+    let crds = script_folder("cluster/monitoring-crds.sh");
     for kind in ["servicemonitors", "podmonitors", "prometheusrules"] {
         let file = crds.join(format!("monitoring.coreos.com_{kind}.yaml"));
         kubectl(&[
