@@ -22,6 +22,16 @@ RECIPE=2
 BIN="$CACHE/control-plane/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-r$RECIPE/bin"
 export GOTOOLCHAIN=local GOFLAGS=-mod=mod
 K8S_COMMANDS="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet"
+# `--kind` also builds kind itself and what a kind node image holds besides those
+# (cluster/kind-node.sh): kubeadm, kube-proxy and CoreDNS, at the version kubeadm deploys.
+COREDNS_VERSION=${COREDNS_VERSION:-v1.14.2}
+KIND_VERSION=${KIND_VERSION:-v0.33.0}
+KIND_EXTRAS=""
+if [ "${1:-}" = --kind ]; then
+  K8S_COMMANDS="$K8S_COMMANDS kubeadm kube-proxy"
+  KIND_EXTRAS="coredns kind"
+  shift
+fi
 
 log() { printf 'cluster: %s\n' "$*" >&2; }
 
@@ -30,7 +40,7 @@ log() { printf 'cluster: %s\n' "$*" >&2; }
 if [ "${1:-}" = --path ]; then echo "$BIN"; exit 0; fi
 
 have_all() {
-  for b in $K8S_COMMANDS etcd kwok helm keda-operator keda-adapter; do
+  for b in $K8S_COMMANDS etcd kwok helm keda-operator keda-adapter $KIND_EXTRAS; do
     [ -x "$BIN/$b" ] || return 1
   done
 }
@@ -131,6 +141,15 @@ if ! [ -x "$BIN/keda-operator" ] || ! [ -x "$BIN/keda-adapter" ]; then
   stamp="-X github.com/kedacore/keda/v2/version.Version=$KEDA_VERSION"
   go build -trimpath -ldflags="-s $stamp" -o "$BIN/keda-operator" github.com/kedacore/keda/v2/cmd/operator >&2
   go build -trimpath -ldflags="-s $stamp" -o "$BIN/keda-adapter" github.com/kedacore/keda/v2/cmd/adapter >&2
+fi
+
+if [ -n "$KIND_EXTRAS" ] && ! [ -x "$BIN/coredns" ]; then
+  log "building CoreDNS $COREDNS_VERSION"
+  GOBIN="$BIN" CGO_ENABLED=0 go install -trimpath -ldflags=-s "github.com/coredns/coredns@$COREDNS_VERSION" >&2
+fi
+if [ -n "$KIND_EXTRAS" ] && ! [ -x "$BIN/kind" ]; then
+  log "building kind $KIND_VERSION"
+  GOBIN="$BIN" go install -trimpath -ldflags=-s "sigs.k8s.io/kind@$KIND_VERSION" >&2
 fi
 
 have_all || { log "some binaries are missing in $BIN"; ls -l "$BIN" >&2; exit 1; }

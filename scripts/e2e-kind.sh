@@ -1,58 +1,65 @@
 #!/usr/bin/env bash
-# `make e2e-kind`: the e2e suite of `make test`, on a kind cluster instead of the local
-# control plane, for machines with Docker. Creates the cluster (once), builds the images
-# (scripts/images.sh: Conveyor's, and PostgreSQL and RabbitMQ from Debian's packages) and
-# loads them into kind, applies manifests/kind, then runs tests/e2e against it through
-# port-forwards. KIND_PUBLIC_IMAGES=1 applies manifests/kind-public instead (the public
-# postgres and rabbitmq images, pulled by the nodes). `kind delete cluster --name
-# conveyor-e2e` removes it all. It has not run on the machines this project is built on:
-# docs/decisions/0051-kind-on-these-machines.md says where it stops there.
+# `make e2e-kind`: the e2e suite on a kind cluster instead of the local control plane.
+# Creates a one-node kind cluster, loads Conveyor's images and PostgreSQL and RabbitMQ's
+# (scripts/images.sh: built from Debian's packages), applies manifests/kind, runs the e2e
+# binary against it through port-forwards, and deletes the cluster (KIND_KEEP=1 keeps it).
+#
+# Two ways to run the nodes (decision 0051):
+# - docker: kind as users run it, with kind's own node image; any Docker engine whose
+#   privileged mode keeps to the bounding set (20.10.10 and later).
+# - podman: these machines, where Debian's Docker 20.10.24 cannot start a privileged
+#   container. The node image is made here (cluster/kind-node.sh), podman's settings are
+#   cluster/kind/containers.conf, and everything runs in a network and mount namespace of
+#   its own, so kind's bridge, its iptables rules and the forwarding setting are never the
+#   host's. The cluster lives as long as this script.
+# CONVEYOR_KIND_PROVIDER=docker|podman chooses; by default docker when a privileged
+# container starts, podman otherwise. KIND_PUBLIC_IMAGES=1 applies manifests/kind-public
+# (the public postgres and rabbitmq images, pulled by the node).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib/tools.sh
 
 CLUSTER=${KIND_CLUSTER:-conveyor-e2e}
-for tool in docker kind kubectl cargo; do
-  command -v "$tool" >/dev/null || { echo "e2e-kind: $tool is needed (see README, 'kind')" >&2; exit 1; }
-done
+STATE=$PWD/.dev/kind
+log() { printf 'e2e-kind: %s\n' "$*" >&2; }
 
-kind get clusters 2>/dev/null | grep -qx "$CLUSTER" || kind create cluster --name "$CLUSTER" --wait 180s
-KUBECONFIG=$(mktemp)
-export KUBECONFIG
-pids=()
-trap 'kill "${pids[@]}" 2>/dev/null || true; rm -f "$KUBECONFIG"' EXIT
-kind get kubeconfig --name "$CLUSTER" >"$KUBECONFIG"
+# The part that runs beside the cluster (in the namespace, on the podman path).
+if [ "${1:-}" = --inside ]; then
+  shift
+  . scripts/lib/kind-suite.sh
+  exit 0
+fi
 
+BIN=$(cluster/build.sh --kind)
+export PATH="$BIN:$PATH"
+scripts/docker.sh up
+provider=${CONVEYOR_KIND_PROVIDER:-}
+if [ -z "$provider" ]; then
+  scripts/images.sh base >&2
+  if docker run --rm --privileged conveyor.local/debian:bookworm true >/dev/null 2>&1; then
+    provider=docker
+  else
+    provider=podman
+  fi
+fi
+log "nodes run with $provider"
+
+# What the suite needs, built here first (the namespace has no network).
 cargo build --bins
 CONVEYOR_IMAGE_PROFILE=debug scripts/images.sh build
-overlay=manifests/kind
-images=(conveyor:dev conveyor.local/postgres:15 conveyor.local/rabbitmq:3)
-if [ "${KIND_PUBLIC_IMAGES:-}" = 1 ]; then overlay=manifests/kind-public images=(conveyor:dev); fi
-kind load docker-image "${images[@]}" --name "$CLUSTER"
-kubectl apply --server-side -k "$overlay"
-kubectl wait --for condition=Established --timeout=60s crd/tasktypes.conveyor.dev crd/workerpools.conveyor.dev
-for deployment in postgres rabbitmq conveyor-operator conveyor-gateway; do
-  kubectl -n conveyor-system rollout status "deployment/$deployment" --timeout=300s
-done
+cargo test --no-run -p conveyor-e2e-tests --test e2e
 
-# The suite itself runs here and reaches the cluster's services through port-forwards; the
-# workers it starts reach them by their in-cluster names.
-forward() { kubectl -n conveyor-system port-forward "svc/$1" "$2" >/dev/null 2>&1 & pids+=($!); }
-forward postgres 25432:5432
-forward rabbitmq 25672:5672
-forward rabbitmq 35672:15672
-forward conveyor-gateway 28080:8080
-for port in 25432 25672 35672 28080; do
-  for _ in $(seq 60); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 1; done
-done
-
-export CONVEYOR_DATABASE_URL=postgres://conveyor:conveyor@127.0.0.1:25432/conveyor
-export CONVEYOR_AMQP_URL=amqp://conveyor:conveyor@127.0.0.1:25672/%2f
-export CONVEYOR_TEST_AMQP_URL=$CONVEYOR_AMQP_URL
-export CONVEYOR_TEST_MANAGEMENT_URL=http://conveyor:conveyor@127.0.0.1:35672
-export CONVEYOR_WORKER_DATABASE_URL=postgres://conveyor:conveyor@postgres.conveyor-system.svc:5432/conveyor
-export CONVEYOR_WORKER_AMQP_URL=amqp://conveyor:conveyor@rabbitmq.conveyor-system.svc:5672/%2f
-export CONVEYOR_GATEWAY_URL=http://127.0.0.1:28080 CONVEYOR_TOKEN=dev-token-change-me
-# The e2e binary only, without the stories of the local stack's real node (containers,
-# kind_services): kind's nodes are the containers there. chart_upgrade runs the previous
-# release from the local pod runner's cache, which kind has no image of.
-cargo test -p conveyor-e2e-tests --test e2e -- --test-threads=8 --skip containers:: --skip kind_services::
+case "$provider" in
+  docker)
+    export KIND_NODE_IMAGE=${KIND_NODE_IMAGE:-}
+    exec "$0" --inside "$@" ;;
+  podman)
+    need_packages podman=podman runc=runc unshare=util-linux
+    [ "$(id -u)" -eq 0 ] || { log "the podman path needs root (namespaces, privileged nodes)"; exit 1; }
+    export CONTAINERS_CONF=$PWD/cluster/kind/containers.conf KIND_EXPERIMENTAL_PROVIDER=podman
+    KIND_NODE_IMAGE=$(cluster/kind-node.sh podman)
+    export KIND_NODE_IMAGE KIND_CONFIG=cluster/kind-local.yaml STATE
+    mkdir -p "$STATE/modules/upper/modules" "$STATE/modules/work"
+    exec unshare --mount --net --propagation private "$0" --inside "$@" ;;
+  *) log "CONVEYOR_KIND_PROVIDER is docker or podman, not $provider"; exit 2 ;;
+esac

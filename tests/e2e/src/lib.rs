@@ -220,6 +220,7 @@ impl Stack {
         let mut pending: Vec<(Uuid, Value)> =
             payloads.into_iter().map(|p| (Uuid::new_v4(), p)).collect();
         let mut ids = Vec::new();
+        let mut last_refusal = Value::Null;
         for _round in 0..120 {
             let mut refused = Vec::new();
             for chunk in pending.chunks(1000) {
@@ -246,7 +247,10 @@ impl Stack {
                 for (result, task) in results.iter().zip(chunk) {
                     match result["id"].as_str() {
                         Some(id) => ids.push(id.parse().expect("task id")),
-                        None => refused.push(task.clone()),
+                        None => {
+                            last_refusal = result.clone();
+                            refused.push(task.clone());
+                        }
                     }
                 }
             }
@@ -257,7 +261,7 @@ impl Stack {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
         panic!(
-            "the gateway kept refusing {} {task_type} tasks",
+            "the gateway kept refusing {} {task_type} tasks; the last refusal: {last_refusal}",
             pending.len()
         );
     }

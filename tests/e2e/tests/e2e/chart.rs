@@ -53,17 +53,19 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
             file.to_str().unwrap(),
         ]);
     }
-    let _ = kubectl_with(&["create", "namespace", "conveyor-system"], None);
+    // A namespace of its own: on kind, conveyor-system holds a live install, and a dry run
+    // there merges the render with it (another manager's `valueFrom` beside a `value`).
+    let _ = kubectl_with(&["create", "namespace", "e2e-chart-render"], None);
     let mut template = vec![
         "template",
         "conveyor",
         "charts/conveyor",
-        "--namespace=conveyor-system",
+        "--namespace=e2e-chart-render",
         "--set=monitoring.serviceMonitors=true",
         "--set=monitoring.podMonitor=true",
         "--set=monitoring.prometheusRule=true",
         "--set=monitoring.dashboards=true",
-        "--set=tenants[0].namespace=conveyor-system",
+        "--set=tenants[0].namespace=e2e-chart-render",
         "--set=tenants[0].databaseUrl=postgres://x",
         "--set=tenants[0].amqpUrl=amqps://x",
         r#"--set-json=networkPolicies.workerMetricsFrom=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#,
@@ -76,24 +78,24 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
         "template",
         "conveyor",
         "charts/conveyor",
-        "--namespace=conveyor-system",
+        "--namespace=e2e-chart-render",
         "--set=operator.connections.rabbitmqDefaultUserSecret=rabbitmq-default-user",
-        "--set=operator.connections.amqpHost=rabbitmq.conveyor-system.svc",
-        "--set=operator.connections.managementUrl=https://rabbitmq.conveyor-system.svc:15671",
+        "--set=operator.connections.amqpHost=rabbitmq.e2e-chart-render.svc",
+        "--set=operator.connections.managementUrl=https://rabbitmq.e2e-chart-render.svc:15671",
         "--set=ca.secretName=conveyor-ca",
         "--set=gateway.tlsSecretName=conveyor-gateway-tls",
         "--set=gateway.connections.databaseUrl=postgres://x",
         "--set=gateway.connections.amqpUrl=amqps://x",
         "--set=gateway.tokens.list[0]=ci@video=sha256:00",
         "--set=test.tokenSecret=token",
-        "--set=tenants[0].namespace=conveyor-system",
+        "--set=tenants[0].namespace=e2e-chart-render",
         "--set=tenants[0].databaseUrl=postgres://x",
         "--set=tenants[0].amqpUrl=amqps://x",
         "--set=tenants[0].caCrt=PEM",
         "--set=networkPolicies.enabled=false",
         "--set=gateway.retention.archiveClaimName=conveyor-archive",
         "--set=gateway.retention.taskDays=7",
-        "--set=watchNamespaces={conveyor-system}",
+        "--set=watchNamespaces={e2e-chart-render}",
     ];
     let other_rendered = run("helm", &other).unwrap();
     for line in [
@@ -109,13 +111,13 @@ fn the_chart_lints_and_renders_what_the_apiserver_accepts_and_the_manifests_do_n
     // Scoped: both components are told their namespaces (the Roles are rendered for them).
     assert_eq!(
         other_rendered
-            .matches("- name: CONVEYOR_WATCH_NAMESPACES\n              value: \"conveyor-system\"")
+            .matches("- name: CONVEYOR_WATCH_NAMESPACES\n              value: \"e2e-chart-render\"")
             .count(),
         2,
         "the scoped render tells the operator and the gateway their scope:\n{other_rendered}"
     );
     assert!(
-        other_rendered.contains("https://conveyor-gateway.conveyor-system.svc:80"),
+        other_rendered.contains("https://conveyor-gateway.e2e-chart-render.svc:80"),
         "helm test must speak HTTPS to a gateway that serves it:\n{other_rendered}"
     );
     for (what, manifests) in [
