@@ -2,7 +2,9 @@
 //! containerd that runs pods as containers from the images `scripts/images.sh` builds. Pools
 //! go there only when they ask ([`placement`]); every other story runs on the simulated
 //! nodes. Stories that stop the node take it for themselves ([`exclusive`]); the others
-//! share it ([`shared`]).
+//! share it ([`shared`]). On kind (`make e2e-kind`) the real node is kind's node, named by
+//! `CONVEYOR_REAL_NODE` and labelled as the local one is, and [`node_script`] is
+//! `CONVEYOR_NODE_SCRIPT` (scripts/kind-node.sh).
 
 use std::process::Command;
 use std::time::Duration;
@@ -13,8 +15,10 @@ use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use crate::{kubectl, kubectl_with, repo_root, Stack};
 
-/// The node's name.
-pub const NODE: &str = "conveyor-real-node";
+/// The node's name: the local real node's, or kind's node (`CONVEYOR_REAL_NODE`).
+pub fn node() -> String {
+    std::env::var("CONVEYOR_REAL_NODE").unwrap_or_else(|_| "conveyor-real-node".to_owned())
+}
 /// Where the node's pods reach PostgreSQL and RabbitMQ (forwarded to this machine's
 /// loopback; the dev certificate names this address too).
 const SERVICES: &str = "10.231.0.1";
@@ -49,6 +53,10 @@ impl Stack {
     /// services by the address the node's pods reach them at, with the CA they verify.
     pub async fn on_real_node(prefix: &str) -> Stack {
         let stack = Stack::namespace(prefix).await;
+        if crate::on_kind() {
+            // Its pods reach the in-cluster services, as every pod on kind does.
+            return stack;
+        }
         let for_pods = |url: &str| url.replace("127.0.0.1", SERVICES).replace(DEV_CA, POD_CA);
         let secret = kubectl(&[
             "-n",
@@ -83,15 +91,18 @@ impl Stack {
     }
 }
 
-/// Runs `cluster/real-node.sh` with `args`; panics with its output when it fails.
+/// Runs `cluster/real-node.sh` (on kind, `CONVEYOR_NODE_SCRIPT`) with `args`; panics with
+/// its output when it fails.
 pub fn node_script(args: &[&str]) -> String {
-    let out = Command::new(repo_root().join("cluster/real-node.sh"))
+    let script =
+        std::env::var("CONVEYOR_NODE_SCRIPT").unwrap_or_else(|_| "cluster/real-node.sh".into());
+    let out = Command::new(repo_root().join(&script))
         .args(args)
         .output()
-        .expect("cluster/real-node.sh runs");
+        .unwrap_or_else(|e| panic!("{script} runs: {e}"));
     assert!(
         out.status.success(),
-        "cluster/real-node.sh {}: {}",
+        "{script} {}: {}",
         args.join(" "),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -127,7 +138,7 @@ pub fn node_ready() -> bool {
         &[
             "get",
             "node",
-            NODE,
+            &node(),
             "-o",
             "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
         ],

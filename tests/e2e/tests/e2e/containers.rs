@@ -9,7 +9,7 @@ use std::time::Instant;
 use conveyor_core::testing::wait_until;
 use conveyor_core::TaskState;
 use conveyor_e2e_tests::real_node::{
-    self, container_id, node_ready, node_script, placement, restarts, NODE, NODE_PATIENCE,
+    self, container_id, node_ready, node_script, placement, restarts, NODE_PATIENCE,
 };
 use conveyor_e2e_tests::{assert_valid_chain, Stack};
 use k8s_openapi::api::core::v1::Pod;
@@ -68,7 +68,10 @@ async fn a_pool_on_the_real_node_runs_in_containers_with_logs_exec_probes_and_li
     stack.apply(&pool_yaml("boxed", &t, &pool));
     let pod = ready_pod(&stack, "boxed").await;
     let name = pod.metadata.name.clone().unwrap();
-    assert_eq!(pod.spec.as_ref().unwrap().node_name.as_deref(), Some(NODE));
+    assert_eq!(
+        pod.spec.as_ref().unwrap().node_name.as_deref(),
+        Some(real_node::node().as_str())
+    );
     assert!(
         container_id(&pod, "worker").is_some(),
         "the worker runs in a containerd container: {:?}",
@@ -395,7 +398,7 @@ async fn the_video_pipeline_runs_in_containers_with_its_media_on_a_volume() {
         results[3]
     );
     // Every one ran in a container on the real node.
-    let pods: Vec<Pod> = stack.pods_on(NODE).await;
+    let pods: Vec<Pod> = stack.pods_on(&real_node::node()).await;
     for id in [transcode, thumbnail, metadata, quality] {
         let worker = stack
             .events(id)

@@ -9,7 +9,7 @@ use conveyor_core::amqp::{self, QueueNames};
 use conveyor_core::db::{Db, DbOptions};
 use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::testing::wait_until;
-use conveyor_e2e_tests::real_node::{self, NODE, NODE_PATIENCE};
+use conveyor_e2e_tests::real_node::{self, NODE_PATIENCE};
 use conveyor_e2e_tests::{conveyorctl, kubectl_with, repo_root, Stack};
 
 #[tokio::test]
@@ -105,7 +105,7 @@ fn on_the_real_node(manifest: &str) -> String {
 async fn pod_ip(stack: &Stack, app: &str) -> String {
     let ip = std::cell::RefCell::new(String::new());
     wait_until(&format!("{app}'s pod address"), NODE_PATIENCE, || async {
-        let pods = stack.pods_on(NODE).await;
+        let pods = stack.pods_on(&real_node::node()).await;
         let found = pods.iter().find_map(|p| {
             let labelled = p.metadata.labels.as_ref()?.get("app.kubernetes.io/name")? == app;
             labelled.then(|| p.status.as_ref()?.pod_ip.clone())?
