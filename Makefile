@@ -71,6 +71,8 @@ test: previous-release stack browser-tools real-node
 	target/debug/conveyor-bench --short --report target/bench/short.md
 	# make soak's short variant (about a minute): proves the command works, asserts no time.
 	$(E2E_ENV) target/debug/conveyor-soak --short --report target/soak/short.md
+	# The e2e suite again, on a kind cluster made here (decision 0051).
+	scripts/e2e-kind.sh
 
 unit:
 	$(CARGO) test --workspace --lib --bins
@@ -116,7 +118,9 @@ bench: services
 previous-release:
 	scripts/previous-release.sh >/dev/null
 
-# The same e2e suite on a kind cluster (needs Docker and kind): scripts/e2e-kind.sh.
+# The e2e suite on a kind cluster, created and deleted by scripts/e2e-kind.sh: with Docker's
+# provider where a privileged container starts, else podman's with a node image made here
+# (decision 0051). Needs root on the podman path.
 e2e-kind:
 	scripts/e2e-kind.sh
 

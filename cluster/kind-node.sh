@@ -44,7 +44,7 @@ recipe=$( (cat "$0" images/kind-node/Dockerfile images/kind-node/component.Docke
 build() {
   log "assembling $NODE_IMAGE (once per recipe; a few minutes)"
   rm -rf "$CONTEXT" && mkdir -p "$CONTEXT/components" "$CONTEXT/node/bin" "$CONTEXT/node/images"
-  local component packages
+  local component packages tag
   for component in kube-apiserver kube-controller-manager kube-scheduler kube-proxy etcd; do
     mkdir -p "$CONTEXT/components/$component/bin"
     cp "$BIN/$component" "$CONTEXT/components/$component/bin/"
@@ -81,7 +81,8 @@ build() {
   rm -rf "$CONTEXT/components" "$CONTEXT/node/images" "$CONTEXT/node/bin"
 }
 
-[ "$(label_of docker "$NODE_IMAGE")" = "$recipe" ] || build
+# (`if`, not `||`: a failed step inside build must stop the script, not be cached.)
+if [ "$(label_of docker "$NODE_IMAGE")" != "$recipe" ]; then build; fi
 if [ "$ENGINE" = podman ] && [ "$(label_of podman "$NODE_IMAGE")" != "$recipe" ]; then
   log "copying $NODE_IMAGE into podman's store"
   docker save "$NODE_IMAGE" | podman load >/dev/null

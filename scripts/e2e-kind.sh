@@ -5,9 +5,10 @@
 # binary against it through port-forwards, and deletes the cluster (KIND_KEEP=1 keeps it).
 #
 # Two ways to run the nodes (decision 0051):
-# - docker: kind as users run it, with kind's own node image; any Docker engine whose
-#   privileged mode keeps to the bounding set (20.10.10 and later).
-# - podman: these machines, where Debian's Docker 20.10.24 cannot start a privileged
+# - docker: kind as users run it, with kind's own node image, where Docker can start a
+#   privileged container (an engine whose privileged mode keeps to the capability bounding
+#   set, moby#42933). Not run on this project's machines.
+# - podman: these machines, where Debian 12's Docker (20.10.24) cannot start a privileged
 #   container. The node image is made here (cluster/kind-node.sh), podman's settings are
 #   cluster/kind/containers.conf, and everything runs in a network and mount namespace of
 #   its own, so kind's bridge, its iptables rules and the forwarding setting are never the
@@ -43,11 +44,17 @@ if [ -z "$provider" ]; then
   fi
 fi
 log "nodes run with $provider"
+if [ "$provider" = podman ] && [ "$(id -u)" -ne 0 ]; then
+  log "the podman path needs root (namespaces, privileged nodes)"; exit 1
+fi
+mkdir -p "$STATE"
 
-# What the suite needs, built here first (the namespace has no network).
+# What the suite needs, built here first (the namespace has no network): the binaries, the
+# images, the test binary, and the monitoring CRDs the chart story applies.
 cargo build --bins
 CONVEYOR_IMAGE_PROFILE=debug scripts/images.sh build
 cargo test --no-run -p conveyor-e2e-tests --test e2e
+cluster/monitoring-crds.sh >/dev/null
 
 case "$provider" in
   docker)
@@ -55,7 +62,6 @@ case "$provider" in
     exec "$0" --inside "$@" ;;
   podman)
     need_packages podman=podman runc=runc unshare=util-linux
-    [ "$(id -u)" -eq 0 ] || { log "the podman path needs root (namespaces, privileged nodes)"; exit 1; }
     export CONTAINERS_CONF=$PWD/cluster/kind/containers.conf KIND_EXPERIMENTAL_PROVIDER=podman
     KIND_NODE_IMAGE=$(cluster/kind-node.sh podman)
     export KIND_NODE_IMAGE KIND_CONFIG=cluster/kind-local.yaml STATE

@@ -18,6 +18,7 @@ KUBECONFIG=$STATE/kubeconfig
 export KUBECONFIG
 pids=()
 cleanup() {
+  local status=$? pid
   kill "${pids[@]}" 2>/dev/null || true
   if [ "${KIND_KEEP:-}" = 1 ] && [ "${KIND_EXPERIMENTAL_PROVIDER:-}" != podman ]; then
     log "kept cluster $CLUSTER (kind delete cluster --name $CLUSTER removes it)"
@@ -28,10 +29,31 @@ cleanup() {
     # What podman keeps after its last container: kind's network (a file under
     # /etc/containers/networks) and its empty parent cgroups.
     podman network rm --force kind >/dev/null 2>&1 || true
+    # netavark's DNS server outlives the network, and would keep this namespace alive.
+    for pid in $(pgrep -x aardvark-dns); do
+      [ "$(readlink "/proc/$pid/ns/net")" = "$(readlink /proc/self/ns/net)" ] && kill "$pid"
+    done
+    rm -f /run/containers/networks/aardvark-dns/kind
     find /sys/fs/cgroup/*/libpod_parent -depth -type d -exec rmdir {} \; 2>/dev/null || true
   fi
+  if ! host_settings | diff "$STATE/host-settings.before" - >&2; then
+    log "the host's kernel settings changed while kind ran (above)"
+    status=1
+  fi
+  exit "$status"
 }
 trap cleanup EXIT
+trap 'exit 143' INT TERM
+
+# The host's kernel settings that a privileged node could write (the kubelet's six, and
+# what systemd and Debian's sysctl.d would set): compared when the script ends.
+host_settings() {
+  sysctl vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops \
+    kernel.keys.root_maxkeys kernel.keys.root_maxbytes kernel.pid_max \
+    kernel.core_uses_pid kernel.kptr_restrict fs.file-max fs.nr_open fs.protected_hardlinks \
+    fs.protected_symlinks fs.protected_regular fs.protected_fifos vm.max_map_count 2>&1
+}
+host_settings >"$STATE/host-settings.before"
 
 # A cluster of an earlier run that was killed: on the podman path its namespace is gone
 # with that run, so it is removed rather than reused.
@@ -119,6 +141,9 @@ skips=(
                                  # operators started here under libfaketime beside the leader
   scaling::a_busy_worker_that_is_not_ready # stops a worker's process here with SIGSTOP
   observability::every_dashboard_panel # the Prometheus that scripts/prometheus.sh runs here
+  external_scalers::keda_scales  # the KEDA that scripts/keda.sh runs here
+  tenancy::pools_run_with_their_namespaces_granted_credentials_alone
+                                 # grants name this machine's addresses of the services
 )
 skip_args=()
 for test in "${skips[@]}"; do skip_args+=(--skip "$test"); done

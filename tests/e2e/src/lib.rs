@@ -443,6 +443,10 @@ pub fn repo_root() -> std::path::PathBuf {
 /// The pid of the operator `scripts/stack.sh` runs; `None` on kind (or when it is not
 /// running here).
 fn stack_operator_pid() -> Option<String> {
+    if on_kind() {
+        // The stack may run beside kind (`make test` runs both): its operator is not kind's.
+        return None;
+    }
     let pid = std::fs::read_to_string(repo_root().join(".dev/operator.pid")).ok()?;
     let alive = std::process::Command::new("kill")
         .args(["-0", pid.trim()])
@@ -589,6 +593,12 @@ pub fn lease_holder() -> Result<String, String> {
 
 /// Starts the stack's operator again (a no-op while it runs).
 pub fn start_operator() {
+    // On kind, `scripts/stack.sh up` would start this machine's services where the suite
+    // runs (in kind's network namespace on these machines), out of the host's reach.
+    assert!(
+        !on_kind(),
+        "a story that starts the local stack's operator cannot run on kind"
+    );
     let started = std::process::Command::new(repo_root().join("scripts/stack.sh"))
         .arg("up")
         .status()
@@ -609,7 +619,7 @@ pub async fn operators_to_myself() -> tokio::sync::MutexGuard<'static, ()> {
 /// Kills the operator at once (kill -9 of the local process; on kind, its pod) and has it
 /// started again (scripts/stack.sh here, the Deployment on kind).
 pub fn restart_operator() {
-    if repo_root().join(".dev/operator.pid").exists() {
+    if !on_kind() {
         kill_operator();
         start_operator();
         return;

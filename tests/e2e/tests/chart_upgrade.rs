@@ -5,7 +5,7 @@
 //! opt-in pre-upgrade Job migrates the schema with the owner's credential before any new pod
 //! starts (no pod waits on `SchemaBehind`); `helm test` again, and a user's story (a pool
 //! applied, a batch submitted through the chart's gateway and completed, the pool scaled with
-//! kubectl) on the upgraded release.
+//! kubectl) on the upgraded release; then a rotated client token rolls the gateway.
 //!
 //! A test binary of its own, so that it runs alone (cargo runs test binaries one after
 //! another): the previous release's operator takes over the stack's pools (it leads the
@@ -151,7 +151,37 @@ async fn the_previous_release_upgrades_to_this_chart_with_its_migration_job_and_
         }
         helm_test(&this_chart, "dev")?;
         served_version(&namespace, env!("CARGO_PKG_VERSION")).await?;
-        story(&namespace, &gateway_url(&namespace)?, &token, &database.url).await
+        story(&namespace, &gateway_url(&namespace)?, &token, &database.url).await?;
+        // A rotated client token: the chart's tokens Secret changes, its checksum annotation
+        // rolls the gateway, and the new pod takes the new token and refuses the old one.
+        let before = gateway_pods(&namespace)?;
+        let rotated = format!("chart-token-{}", uuid::Uuid::new_v4().simple());
+        let rotated_digest = hex(&Sha256::digest(rotated.as_bytes()));
+        let set =
+            format!("--set=gateway.tokens.list[0]=helm-test@{namespace}=sha256:{rotated_digest}");
+        release_with("upgrade", &this_chart, "dev", &[&set])?;
+        let gateway = gateway_url(&namespace)?;
+        let after = gateway_pods(&namespace)?;
+        if after.iter().any(|pod| before.contains(pod)) {
+            return Err(format!(
+                "the gateway did not roll when its tokens changed: pods {before:?}, then {after:?}"
+            ));
+        }
+        for (which, token, expected) in [("rotated", &rotated, 404), ("old", &token, 401)] {
+            let status = reqwest::Client::new()
+                .get(format!("{gateway}/v1/tasks/{}", uuid::Uuid::new_v4()))
+                .bearer_auth(token)
+                .send()
+                .await
+                .map_err(|e| format!("the rolled gateway: {e}"))?
+                .status();
+            if status.as_u16() != expected {
+                return Err(format!(
+                    "the {which} token got {status} from the rolled gateway, not {expected}"
+                ));
+            }
+        }
+        Ok(())
     }
     .await;
     // Judged from the database too: each helm test's task COMPLETED, with a valid history.
@@ -239,6 +269,25 @@ fn gateway_url(namespace: &str) -> Result<String, String> {
         std::thread::sleep(std::time::Duration::from_secs(1));
     }
     Err(format!("{namespace} has no single running gateway pod"))
+}
+
+/// The uids of the release's running gateway pods.
+fn gateway_pods(namespace: &str) -> Result<Vec<String>, String> {
+    let uids = kubectl_with(
+        &[
+            "-n",
+            namespace,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=conveyor-gateway",
+            "--field-selector=status.phase=Running",
+            "-o",
+            "jsonpath={.items[*].metadata.uid}",
+        ],
+        None,
+    )?;
+    Ok(uids.split_whitespace().map(str::to_owned).collect())
 }
 
 /// The highest migration applied to the database, read from outside the release.
