@@ -247,23 +247,8 @@ impl PreviousRelease {
 /// routing).
 fn gateway_url(namespace: &str) -> Result<String, String> {
     for _ in 0..120 {
-        let ips = kubectl_with(
-            &[
-                "-n",
-                namespace,
-                "get",
-                "pods",
-                "-l",
-                "app.kubernetes.io/name=conveyor-gateway",
-                "--field-selector=status.phase=Running",
-                "-o",
-                "jsonpath={.items[*].status.podIP}",
-            ],
-            None,
-        )?;
         // One gateway replica: while an old pod ends beside the new one, wait.
-        let ips: Vec<&str> = ips.split_whitespace().collect();
-        if let [ip] = ips.as_slice() {
+        if let [ip] = running_gateways(namespace, "{.status.podIP}")?.as_slice() {
             return Ok(format!("http://{ip}:8080"));
         }
         std::thread::sleep(std::time::Duration::from_secs(1));
@@ -273,7 +258,13 @@ fn gateway_url(namespace: &str) -> Result<String, String> {
 
 /// The uids of the release's running gateway pods.
 fn gateway_pods(namespace: &str) -> Result<Vec<String>, String> {
-    let uids = kubectl_with(
+    running_gateways(namespace, "{.metadata.uid}")
+}
+
+/// `field` (a JSONPath of one pod) of each of the release's running gateway pods.
+fn running_gateways(namespace: &str, field: &str) -> Result<Vec<String>, String> {
+    let jsonpath = format!("jsonpath={{range .items[*]}}{field}{{\"\\n\"}}{{end}}");
+    let values = kubectl_with(
         &[
             "-n",
             namespace,
@@ -283,11 +274,11 @@ fn gateway_pods(namespace: &str) -> Result<Vec<String>, String> {
             "app.kubernetes.io/name=conveyor-gateway",
             "--field-selector=status.phase=Running",
             "-o",
-            "jsonpath={.items[*].metadata.uid}",
+            &jsonpath,
         ],
         None,
     )?;
-    Ok(uids.split_whitespace().map(str::to_owned).collect())
+    Ok(values.split_whitespace().map(str::to_owned).collect())
 }
 
 /// The highest migration applied to the database, read from outside the release.
