@@ -38,7 +38,7 @@ impl Client {
     }
 
     /// The one namespace this client works in, whose clients share that namespace's limits
-    /// (`crate::admission::NamespaceLimits`); `None` for a client of several namespaces or
+    /// (`crate::limits::NamespaceLimits`); `None` for a client of several namespaces or
     /// of all (an administrator's), held to its own limits alone.
     pub fn namespace(&self) -> Option<&str> {
         match self.tenants.as_slice() {

@@ -6,6 +6,8 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use conveyor_core::amqp::AmqpError;
+use conveyor_core::db::DbError;
+use conveyor_core::metrics::Metrics;
 use serde::Serialize;
 
 /// Every error code the gateway answers with: its status and when. The OpenAPI document
@@ -273,9 +275,74 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// What a route was doing with the task database when it failed, so that its answer says
+/// so (a read that failed recorded nothing, and must not say "could not be recorded").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbWork {
+    /// Recording new tasks (a submission).
+    Record,
+    /// Reading tasks or their history.
+    Read,
+    /// Changing a task a client named (cancel, retry, redrive).
+    Change,
+}
+
+/// The one answer to a failed use of the task database: 503 when it is unavailable, else
+/// 500 with a second's `Retry-After`; counted, and logged with its cause.
+pub fn db_error(metrics: &Metrics, err: &DbError, work: DbWork) -> ApiError {
+    metrics
+        .errors
+        .with_label_values(&["database", err.category()])
+        .inc();
+    tracing::warn!(error = %err, source = ?std::error::Error::source(err), "database error");
+    if err.is_unavailable() {
+        return ApiError::unavailable("database_unavailable", "the task database is unavailable");
+    }
+    let message = match work {
+        DbWork::Record => "the task could not be recorded",
+        DbWork::Read => "the task database could not be read",
+        DbWork::Change => "the change could not be recorded",
+    };
+    ApiError {
+        retry_after: Some(Duration::from_secs(1)),
+        ..ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::CODES;
+    use super::{db_error, DbWork};
+    use axum::http::StatusCode;
+    use conveyor_core::db::DbError;
+    use conveyor_core::metrics::Metrics;
+
+    /// A failed read or change says what failed: only a submission's says the task could
+    /// not be recorded. An unavailable database is a 503 whatever the route was doing.
+    #[test]
+    fn a_database_error_says_what_failed() {
+        let metrics = Metrics::new();
+        let failed = |work| db_error(&metrics, &DbError::Corrupt("row".into()), work);
+        assert_eq!(
+            failed(DbWork::Record).message,
+            "the task could not be recorded"
+        );
+        assert_eq!(
+            failed(DbWork::Read).message,
+            "the task database could not be read"
+        );
+        assert_eq!(
+            failed(DbWork::Change).message,
+            "the change could not be recorded"
+        );
+        for work in [DbWork::Record, DbWork::Read, DbWork::Change] {
+            assert_eq!(failed(work).status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert!(failed(work).retry_after.is_some());
+            let down = db_error(&metrics, &DbError::Stopped, work);
+            assert_eq!(down.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(down.code, "database_unavailable");
+        }
+    }
 
     /// Every `"code"` the gateway's sources pass to an error constructor is in [`CODES`].
     #[test]

@@ -14,10 +14,11 @@ use conveyor_core::TaskState;
 use serde::Deserialize;
 use uuid::Uuid;
 
-use crate::api::ApiState;
 use crate::auth::Client;
+use crate::error::{db_error, DbWork};
 use crate::error::{ApiError, ErrorBody};
-use crate::ingest::{db_error, resolve};
+use crate::ingest::resolve;
+use crate::state::ApiState;
 use crate::views::{TaskPage, TaskSummary};
 
 /// The page size when a client names none, and the most it may name.
@@ -89,7 +90,7 @@ pub async fn list_tasks(
         .db
         .list_tasks(&filter, limit)
         .await
-        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+        .map_err(|err| db_error(&ingestor.metrics, &err, DbWork::Read))?;
     Ok(Json(TaskPage {
         tasks: page.tasks.iter().map(TaskSummary::from).collect(),
         next_cursor: page.next.map(|id| id.to_string()),

@@ -18,11 +18,13 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 
-use crate::api::{own_task, ApiState, InFlight};
+use crate::admission::InFlight;
 use crate::auth::{Client, Tokens};
+use crate::error::{db_error, DbWork};
 use crate::error::{ApiError, ErrorBody};
 use crate::feed::{version, Seen, Subscription, Version};
-use crate::ingest::db_error;
+use crate::request::own_task;
+use crate::state::ApiState;
 use crate::views::TaskSummary;
 
 /// Longest a stream stays open; a client that still wants to follow reconnects.
@@ -120,7 +122,7 @@ impl Follow {
                 Seen::Gone => return None,
                 Seen::Failed(err) => {
                     self.done = true;
-                    let error = db_error(&self.state.ingestor.metrics, &err);
+                    let error = db_error(&self.state.ingestor.metrics, &err, DbWork::Read);
                     return Event::default().event("error").json_data(&error).ok();
                 }
             }

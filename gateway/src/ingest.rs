@@ -2,11 +2,10 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::http::StatusCode;
 use conveyor_core::amqp::{AmqpError, Outgoing, Publisher};
-use conveyor_core::db::{Db, DbError, IngestWrites, Recorded};
+use conveyor_core::db::{Db, IngestWrites, Recorded};
 use conveyor_core::labels::{self, Labels};
 use conveyor_core::metrics::Metrics;
 use conveyor_core::task::{NewTask, Requeue, TaskMessage, TaskRecord};
@@ -17,7 +16,7 @@ use uuid::Uuid;
 
 use crate::auth::Client;
 use crate::backpressure::DepthMonitor;
-use crate::error::ApiError;
+use crate::error::{db_error, ApiError, DbWork};
 use crate::rate_limit::RateLimiter;
 use crate::registry::{KnownType, Registry};
 
@@ -125,7 +124,7 @@ impl Ingestor {
         };
         match recorded {
             Err(err) => {
-                let api = db_error(&self.metrics, &err);
+                let api = db_error(&self.metrics, &err, DbWork::Record);
                 for (index, _) in &valid {
                     answers[*index] = Some(Err(api.clone()));
                 }
@@ -410,25 +409,4 @@ pub fn resolve<'a>(
                 format!("task type {task_type:?} is not defined"),
             )
         })
-}
-
-/// Maps a database error to an answer, counting it.
-pub fn db_error(metrics: &Metrics, err: &DbError) -> ApiError {
-    metrics
-        .errors
-        .with_label_values(&["database", err.category()])
-        .inc();
-    tracing::warn!(error = %err, source = ?std::error::Error::source(err), "database error");
-    if err.is_unavailable() {
-        ApiError::unavailable("database_unavailable", "the task database is unavailable")
-    } else {
-        ApiError {
-            retry_after: Some(Duration::from_secs(1)),
-            ..ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
-                "the task could not be recorded",
-            )
-        }
-    }
 }

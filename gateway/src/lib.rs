@@ -14,11 +14,15 @@ pub mod feed;
 pub mod find;
 pub mod follow;
 pub mod ingest;
+pub mod limits;
 pub mod openapi;
 pub mod overview;
 pub mod rate_limit;
 pub mod registry;
 pub mod remedy;
+pub mod request;
+pub mod state;
+pub mod tasks;
 pub mod tls;
 pub mod upkeep;
 pub mod views;
@@ -39,11 +43,11 @@ use conveyor_core::watch_scope::WatchScope;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::ApiState;
 use crate::auth::{TokenSet, Tokens};
 use crate::backpressure::DepthMonitor;
 use crate::ingest::{ClientLimits, Ingestor};
 use crate::rate_limit::RateLimiter;
+use crate::state::ApiState;
 
 /// The task types once checked, before anything connects: a file's read and compiled.
 enum Checked<'a> {

@@ -8,10 +8,10 @@ use axum::extract::{Extension, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use crate::api::ApiState;
 use crate::auth::Client;
+use crate::error::{db_error, DbWork};
 use crate::error::{ApiError, ErrorBody};
-use crate::ingest::db_error;
+use crate::state::ApiState;
 use crate::views::{TypeOverview, TypeOverviews};
 
 #[utoipa::path(get, path = "/v1/task-types", tag = "tasks",
@@ -37,7 +37,7 @@ pub async fn task_types(
         .db
         .dead_letter_counts(&keys)
         .await
-        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+        .map_err(|err| db_error(&ingestor.metrics, &err, DbWork::Read))?;
     let task_types = specs
         .into_iter()
         .map(|spec| {

@@ -5,12 +5,10 @@
 
 use std::sync::Arc;
 
-use axum::extract::rejection::BytesRejection;
 use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use bytes::Bytes;
 use conveyor_core::amqp::QueueNames;
 use conveyor_core::db::{CancelOutcome, TaskFilter};
 use conveyor_core::remediation::drop_stale;
@@ -20,11 +18,12 @@ use conveyor_core::task_type::NamedTaskType;
 use conveyor_core::TaskState;
 use serde::Deserialize;
 
-use crate::api::{not_found, own_task, parse_json, read_body, ApiState};
 use crate::auth::Client;
+use crate::error::{db_error, DbWork};
 use crate::error::{ApiError, ErrorBody};
 use crate::find::{self, ListQuery};
-use crate::ingest::db_error;
+use crate::request::{not_found, own_task, parse_json, ChargedBody};
+use crate::state::ApiState;
 use crate::views::{RedriveAnswer, TaskView};
 
 /// Most dead letters one redrive request sends back; a client repeats it for more.
@@ -104,7 +103,7 @@ async fn cancel(state: &ApiState, task: TaskRecord, by: &str) -> Result<TaskReco
         .db
         .cancel(task.id, by)
         .await
-        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+        .map_err(|err| db_error(&ingestor.metrics, &err, DbWork::Change))?;
     match outcome {
         CancelOutcome::Now => reread(state, task).await,
         CancelOutcome::NotFound => Err(not_found(task.id)),
@@ -153,7 +152,7 @@ async fn send_back(state: &ApiState, task: &TaskRecord, detail: &str) -> Result<
         .db
         .begin_retry(task.id, task.attempt, &task.task_type, detail)
         .await
-        .map_err(|err| db_error(&ingestor.metrics, &err))?;
+        .map_err(|err| db_error(&ingestor.metrics, &err, DbWork::Change))?;
     let Some(pending) = pending else {
         return Ok(false);
     };
@@ -215,7 +214,7 @@ async fn reread(state: &ApiState, task: TaskRecord) -> Result<TaskRecord, ApiErr
     match ingestor.db.task(task.id).await {
         Ok(Some(now)) => Ok(now),
         Ok(None) => Err(not_found(task.id)),
-        Err(err) => Err(db_error(&ingestor.metrics, &err)),
+        Err(err) => Err(db_error(&ingestor.metrics, &err, DbWork::Read)),
     }
 }
 
@@ -247,9 +246,9 @@ pub struct RedriveRequest {
 pub async fn redrive(
     State(state): State<Arc<ApiState>>,
     Extension(client): Extension<Client>,
-    body: Result<Bytes, BytesRejection>,
+    ChargedBody(body): ChargedBody,
 ) -> Result<Response, ApiError> {
-    let request: RedriveRequest = parse_json(&read_body(body)?)?;
+    let request: RedriveRequest = parse_json(&body)?;
     let limit = request.limit.unwrap_or(MAX_REDRIVE);
     if !(1..=MAX_REDRIVE).contains(&limit) {
         return Err(ApiError::bad_request(
@@ -277,7 +276,7 @@ pub async fn redrive(
             .db
             .list_tasks(&filter, want)
             .await
-            .map_err(|err| db_error(&state.ingestor.metrics, &err))?;
+            .map_err(|err| db_error(&state.ingestor.metrics, &err, DbWork::Read))?;
         for task in &page.tasks {
             match send_back(&state, task, &detail).await {
                 Ok(true) => redriven += 1,
