@@ -107,12 +107,15 @@ forward() {
   kubectl -n conveyor-system port-forward "svc/$1" "$2" >"$STATE/forward-$1-${2%%:*}.log" 2>&1 &
   pids+=($!)
 }
+wait_for_port() {
+  for _ in $(seq 60); do (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 1; done
+  log "nothing answers on 127.0.0.1:$1 after 60 s (see $STATE/forward-*.log)"
+  return 1
+}
 forward postgres 25432:5432
 forward rabbitmq 25672:5672
 forward rabbitmq 35672:15672
-for port in 25432 25672 35672; do
-  for _ in $(seq 60); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 1; done
-done
+for port in 25432 25672 35672; do wait_for_port "$port"; done
 export CONVEYOR_DATABASE_URL=postgres://conveyor:conveyor@127.0.0.1:25432/conveyor
 export CONVEYOR_AMQP_URL=amqp://conveyor:conveyor@127.0.0.1:25672/%2f
 # The schema, with the admin identity, as an operator of a real install does before the
@@ -122,7 +125,7 @@ for deployment in conveyor-operator conveyor-gateway; do
   kubectl -n conveyor-system rollout status "deployment/$deployment" --timeout=300s >&2
 done
 forward conveyor-gateway 28080:80
-for _ in $(seq 60); do (exec 3<>/dev/tcp/127.0.0.1/28080) 2>/dev/null && break; sleep 1; done
+wait_for_port 28080
 
 export CONVEYOR_TEST_AMQP_URL=$CONVEYOR_AMQP_URL
 export CONVEYOR_TEST_MANAGEMENT_URL=http://conveyor:conveyor@127.0.0.1:35672
