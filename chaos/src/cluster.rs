@@ -205,7 +205,8 @@ async fn inject(
 
 /// The node dies with every pod of the pool on it, and the pool is scaled to zero before
 /// anything replaces them. No worker of the type runs anywhere, so only the gateway's reaper
-/// can move the dead workers' tasks on (SPEC invariant 8); the pool comes back afterwards.
+/// can move the dead workers' tasks on (invariant 8, `docs/invariants.md`); the pool comes
+/// back afterwards.
 async fn pool_scaled_to_zero(stack: &Stack, task_type: &str, failures: &mut Vec<String>) {
     if busy_pod(stack, task_type).await.is_none() {
         failures.push("no pod was running a task when the node died".to_owned());

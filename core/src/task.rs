@@ -32,7 +32,7 @@ pub struct TaskMessage {
 #[derive(Debug, Clone)]
 pub struct NewTask {
     pub id: Uuid,
-    /// Who submitted it: the task type's tenant (SPEC "Tenancy").
+    /// Who submitted it: the task type's tenant (`docs/security.md`).
     pub tenant: String,
     pub idempotency_key: Uuid,
     pub task_type: String,

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::crd::task_type::{Backoff, DeletionPolicy, RateLimit, TaskTypeSpec};
 
-/// The one tenant outside a cluster (a task types file): SPEC "Tenancy".
+/// The one tenant outside a cluster (a task types file), as `docs/security.md` says.
 pub const DEFAULT_TENANT: &str = "default";
 
 fn default_tenant() -> String {

@@ -1,8 +1,8 @@
 //! HTTP routes of the gateway. Every `/v1` request is admitted first (`crate::admission`):
 //! its token checked before its body is read, its client's requests and the gateway's body
 //! bytes bounded, its time bounded. What a client sees of a task is its own tenant's only:
-//! another tenant's task answers 404 like one that does not exist. Nothing in the crate
-//! imports this module: it is the top of the gateway's module tree (`scripts/module-edges.sh
+//! another tenant's task answers 404 like one that does not exist. No module but the crate
+//! root imports this one: it is the top of the gateway's module tree (`scripts/module-edges.sh
 //! gateway`).
 
 use std::sync::Arc;

@@ -66,7 +66,6 @@ pub const CODES: &[(&str, u16, &str)] = &[
         400,
         "a client of several namespaces named none",
     ),
-    ("empty", 400, "a request that carried no task"),
     (
         "unknown_task_type",
         404,

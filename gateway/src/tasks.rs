@@ -100,9 +100,15 @@ pub(crate) async fn submit_one(
     };
     let trace = trace.map(|t| t.0);
     let mut answers = submit_detached(&state, &client, in_flight, vec![submission], trace).await?;
-    let accepted = answers
-        .pop()
-        .unwrap_or_else(|| Err(ApiError::bad_request("empty", "no task")))?;
+    // The ingestor answers every submission: none at all is the gateway's own fault.
+    let accepted = answers.pop().unwrap_or_else(|| {
+        tracing::error!("a submission got no answer from the ingestor");
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "the submission got no answer inside the gateway",
+        ))
+    })?;
     Ok((accepted.status, Json(accepted)).into_response())
 }
 
@@ -112,7 +118,7 @@ pub struct BatchRequest {
     tasks: Vec<Submission>,
 }
 
-/// Submits up to `maxBatchTasks` tasks in one request; each gets its own answer, in order.
+/// Submits up to `--max-batch-tasks` tasks (1,000 by default); each gets its own answer, in order.
 #[utoipa::path(post, path = "/v1/tasks:batch", tag = "tasks",
     request_body = BatchRequest,
     responses(

@@ -1,7 +1,7 @@
 //! The gateway's upkeep loop: what must happen on a calendar or after a fault, with no human
-//! and no worker of the type alive (SPEC invariants 7 and 8). Every gateway runs it; the SQL
-//! takes rows with `SKIP LOCKED` and the partition function holds an advisory lock, so
-//! several gateways share the work instead of repeating it.
+//! and no worker of the type alive (invariants 7 and 8, `docs/invariants.md`). Every gateway
+//! runs it; the SQL takes rows with `SKIP LOCKED` and the partition function holds an
+//! advisory lock, so several gateways share the work instead of repeating it.
 //!
 //! - the heartbeat reaper for every known task type (a pool scaled to zero after its pod
 //!   died mid-task still gets that task back);

@@ -22,7 +22,7 @@ pub fn task_state_schema() -> impl Into<RefOr<Schema>> {
         .schema_type(Type::String)
         .enum_values(Some(TaskState::ALL.map(|s| s.as_str())))
         .description(Some(
-            "Where a task is in its life (SPEC \"Lifecycle\"); COMPLETED, DEAD_LETTER and \
+            "Where a task is in its life; COMPLETED, DEAD_LETTER and \
              CANCELLED are where it rests.",
         ))
 }

@@ -2,10 +2,10 @@
 //! file until they are replayed (decision 0010).
 //!
 //! One JSON line per transition, appended and fsynced before the delivery is acked, so an
-//! acked task's outcome is always durable somewhere (SPEC invariant 4). After a replay the
-//! file is rewritten with what is left (written aside, fsynced, renamed). A line torn by a
-//! crash mid-append is skipped on load: its delivery was never acked, so the task comes back
-//! through the broker or the heartbeat reaper.
+//! acked task's outcome is always durable somewhere (invariant 4, `docs/invariants.md`).
+//! After a replay the file is rewritten with what is left (written aside, fsynced, renamed).
+//! A line torn by a crash mid-append is skipped on load: its delivery was never acked, so
+//! the task comes back through the broker or the heartbeat reaper.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};

@@ -1,5 +1,5 @@
 //! `ClientToken`: a client of the gateway, in the namespace whose task types and tasks it
-//! may use (SPEC "Tenancy"). Only the token's digest is stored, so the resource is not a
+//! may use (`docs/security.md`). Only the token's digest is stored, so the resource is not a
 //! secret and the gateway needs no access to Secrets: a team creates its own in its own
 //! namespace, and the gateway lists them across the cluster.
 

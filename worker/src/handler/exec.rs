@@ -13,7 +13,7 @@
 //! - The environment is scrubbed: the command gets [`PASSED_ENV`], the names listed in the
 //!   worker's `CONVEYOR_HANDLER_PASS_ENV` (comma-separated; never a `CONVEYOR_` one), and
 //!   the task's own `CONVEYOR_*` variables. The worker's database and broker URLs, with
-//!   their passwords, never reach a handler (SPEC "Tenancy").
+//!   their passwords, never reach a handler (`docs/security.md`).
 
 use std::process::Stdio;
 

@@ -1,6 +1,6 @@
 //! Tenants through the gateway, on the real services: two namespaces with a type of the
 //! same name, each client bound to its own; and the limits that keep one client from
-//! starving the others (SPEC "Tenancy", issue 11).
+//! starving the others (`docs/security.md`, issue 11).
 
 use std::time::Duration;
 
