@@ -201,6 +201,11 @@ impl ApiError {
         )
     }
 
+    /// A fault of the gateway's own: 500 `internal`.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+    }
+
     pub fn too_large(message: impl Into<String>) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)
     }
@@ -304,7 +309,7 @@ pub fn db_error(metrics: &Metrics, err: &DbError, work: DbWork) -> ApiError {
     };
     ApiError {
         retry_after: Some(Duration::from_secs(1)),
-        ..ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", message)
+        ..ApiError::internal(message)
     }
 }
 

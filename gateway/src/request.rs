@@ -32,13 +32,8 @@ impl FromRequest<Arc<ApiState>> for ChargedBody {
         if !charged {
             // Every `/v1` route is admitted, which puts the client there: without one, the
             // route was left out of admission, a fault of the gateway's own.
-            let client = client.ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "internal",
-                    "the request was not admitted",
-                )
-            })?;
+            let client =
+                client.ok_or_else(|| ApiError::internal("the request was not admitted"))?;
             state.charge_bytes(&client, body.len())?;
         }
         Ok(ChargedBody(body))

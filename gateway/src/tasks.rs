@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Extension, Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use conveyor_core::trace::TraceContext;
@@ -44,9 +44,7 @@ async fn submit_detached(
     .await
     .unwrap_or_else(|join| {
         tracing::error!(error = %join, "submission task failed");
-        Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+        Err(ApiError::internal(
             "the submission failed inside the gateway",
         ))
     })
@@ -103,9 +101,7 @@ pub(crate) async fn submit_one(
     // The ingestor answers every submission: none at all is the gateway's own fault.
     let accepted = answers.pop().unwrap_or_else(|| {
         tracing::error!("a submission got no answer from the ingestor");
-        Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal",
+        Err(ApiError::internal(
             "the submission got no answer inside the gateway",
         ))
     })?;

@@ -4,7 +4,9 @@
 # its own (see e2e-kind.sh), where the cluster lives and dies with it.
 #   in: CLUSTER, STATE, KIND_NODE_IMAGE (empty: kind's own), KIND_CONFIG (optional)
 
-if [ "${KIND_EXPERIMENTAL_PROVIDER:-}" = podman ]; then
+provider=${KIND_EXPERIMENTAL_PROVIDER:-docker}
+
+if [ "$provider" = podman ]; then
   ip link set lo up
   # kind mounts /lib/modules into its nodes, and these machines have none: an empty one,
   # in this mount namespace only (an overlay on /usr/lib, which /lib is).
@@ -20,12 +22,12 @@ pids=()
 cleanup() {
   local status=$? pid
   kill "${pids[@]}" 2>/dev/null || true
-  if [ "${KIND_KEEP:-}" = 1 ] && [ "${KIND_EXPERIMENTAL_PROVIDER:-}" != podman ]; then
+  if [ "${KIND_KEEP:-}" = 1 ] && [ "$provider" != podman ]; then
     log "kept cluster $CLUSTER (kind delete cluster --name $CLUSTER removes it)"
   else
     kind delete cluster --name "$CLUSTER" >&2 || true
   fi
-  if [ "${KIND_EXPERIMENTAL_PROVIDER:-}" = podman ]; then
+  if [ "$provider" = podman ]; then
     # What podman keeps after its last container: kind's network (a file under
     # /etc/containers/networks) and its empty parent cgroups.
     podman network rm --force kind >/dev/null 2>&1 || true
@@ -58,7 +60,7 @@ host_settings >"$STATE/host-settings.before"
 # A cluster of an earlier run that was killed: on the podman path its namespace is gone
 # with that run, so it is removed rather than reused.
 if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
-  if [ "${KIND_EXPERIMENTAL_PROVIDER:-}" = podman ]; then
+  if [ "$provider" = podman ]; then
     log "removing the cluster a killed run left"
     podman rm -f "$CLUSTER-control-plane" >/dev/null 2>&1 || true
     kind delete cluster --name "$CLUSTER" >&2 || true
